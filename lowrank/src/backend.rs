@@ -1,0 +1,142 @@
+//! The backend abstraction: the primitives PowerSGD needs, written once as a trait.
+//!
+//! An algorithm written against [`Backend`] runs unchanged on the CPU and on CUDA; the
+//! backends differ in how they compute the primitives, never in what they compute.
+
+use crate::{Dims, Element, NormalRng, Result};
+use std::ops::RangeBounds;
+
+/// A borrowed run of elements on some backend: `&[T]`, `&mut [T]`, or a cudarc view.
+pub trait ViewLen {
+    /// Number of elements.
+    fn len(&self) -> usize;
+    /// Whether there are no elements.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl<T> ViewLen for &[T] {
+    fn len(&self) -> usize {
+        <[T]>::len(self)
+    }
+}
+
+impl<T> ViewLen for &mut [T] {
+    fn len(&self) -> usize {
+        <[T]>::len(self)
+    }
+}
+
+/// The primitives of low-rank gradient compression on one device.
+///
+/// Shapes follow [`Dims`]: `M` is `batch` row-major `n x m` matrices; `P` and `Q` are the
+/// column-major thin factors (`n x r` and `m x r` per matrix). Every operation checks
+/// every buffer's length against the shape and returns [`crate::Error`] on a mismatch;
+/// none panics on bad input. Operations may run asynchronously on devices with streams;
+/// [`Backend::download`] and [`Backend::synchronize`] wait for them.
+pub trait Backend: Send + Sync {
+    /// An owned buffer on this backend.
+    type Buffer<T: Element>: Send;
+    /// A shared view of (part of) a buffer.
+    type View<'a, T: Element>: ViewLen;
+    /// A mutable view of (part of) a buffer.
+    type ViewMut<'a, T: Element>: ViewLen;
+
+    /// A short description (`"cpu avx512 x2"`, `"cuda:0 NVIDIA H200"`).
+    fn name(&self) -> String;
+
+    /// A zeroed buffer of `len` elements.
+    fn alloc<T: Element>(&self, len: usize) -> Result<Self::Buffer<T>>;
+    /// A buffer holding a copy of `host`.
+    fn upload<T: Element>(&self, host: &[T]) -> Result<Self::Buffer<T>>;
+    /// Copies `src` into `dst` (which must have the same length), waiting for pending work.
+    fn download<T: Element>(&self, src: Self::View<'_, T>, dst: &mut [T]) -> Result<()>;
+    /// Number of elements of a buffer.
+    fn buffer_len<T: Element>(buf: &Self::Buffer<T>) -> usize;
+    /// A shared view of `range` of `buf`.
+    fn view<'a, T: Element>(
+        buf: &'a Self::Buffer<T>,
+        range: impl RangeBounds<usize>,
+    ) -> Result<Self::View<'a, T>>;
+    /// A mutable view of `range` of `buf`.
+    fn view_mut<'a, T: Element>(
+        buf: &'a mut Self::Buffer<T>,
+        range: impl RangeBounds<usize>,
+    ) -> Result<Self::ViewMut<'a, T>>;
+    /// Waits until all work issued on this backend has finished.
+    fn synchronize(&self) -> Result<()>;
+
+    /// `P = M Q` for each matrix of the batch.
+    fn mq(
+        &self,
+        dims: Dims,
+        m: Self::View<'_, f32>,
+        q: Self::View<'_, f32>,
+        p: Self::ViewMut<'_, f32>,
+    ) -> Result<()>;
+
+    /// `Q = Mᵀ P` for each matrix of the batch.
+    fn mtp(
+        &self,
+        dims: Dims,
+        m: Self::View<'_, f32>,
+        p: Self::View<'_, f32>,
+        q: Self::ViewMut<'_, f32>,
+    ) -> Result<()>;
+
+    /// `M = P Qᵀ` for each matrix of the batch, written into `m`.
+    fn pqt(
+        &self,
+        dims: Dims,
+        p: Self::View<'_, f32>,
+        q: Self::View<'_, f32>,
+        m: Self::ViewMut<'_, f32>,
+    ) -> Result<()>;
+
+    /// Error feedback fused with the first product: `x = g + e` written in place of `g`,
+    /// then `P = x Q`. One pass over `g` and `e` instead of two.
+    fn add_mq(
+        &self,
+        dims: Dims,
+        g: Self::ViewMut<'_, f32>,
+        e: Self::View<'_, f32>,
+        q: Self::View<'_, f32>,
+        p: Self::ViewMut<'_, f32>,
+    ) -> Result<()>;
+
+    /// Decompression fused with the error update: reads `x` from `m`, writes the
+    /// approximation `M̂ = P Qᵀ` in its place and the new error `e = x - M̂` into `e`.
+    fn pqt_error(
+        &self,
+        dims: Dims,
+        p: Self::View<'_, f32>,
+        q: Self::View<'_, f32>,
+        m: Self::ViewMut<'_, f32>,
+        e: Self::ViewMut<'_, f32>,
+    ) -> Result<()>;
+
+    /// Modified Gram-Schmidt on the `r` columns of each of `batch` column-major `n x r`
+    /// factors, in place.
+    ///
+    /// Each column `c` is normalised as PyTorch's `_orthogonalize` does (`c / ‖c‖` when
+    /// `eps == 0`, else `c / (‖c‖ + eps)`), then projected out of the later columns. A
+    /// column whose norm after projection is at most `8 · n · ε_f32` times its norm before
+    /// any projection (or exactly zero) is set to zero and stays zero, so zero input never
+    /// gives NaN and `r > n` is handled (the surplus columns become zero).
+    fn orthogonalize(&self, batch: usize, n: usize, r: usize, x: Self::ViewMut<'_, f32>, eps: f32) -> Result<()>;
+
+    /// `y += x`.
+    fn add(&self, y: Self::ViewMut<'_, f32>, x: Self::View<'_, f32>) -> Result<()>;
+    /// `x *= alpha`.
+    fn scale(&self, x: Self::ViewMut<'_, f32>, alpha: f32) -> Result<()>;
+    /// `dst = src`.
+    fn copy<T: Element>(&self, src: Self::View<'_, T>, dst: Self::ViewMut<'_, T>) -> Result<()>;
+    /// Sets every element to zero.
+    fn zero<T: Element>(&self, x: Self::ViewMut<'_, T>) -> Result<()>;
+    /// Converts between element types with round-to-nearest-even (`f32 <-> f16/bf16`).
+    fn cast<S: Element, D: Element>(&self, src: Self::View<'_, S>, dst: Self::ViewMut<'_, D>) -> Result<()>;
+    /// Fills `x` with standard-normal values drawn on the host from `rng`, so every
+    /// backend produces the same values from the same generator state.
+    fn fill_normal(&self, rng: &mut NormalRng, x: Self::ViewMut<'_, f32>) -> Result<()>;
+}

@@ -1,0 +1,509 @@
+//! The CPU kernels, written once over [`Simd`] and instantiated per instruction set.
+//!
+//! Skinny products stream `M` from memory once and keep everything else (the thin
+//! factors, the accumulators) in registers or in L1/L2, so their speed is the memory
+//! read bandwidth. Rows are processed in blocks so that each load of a factor vector is
+//! shared by several rows; loads run a fixed distance behind software prefetches.
+//!
+//! All functions here are `unsafe`: they take raw pointers that the safe layer
+//! (`mod.rs`) has checked against the shape, and they are only reached through the entry
+//! points at the bottom, after runtime detection of the instruction set.
+
+use super::simd::Simd;
+use std::ops::Range;
+
+/// How far ahead of the loads (in `f32` elements) the software prefetch runs.
+const PREFETCH: usize = 512;
+
+/// One matrix of a batch and its factors, as raw pointers checked by the caller.
+///
+/// `m` is `n x cols` row-major; `e` (optional, may be null) has the same shape; `p` is
+/// `r` columns of `n` (column-major `n x r`); `q` is `r` columns of `cols`.
+#[derive(Clone, Copy)]
+pub(crate) struct Mat {
+    pub m: *mut f32,
+    pub e: *mut f32,
+    pub p: *mut f32,
+    pub q: *mut f32,
+    pub n: usize,
+    pub cols: usize,
+    pub r: usize,
+}
+
+impl Mat {
+    /// The pointers of matrix 0 of a batch of shape `d`.
+    pub(crate) fn base(d: &crate::Dims, m: *mut f32, e: *mut f32, p: *mut f32, q: *mut f32) -> Mat {
+        Mat { m, e, p, q, n: d.n, cols: d.m, r: d.r }
+    }
+
+    /// The pointers of matrix `b` (offsets computed with wrapping arithmetic; they are
+    /// only dereferenced for `b < batch`).
+    pub(crate) fn at(&self, d: &crate::Dims, b: usize) -> Mat {
+        let mo = b * d.matrix_len();
+        Mat {
+            m: self.m.wrapping_add(mo),
+            e: if self.e.is_null() { self.e } else { self.e.wrapping_add(mo) },
+            p: self.p.wrapping_add(b * d.n * d.r),
+            q: self.q.wrapping_add(b * d.m * d.r),
+            ..*self
+        }
+    }
+}
+
+// SAFETY: a `Mat` is a bundle of pointers into buffers that the safe layer keeps alive
+// and borrowed (shared or exclusive as each operation needs) for the duration of the
+// parallel call; tasks write disjoint parts.
+unsafe impl Send for Mat {}
+// SAFETY: as above.
+unsafe impl Sync for Mat {}
+
+/// Row blocking for `P = M Q` and `M = P Qᵀ`: rows that share each factor load.
+#[inline(always)]
+const fn row_block<S: Simd>() -> usize {
+    if S::LANES == 16 {
+        4
+    } else {
+        2
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// P = M Q (optionally fused with M += E)
+
+/// `P[rows, k0..k0+RT] = X[rows] Q[:, k0..k0+RT]` for `RB` rows starting at `i0`. With
+/// `FUSE`, `X = M + E` is computed on the fly and written back into `M`.
+#[inline(always)]
+unsafe fn mq_tile<S: Simd, const RB: usize, const RT: usize, const FUSE: bool>(a: &Mat, i0: usize, k0: usize) {
+    let cols = a.cols;
+    let lanes = S::LANES;
+    // SAFETY: the caller guarantees rows i0..i0+RB < n and columns k0..k0+RT < r, so every
+    // pointer below stays inside the buffers described by `a`.
+    unsafe {
+        let row = |ii: usize| a.m.add((i0 + ii) * cols);
+        let erow = |ii: usize| a.e.add((i0 + ii) * cols);
+        let qcol = |t: usize| a.q.add((k0 + t) * cols);
+        let mut acc = [[S::zero(); RT]; RB];
+        let mut j = 0;
+        while j + lanes <= cols {
+            let mut x = [S::zero(); RB];
+            for (ii, xi) in x.iter_mut().enumerate() {
+                S::prefetch(row(ii).add(j + PREFETCH));
+                let mut v = S::load(row(ii).add(j));
+                if FUSE {
+                    S::prefetch(erow(ii).add(j + PREFETCH));
+                    v = S::add(v, S::load(erow(ii).add(j)));
+                    S::store(row(ii).add(j), v);
+                }
+                *xi = v;
+            }
+            for t in 0..RT {
+                let qv = S::load(qcol(t).add(j));
+                for ii in 0..RB {
+                    acc[ii][t] = S::fma(x[ii], qv, acc[ii][t]);
+                }
+            }
+            j += lanes;
+        }
+        let mut out = [[0.0f32; RT]; RB];
+        for ii in 0..RB {
+            for t in 0..RT {
+                out[ii][t] = S::reduce(acc[ii][t]);
+            }
+        }
+        while j < cols {
+            for (ii, o) in out.iter_mut().enumerate() {
+                let mut v = *row(ii).add(j);
+                if FUSE {
+                    v += *erow(ii).add(j);
+                    *row(ii).add(j) = v;
+                }
+                for (t, ot) in o.iter_mut().enumerate() {
+                    *ot += v * *qcol(t).add(j);
+                }
+            }
+            j += 1;
+        }
+        for (ii, o) in out.iter().enumerate() {
+            for (t, &ot) in o.iter().enumerate() {
+                *a.p.add((k0 + t) * a.n + i0 + ii) = ot;
+            }
+        }
+    }
+}
+
+/// All `r` columns of `P` for `RB` rows at `i0`, in tiles of at most 4 columns. Only the
+/// first tile fuses the error add; later tiles read the already-updated rows (from cache).
+#[inline(always)]
+unsafe fn mq_block<S: Simd, const RB: usize, const FUSE: bool>(a: &Mat, i0: usize) {
+    let mut k0 = 0;
+    while k0 < a.r {
+        let rem = a.r - k0;
+        let fuse = FUSE && k0 == 0;
+        // SAFETY: rows and tile columns are in range (see `mq_tile`).
+        unsafe {
+            let rt = match (rem, fuse) {
+                (4.., true) => {
+                    mq_tile::<S, RB, 4, true>(a, i0, k0);
+                    4
+                }
+                (4.., false) => {
+                    mq_tile::<S, RB, 4, false>(a, i0, k0);
+                    4
+                }
+                (2..=3, true) => {
+                    mq_tile::<S, RB, 2, true>(a, i0, k0);
+                    2
+                }
+                (2..=3, false) => {
+                    mq_tile::<S, RB, 2, false>(a, i0, k0);
+                    2
+                }
+                (_, true) => {
+                    mq_tile::<S, RB, 1, true>(a, i0, k0);
+                    1
+                }
+                (_, false) => {
+                    mq_tile::<S, RB, 1, false>(a, i0, k0);
+                    1
+                }
+            };
+            k0 += rt;
+        }
+    }
+}
+
+/// `P = M Q` (or with `FUSE`, `M += E; P = M Q`) for the given rows of one matrix.
+#[inline(always)]
+pub(crate) unsafe fn mq_rows<S: Simd, const FUSE: bool>(a: &Mat, rows: Range<usize>) {
+    let rb = row_block::<S>();
+    let mut i = rows.start;
+    // SAFETY: every block lies inside `rows`, which the caller keeps inside 0..n.
+    unsafe {
+        while i + rb <= rows.end {
+            if rb == 4 {
+                mq_block::<S, 4, FUSE>(a, i);
+            } else {
+                mq_block::<S, 2, FUSE>(a, i);
+            }
+            i += rb;
+        }
+        while i < rows.end {
+            mq_block::<S, 1, FUSE>(a, i);
+            i += 1;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Q = Mᵀ P
+
+/// Adds `Mᵀ P` of rows `i0..i0+RB` to the columns `cols` of `Q`. `RC` is the rank when it
+/// is a small constant (so the loop over it unrolls), or 0 for a rank known at run time.
+#[inline(always)]
+unsafe fn mtp_block<S: Simd, const RB: usize, const RC: usize>(a: &Mat, i0: usize, cols: &Range<usize>) {
+    let lanes = S::LANES;
+    let r = if RC == 0 { a.r } else { RC };
+    // SAFETY: the caller guarantees rows i0..i0+RB < n and `cols` inside 0..a.cols.
+    unsafe {
+        let row = |ii: usize| a.m.add((i0 + ii) * a.cols);
+        let pval = |k: usize, ii: usize| *a.p.add(k * a.n + i0 + ii);
+        let qcol = |k: usize| a.q.add(k * a.cols);
+        let mut j = cols.start;
+        while j + lanes <= cols.end {
+            let mut x = [S::zero(); RB];
+            for (ii, xi) in x.iter_mut().enumerate() {
+                S::prefetch(row(ii).add(j + PREFETCH));
+                *xi = S::load(row(ii).add(j));
+            }
+            for k in 0..r {
+                let dst = qcol(k).add(j);
+                let mut acc = S::load(dst);
+                for (ii, &xi) in x.iter().enumerate() {
+                    acc = S::fma(S::splat(pval(k, ii)), xi, acc);
+                }
+                S::store(dst, acc);
+            }
+            j += lanes;
+        }
+        while j < cols.end {
+            for ii in 0..RB {
+                let v = *row(ii).add(j);
+                for k in 0..r {
+                    *qcol(k).add(j) += pval(k, ii) * v;
+                }
+            }
+            j += 1;
+        }
+    }
+}
+
+#[inline(always)]
+unsafe fn mtp_cols_rc<S: Simd, const RC: usize>(a: &Mat, cols: Range<usize>) {
+    const RB: usize = 4;
+    let mut i = 0;
+    // SAFETY: rows stay inside 0..n, columns inside `cols`.
+    unsafe {
+        while i + RB <= a.n {
+            mtp_block::<S, RB, RC>(a, i, &cols);
+            i += RB;
+        }
+        while i < a.n {
+            mtp_block::<S, 1, RC>(a, i, &cols);
+            i += 1;
+        }
+    }
+}
+
+/// `Q[cols] = (Mᵀ P)[cols]` for one matrix: every row of `M`, the given columns.
+#[inline(always)]
+pub(crate) unsafe fn mtp_cols<S: Simd>(a: &Mat, cols: Range<usize>) {
+    // SAFETY: `cols` is inside 0..a.cols and `q` holds r columns of a.cols (caller).
+    unsafe {
+        for k in 0..a.r {
+            std::ptr::write_bytes(a.q.add(k * a.cols + cols.start), 0, cols.len());
+        }
+        match a.r {
+            1 => mtp_cols_rc::<S, 1>(a, cols),
+            2 => mtp_cols_rc::<S, 2>(a, cols),
+            4 => mtp_cols_rc::<S, 4>(a, cols),
+            8 => mtp_cols_rc::<S, 8>(a, cols),
+            _ => mtp_cols_rc::<S, 0>(a, cols),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// M = P Qᵀ (optionally fused with E = X - M, X read from M)
+
+#[inline(always)]
+unsafe fn pqt_block<S: Simd, const RB: usize, const RC: usize, const FUSE: bool>(a: &Mat, i0: usize) {
+    let lanes = S::LANES;
+    let cols = a.cols;
+    let r = if RC == 0 { a.r } else { RC };
+    // SAFETY: the caller guarantees rows i0..i0+RB < n.
+    unsafe {
+        let row = |ii: usize| a.m.add((i0 + ii) * cols);
+        let erow = |ii: usize| a.e.add((i0 + ii) * cols);
+        let pval = |k: usize, ii: usize| *a.p.add(k * a.n + i0 + ii);
+        let qcol = |k: usize| a.q.add(k * cols);
+        let mut j = 0;
+        while j + lanes <= cols {
+            let mut acc = [S::zero(); RB];
+            for k in 0..r {
+                let qv = S::load(qcol(k).add(j));
+                for (ii, acc_i) in acc.iter_mut().enumerate() {
+                    *acc_i = S::fma(S::splat(pval(k, ii)), qv, *acc_i);
+                }
+            }
+            for (ii, &acc_i) in acc.iter().enumerate() {
+                let dst = row(ii).add(j);
+                if FUSE {
+                    S::prefetch(dst.add(PREFETCH));
+                    let x = S::load(dst);
+                    S::store(erow(ii).add(j), S::sub(x, acc_i));
+                }
+                S::store(dst, acc_i);
+            }
+            j += lanes;
+        }
+        while j < cols {
+            for ii in 0..RB {
+                let mut s = 0.0f32;
+                for k in 0..r {
+                    s += pval(k, ii) * *qcol(k).add(j);
+                }
+                let dst = row(ii).add(j);
+                if FUSE {
+                    *erow(ii).add(j) = *dst - s;
+                }
+                *dst = s;
+            }
+            j += 1;
+        }
+    }
+}
+
+#[inline(always)]
+unsafe fn pqt_rows_rc<S: Simd, const RC: usize, const FUSE: bool>(a: &Mat, rows: Range<usize>) {
+    const RB: usize = 4;
+    let mut i = rows.start;
+    // SAFETY: blocks stay inside `rows`, inside 0..n.
+    unsafe {
+        while i + RB <= rows.end {
+            pqt_block::<S, RB, RC, FUSE>(a, i);
+            i += RB;
+        }
+        while i < rows.end {
+            pqt_block::<S, 1, RC, FUSE>(a, i);
+            i += 1;
+        }
+    }
+}
+
+/// `M[rows] = (P Qᵀ)[rows]`; with `FUSE`, also `E[rows] = X[rows] - M[rows]` where `X`
+/// is what `M` held before.
+#[inline(always)]
+pub(crate) unsafe fn pqt_rows<S: Simd, const FUSE: bool>(a: &Mat, rows: Range<usize>) {
+    // SAFETY: forwarded caller guarantees.
+    unsafe {
+        match a.r {
+            1 => pqt_rows_rc::<S, 1, FUSE>(a, rows),
+            2 => pqt_rows_rc::<S, 2, FUSE>(a, rows),
+            4 => pqt_rows_rc::<S, 4, FUSE>(a, rows),
+            8 => pqt_rows_rc::<S, 8, FUSE>(a, rows),
+            _ => pqt_rows_rc::<S, 0, FUSE>(a, rows),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Gram-Schmidt
+
+#[inline(always)]
+unsafe fn dot<S: Simd>(x: *const f32, y: *const f32, n: usize) -> f32 {
+    let lanes = S::LANES;
+    // SAFETY: x and y are valid for n elements (caller).
+    unsafe {
+        let mut acc = [S::zero(); 4];
+        let mut j = 0;
+        while j + 4 * lanes <= n {
+            for (u, a) in acc.iter_mut().enumerate() {
+                let o = j + u * lanes;
+                *a = S::fma(S::load(x.add(o)), S::load(y.add(o)), *a);
+            }
+            j += 4 * lanes;
+        }
+        while j + lanes <= n {
+            acc[0] = S::fma(S::load(x.add(j)), S::load(y.add(j)), acc[0]);
+            j += lanes;
+        }
+        let mut s = S::reduce(S::add(S::add(acc[0], acc[1]), S::add(acc[2], acc[3])));
+        while j < n {
+            s += *x.add(j) * *y.add(j);
+            j += 1;
+        }
+        s
+    }
+}
+
+/// `y -= alpha * x`.
+#[inline(always)]
+unsafe fn sub_scaled<S: Simd>(y: *mut f32, alpha: f32, x: *const f32, n: usize) {
+    let lanes = S::LANES;
+    // SAFETY: x and y are valid for n elements (caller).
+    unsafe {
+        let na = S::splat(-alpha);
+        let mut j = 0;
+        while j + lanes <= n {
+            S::store(y.add(j), S::fma(na, S::load(x.add(j)), S::load(y.add(j))));
+            j += lanes;
+        }
+        while j < n {
+            *y.add(j) -= alpha * *x.add(j);
+            j += 1;
+        }
+    }
+}
+
+#[inline(always)]
+unsafe fn scale<S: Simd>(x: *mut f32, alpha: f32, n: usize) {
+    let lanes = S::LANES;
+    // SAFETY: x is valid for n elements (caller).
+    unsafe {
+        let a = S::splat(alpha);
+        let mut j = 0;
+        while j + lanes <= n {
+            S::store(x.add(j), S::mul(a, S::load(x.add(j))));
+            j += lanes;
+        }
+        while j < n {
+            *x.add(j) *= alpha;
+            j += 1;
+        }
+    }
+}
+
+/// Modified Gram-Schmidt on the `r` contiguous columns of `n` elements at `x`, with the
+/// zero-column rule of [`crate::Backend::orthogonalize`].
+#[inline(always)]
+pub(crate) unsafe fn gram_schmidt<S: Simd>(x: *mut f32, n: usize, r: usize, eps: f32) {
+    let tol = 8.0 * n as f32 * f32::EPSILON;
+    // SAFETY: x is valid for r * n elements (caller).
+    unsafe {
+        let col = |k: usize| x.add(k * n);
+        let mut before = [0.0f32; crate::MAX_RANK];
+        for (k, b) in before.iter_mut().enumerate().take(r) {
+            *b = dot::<S>(col(k), col(k), n).sqrt();
+        }
+        for i in 0..r {
+            let c = col(i);
+            let norm = dot::<S>(c, c, n).sqrt();
+            if norm == 0.0 || norm <= tol * before[i] || !norm.is_finite() {
+                std::ptr::write_bytes(c, 0, n);
+                continue;
+            }
+            scale::<S>(c, 1.0 / (norm + eps), n);
+            for j in i + 1..r {
+                let d = dot::<S>(c, col(j), n);
+                sub_scaled::<S>(col(j), d, c, n);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Entry points, one set per instruction set.
+
+macro_rules! isa_entries {
+    ($(#[$attr:meta])* $module:ident, $simd:ty) => {
+        pub(crate) mod $module {
+            use super::*;
+            $(#[$attr])*
+            pub(crate) unsafe fn mq(a: &Mat, rows: Range<usize>, fuse_add: bool) {
+                // SAFETY: forwarded caller guarantees.
+                unsafe {
+                    if fuse_add {
+                        mq_rows::<$simd, true>(a, rows)
+                    } else {
+                        mq_rows::<$simd, false>(a, rows)
+                    }
+                }
+            }
+            $(#[$attr])*
+            pub(crate) unsafe fn mtp(a: &Mat, cols: Range<usize>) {
+                // SAFETY: forwarded caller guarantees.
+                unsafe { mtp_cols::<$simd>(a, cols) }
+            }
+            $(#[$attr])*
+            pub(crate) unsafe fn pqt(a: &Mat, rows: Range<usize>, fuse_error: bool) {
+                // SAFETY: forwarded caller guarantees.
+                unsafe {
+                    if fuse_error {
+                        pqt_rows::<$simd, true>(a, rows)
+                    } else {
+                        pqt_rows::<$simd, false>(a, rows)
+                    }
+                }
+            }
+            $(#[$attr])*
+            pub(crate) unsafe fn orthogonalize(x: *mut f32, n: usize, r: usize, eps: f32) {
+                // SAFETY: forwarded caller guarantees.
+                unsafe { gram_schmidt::<$simd>(x, n, r, eps) }
+            }
+        }
+    };
+}
+
+isa_entries!(portable, super::super::simd::Portable);
+#[cfg(target_arch = "x86_64")]
+isa_entries!(#[target_feature(enable = "avx2,fma")] avx2, super::super::simd::Avx2);
+#[cfg(target_arch = "x86_64")]
+isa_entries!(#[target_feature(enable = "avx512f,avx2,fma")] avx512, super::super::simd::Avx512);
+
+/// A raw pointer that may cross threads; the code sharing it guarantees disjoint access.
+#[derive(Clone, Copy)]
+pub(crate) struct SendPtr(pub *mut f32);
+// SAFETY: users of `SendPtr` only touch disjoint ranges from different threads.
+unsafe impl Send for SendPtr {}
+// SAFETY: as above.
+unsafe impl Sync for SendPtr {}

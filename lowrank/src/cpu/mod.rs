@@ -1,0 +1,428 @@
+//! The CPU backend: hand-written SIMD kernels (AVX-512, AVX2+FMA, portable), chosen at
+//! run time, multi-threaded over rows (or columns for `Mᵀ P`).
+//!
+//! Every output element is computed by exactly one thread in a fixed order, so results
+//! are bit-identical for every thread count (they differ between instruction sets, which
+//! round differently).
+
+mod kernels;
+mod simd;
+
+use crate::backend::Backend;
+use crate::dims::{check_epsilon, same_len};
+use crate::{Dims, Element, Error, NormalRng, Result};
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
+use kernels::Mat;
+use std::any::TypeId;
+use std::ops::{Bound, Range, RangeBounds};
+
+/// Below this many bytes of streamed data an operation runs on the calling thread: a
+/// thread start costs more than the work.
+const PARALLEL_MIN_BYTES: usize = 1 << 20;
+
+/// An instruction set the CPU kernels are compiled for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Isa {
+    /// AVX-512F (16 lanes, 32 registers).
+    Avx512,
+    /// AVX2 with FMA (8 lanes).
+    Avx2,
+    /// Plain Rust that the compiler vectorises for the build target; runs everywhere.
+    Portable,
+}
+
+impl Isa {
+    /// The best instruction set this CPU supports.
+    pub fn detect() -> Isa {
+        [Isa::Avx512, Isa::Avx2]
+            .into_iter()
+            .find(|isa| isa.is_supported())
+            .unwrap_or(Isa::Portable)
+    }
+
+    /// Whether this CPU can run kernels compiled for `self`.
+    pub fn is_supported(self) -> bool {
+        match self {
+            Isa::Portable => true,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => {
+                is_x86_feature_detected!("avx512f")
+                    && is_x86_feature_detected!("avx2")
+                    && is_x86_feature_detected!("fma")
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => false,
+        }
+    }
+
+    /// Every instruction set this CPU supports, best first.
+    pub fn supported() -> Vec<Isa> {
+        [Isa::Avx512, Isa::Avx2, Isa::Portable]
+            .into_iter()
+            .filter(|isa| isa.is_supported())
+            .collect()
+    }
+
+    /// Lower-case name (`"avx512"`, `"avx2"`, `"portable"`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Avx512 => "avx512",
+            Isa::Avx2 => "avx2",
+            Isa::Portable => "portable",
+        }
+    }
+}
+
+/// Calls the kernel entry point `$f` compiled for `$isa`.
+macro_rules! dispatch {
+    ($isa:expr, $f:ident($($arg:expr),*)) => {
+        match $isa {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => kernels::avx512::$f($($arg),*),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => kernels::avx2::$f($($arg),*),
+            _ => kernels::portable::$f($($arg),*),
+        }
+    };
+}
+
+/// The CPU backend. Cheap to clone; holds only its configuration.
+///
+/// ```
+/// use lowrank::{Backend, CpuBackend, Dims};
+/// # fn main() -> lowrank::Result<()> {
+/// let cpu = CpuBackend::new().with_threads(2)?;
+/// let dims = Dims::new(1, 2, 3, 1)?;
+/// let m = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]; // 2 x 3, row-major
+/// let q = [1.0, 0.0, 1.0]; // 3 x 1
+/// let mut p = [0.0; 2];
+/// cpu.mq(dims, &m, &q, &mut p)?;
+/// assert_eq!(p, [4.0, 10.0]);
+/// # Ok(()) }
+/// ```
+#[derive(Clone, Debug)]
+pub struct CpuBackend {
+    threads: usize,
+    isa: Isa,
+}
+
+impl Default for CpuBackend {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl CpuBackend {
+    /// The best instruction set of this CPU, one thread per available core.
+    pub fn new() -> Self {
+        CpuBackend {
+            threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            isa: Isa::detect(),
+        }
+    }
+
+    /// Uses `threads` threads for large operations (at least 1).
+    pub fn with_threads(mut self, threads: usize) -> Result<Self> {
+        if threads == 0 {
+            return Err(Error::InvalidThreads);
+        }
+        self.threads = threads;
+        Ok(self)
+    }
+
+    /// Uses the kernels of `isa`; an error if this CPU lacks it.
+    pub fn with_isa(mut self, isa: Isa) -> Result<Self> {
+        if !isa.is_supported() {
+            return Err(Error::UnsupportedIsa(isa.name()));
+        }
+        self.isa = isa;
+        Ok(self)
+    }
+
+    /// The thread count.
+    pub fn threads(&self) -> usize {
+        self.threads
+    }
+
+    /// The instruction set in use.
+    pub fn isa(&self) -> Isa {
+        self.isa
+    }
+
+    /// Runs `f(task)` for `task in 0..tasks`, on up to `threads` threads when `bytes`
+    /// (the data the whole operation streams) makes that worthwhile. Each thread takes a
+    /// contiguous block of tasks.
+    fn parallel(&self, tasks: usize, bytes: usize, f: impl Fn(usize) + Sync) {
+        let workers = if bytes < PARALLEL_MIN_BYTES {
+            1
+        } else {
+            self.threads.min(tasks)
+        };
+        if workers <= 1 {
+            (0..tasks).for_each(f);
+            return;
+        }
+        let f = &f;
+        std::thread::scope(|s| {
+            for w in 1..workers {
+                s.spawn(move || split(tasks, workers, w, 1).for_each(f));
+            }
+            split(tasks, workers, 0, 1).for_each(f);
+        });
+    }
+
+    /// How many pieces to cut each matrix of a batch into, so that all threads have work.
+    fn parts_per_matrix(&self, d: &Dims, extent: usize, align: usize) -> usize {
+        if d.batch == 0 || d.batch >= self.threads || d.m_len() * 4 < PARALLEL_MIN_BYTES {
+            return 1;
+        }
+        let wanted = self.threads.div_ceil(d.batch);
+        wanted.min(extent.div_ceil(align)).max(1)
+    }
+
+    /// Runs `f(matrix, rows)` over every matrix, its rows cut into pieces for the threads.
+    fn over_rows(&self, d: &Dims, mat: Mat, f: impl Fn(&Mat, Range<usize>) + Sync) {
+        let parts = self.parts_per_matrix(d, d.n, 4);
+        self.parallel(d.batch * parts, d.m_len() * 4, |t| {
+            let (b, part) = (t / parts, t % parts);
+            f(&mat.at(d, b), split(d.n, parts, part, 4));
+        });
+    }
+
+    /// Runs `f(matrix, cols)` over every matrix, its columns cut into pieces for the threads.
+    fn over_cols(&self, d: &Dims, mat: Mat, f: impl Fn(&Mat, Range<usize>) + Sync) {
+        let parts = self.parts_per_matrix(d, d.m, 16);
+        self.parallel(d.batch * parts, d.m_len() * 4, |t| {
+            let (b, part) = (t / parts, t % parts);
+            f(&mat.at(d, b), split(d.m, parts, part, 16));
+        });
+    }
+
+    /// Element-wise `f` over matching chunks of two slices, in parallel when large.
+    fn zip_chunks<A: Sync, B: Send>(&self, a: &[A], b: &mut [B], f: impl Fn(&[A], &mut [B]) + Sync) {
+        debug_assert_eq!(a.len(), b.len());
+        let bytes = a.len() * (size_of::<A>() + size_of::<B>());
+        let pieces = if bytes < PARALLEL_MIN_BYTES { 1 } else { self.threads };
+        if pieces <= 1 {
+            f(a, b);
+            return;
+        }
+        let chunk = a.len().div_ceil(pieces).next_multiple_of(64);
+        std::thread::scope(|s| {
+            let mut work = a.chunks(chunk).zip(b.chunks_mut(chunk));
+            let first = work.next();
+            for (x, y) in work {
+                let f = &f;
+                s.spawn(move || f(x, y));
+            }
+            if let Some((x, y)) = first {
+                f(x, y);
+            }
+        });
+    }
+}
+
+/// The `i`-th of `parts` near-equal pieces of `0..len`, boundaries rounded to `align`.
+fn split(len: usize, parts: usize, i: usize, align: usize) -> Range<usize> {
+    let at = |k: usize| ((len * k / parts).next_multiple_of(align)).min(len);
+    let end = if i + 1 == parts { len } else { at(i + 1) };
+    at(i).min(end)..end
+}
+
+fn resolve(range: impl RangeBounds<usize>, len: usize) -> Result<Range<usize>> {
+    let start = match range.start_bound() {
+        Bound::Included(&s) => s,
+        Bound::Excluded(&s) => s.saturating_add(1),
+        Bound::Unbounded => 0,
+    };
+    let end = match range.end_bound() {
+        Bound::Included(&e) => e.saturating_add(1),
+        Bound::Excluded(&e) => e,
+        Bound::Unbounded => len,
+    };
+    if start > end || end > len {
+        return Err(Error::OutOfBounds { start, end, len });
+    }
+    Ok(start..end)
+}
+
+/// Reinterprets a slice of one `Element` type as another when they are the same type.
+fn same_type<S: Element, D: Element>(s: &[S]) -> Option<&[D]> {
+    (TypeId::of::<S>() == TypeId::of::<D>()).then(|| bytemuck::cast_slice(s))
+}
+
+fn same_type_mut<S: Element, D: Element>(s: &mut [S]) -> Option<&mut [D]> {
+    (TypeId::of::<S>() == TypeId::of::<D>()).then(|| bytemuck::cast_slice_mut(s))
+}
+
+fn cast_chunk<S: Element, D: Element>(src: &[S], dst: &mut [D]) {
+    if let (Some(s), Some(d)) = (same_type::<S, f32>(src), same_type_mut::<D, f16>(dst)) {
+        d.convert_from_f32_slice(s);
+    } else if let (Some(s), Some(d)) = (same_type::<S, f16>(src), same_type_mut::<D, f32>(dst)) {
+        s.convert_to_f32_slice(d);
+    } else if let (Some(s), Some(d)) = (same_type::<S, f32>(src), same_type_mut::<D, bf16>(dst)) {
+        d.convert_from_f32_slice(s);
+    } else if let (Some(s), Some(d)) = (same_type::<S, bf16>(src), same_type_mut::<D, f32>(dst)) {
+        s.convert_to_f32_slice(d);
+    } else {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = D::from_f32(s.to_f32());
+        }
+    }
+}
+
+impl Backend for CpuBackend {
+    type Buffer<T: Element> = Vec<T>;
+    type View<'a, T: Element> = &'a [T];
+    type ViewMut<'a, T: Element> = &'a mut [T];
+
+    fn name(&self) -> String {
+        format!("cpu {} x{}", self.isa.name(), self.threads)
+    }
+
+    fn alloc<T: Element>(&self, len: usize) -> Result<Vec<T>> {
+        Ok(vec![T::default(); len])
+    }
+
+    fn upload<T: Element>(&self, host: &[T]) -> Result<Vec<T>> {
+        Ok(host.to_vec())
+    }
+
+    fn download<T: Element>(&self, src: &[T], dst: &mut [T]) -> Result<()> {
+        same_len("src", src.len(), "dst", dst.len())?;
+        dst.copy_from_slice(src);
+        Ok(())
+    }
+
+    fn buffer_len<T: Element>(buf: &Vec<T>) -> usize {
+        buf.len()
+    }
+
+    fn view<'a, T: Element>(buf: &'a Vec<T>, range: impl RangeBounds<usize>) -> Result<&'a [T]> {
+        Ok(&buf[resolve(range, buf.len())?])
+    }
+
+    fn view_mut<'a, T: Element>(buf: &'a mut Vec<T>, range: impl RangeBounds<usize>) -> Result<&'a mut [T]> {
+        let r = resolve(range, buf.len())?;
+        Ok(&mut buf[r])
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn mq(&self, d: Dims, m: &[f32], q: &[f32], p: &mut [f32]) -> Result<()> {
+        d.expect("m", m.len(), d.m_len())?;
+        d.expect("q", q.len(), d.q_len())?;
+        d.expect("p", p.len(), d.p_len())?;
+        let (mp, qp, pp) = (m.as_ptr() as *mut f32, q.as_ptr() as *mut f32, p.as_mut_ptr());
+        let mat = Mat::base(&d, mp, std::ptr::null_mut(), pp, qp);
+        // SAFETY: lengths were checked above; `m` is only read (no fusion); each task
+        // writes the P entries of its own rows.
+        self.over_rows(&d, mat, |a, rows| unsafe { dispatch!(self.isa, mq(a, rows, false)) });
+        Ok(())
+    }
+
+    fn mtp(&self, d: Dims, m: &[f32], p: &[f32], q: &mut [f32]) -> Result<()> {
+        d.expect("m", m.len(), d.m_len())?;
+        d.expect("p", p.len(), d.p_len())?;
+        d.expect("q", q.len(), d.q_len())?;
+        let (mp, pp, qp) = (m.as_ptr() as *mut f32, p.as_ptr() as *mut f32, q.as_mut_ptr());
+        let mat = Mat::base(&d, mp, std::ptr::null_mut(), pp, qp);
+        // SAFETY: lengths checked; `m` and `p` only read; each task writes its own
+        // columns of Q.
+        self.over_cols(&d, mat, |a, cols| unsafe { dispatch!(self.isa, mtp(a, cols)) });
+        Ok(())
+    }
+
+    fn pqt(&self, d: Dims, p: &[f32], q: &[f32], m: &mut [f32]) -> Result<()> {
+        d.expect("p", p.len(), d.p_len())?;
+        d.expect("q", q.len(), d.q_len())?;
+        d.expect("m", m.len(), d.m_len())?;
+        let (pp, qp, mp) = (p.as_ptr() as *mut f32, q.as_ptr() as *mut f32, m.as_mut_ptr());
+        let mat = Mat::base(&d, mp, std::ptr::null_mut(), pp, qp);
+        // SAFETY: lengths checked; `p`, `q` only read; each task writes its own rows of M.
+        self.over_rows(&d, mat, |a, rows| unsafe { dispatch!(self.isa, pqt(a, rows, false)) });
+        Ok(())
+    }
+
+    fn add_mq(&self, d: Dims, g: &mut [f32], e: &[f32], q: &[f32], p: &mut [f32]) -> Result<()> {
+        d.expect("g", g.len(), d.m_len())?;
+        d.expect("e", e.len(), d.m_len())?;
+        d.expect("q", q.len(), d.q_len())?;
+        d.expect("p", p.len(), d.p_len())?;
+        let (gp, ep, qp, pp) = (g.as_mut_ptr(), e.as_ptr() as *mut f32, q.as_ptr() as *mut f32, p.as_mut_ptr());
+        let mat = Mat::base(&d, gp, ep, pp, qp);
+        // SAFETY: lengths checked; `e` and `q` only read; each task writes its own rows of
+        // G and the P entries of those rows.
+        self.over_rows(&d, mat, |a, rows| unsafe { dispatch!(self.isa, mq(a, rows, true)) });
+        Ok(())
+    }
+
+    fn pqt_error(&self, d: Dims, p: &[f32], q: &[f32], m: &mut [f32], e: &mut [f32]) -> Result<()> {
+        d.expect("p", p.len(), d.p_len())?;
+        d.expect("q", q.len(), d.q_len())?;
+        d.expect("m", m.len(), d.m_len())?;
+        d.expect("e", e.len(), d.m_len())?;
+        let (pp, qp, mp, ep) = (p.as_ptr() as *mut f32, q.as_ptr() as *mut f32, m.as_mut_ptr(), e.as_mut_ptr());
+        let mat = Mat::base(&d, mp, ep, pp, qp);
+        // SAFETY: lengths checked; each task reads and writes its own rows of M and E.
+        self.over_rows(&d, mat, |a, rows| unsafe { dispatch!(self.isa, pqt(a, rows, true)) });
+        Ok(())
+    }
+
+    fn orthogonalize(&self, batch: usize, n: usize, r: usize, x: &mut [f32], eps: f32) -> Result<()> {
+        let d = Dims::new(batch, n, 1, r)?;
+        d.expect("x", x.len(), d.p_len())?;
+        check_epsilon(eps)?;
+        let xp = kernels::SendPtr(x.as_mut_ptr());
+        let per = n * r;
+        self.parallel(batch, x.len() * 4 * r, |b| {
+            let base = xp;
+            // SAFETY: matrix b occupies x[b*per..(b+1)*per], checked above; tasks touch
+            // disjoint matrices.
+            unsafe { dispatch!(self.isa, orthogonalize(base.0.add(b * per), n, r, eps)) }
+        });
+        Ok(())
+    }
+
+    fn add(&self, y: &mut [f32], x: &[f32]) -> Result<()> {
+        same_len("y", y.len(), "x", x.len())?;
+        self.zip_chunks(x, y, |x, y| y.iter_mut().zip(x).for_each(|(y, x)| *y += x));
+        Ok(())
+    }
+
+    fn scale(&self, x: &mut [f32], alpha: f32) -> Result<()> {
+        if !alpha.is_finite() {
+            return Err(Error::InvalidScale(alpha));
+        }
+        let dummy = vec![(); x.len()];
+        self.zip_chunks(&dummy, x, |_, x| x.iter_mut().for_each(|v| *v *= alpha));
+        Ok(())
+    }
+
+    fn copy<T: Element>(&self, src: &[T], dst: &mut [T]) -> Result<()> {
+        same_len("src", src.len(), "dst", dst.len())?;
+        self.zip_chunks(src, dst, |s, d| d.copy_from_slice(s));
+        Ok(())
+    }
+
+    fn zero<T: Element>(&self, x: &mut [T]) -> Result<()> {
+        x.fill(T::default());
+        Ok(())
+    }
+
+    fn cast<S: Element, D: Element>(&self, src: &[S], dst: &mut [D]) -> Result<()> {
+        same_len("src", src.len(), "dst", dst.len())?;
+        self.zip_chunks(src, dst, cast_chunk::<S, D>);
+        Ok(())
+    }
+
+    fn fill_normal(&self, rng: &mut NormalRng, x: &mut [f32]) -> Result<()> {
+        rng.fill(x);
+        Ok(())
+    }
+}

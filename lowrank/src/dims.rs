@@ -1,0 +1,106 @@
+//! Shapes of a batch of matrices and their thin factors, validated once.
+
+use crate::{Error, Result, MAX_RANK};
+use std::fmt;
+
+/// The shape of a batched low-rank product: `batch` matrices `M` of `n x m` (row-major,
+/// one after the other) and thin factors of rank `r`.
+///
+/// Factors are stored **column-major**: `P` (`n x r`) is `r` contiguous columns of `n`
+/// elements, `Q` (`m x r`) is `r` contiguous columns of `m`, one factor after the other
+/// for each matrix of the batch. Columns are what Gram-Schmidt normalises and what the
+/// product `Mᵀ P` accumulates, so this layout makes both unit-stride.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Dims {
+    /// Number of matrices.
+    pub batch: usize,
+    /// Rows of each matrix `M`.
+    pub n: usize,
+    /// Columns of each matrix `M`.
+    pub m: usize,
+    /// Rank of the factors.
+    pub r: usize,
+}
+
+impl Dims {
+    /// Validates a shape: `r` must be in `1..=MAX_RANK` and every buffer length must fit
+    /// in `usize`. Zero `batch`, `n` or `m` is allowed (the operations then do nothing).
+    pub fn new(batch: usize, n: usize, m: usize, r: usize) -> Result<Self> {
+        if r == 0 || r > MAX_RANK {
+            return Err(Error::InvalidRank(r));
+        }
+        let d = Dims { batch, n, m, r };
+        let fits = n
+            .checked_mul(m)
+            .and_then(|x| x.checked_mul(batch))
+            .and_then(|_| n.max(m).checked_mul(r))
+            .and_then(|x| x.checked_mul(batch))
+            .and_then(|x| x.checked_mul(8));
+        match fits {
+            Some(_) => Ok(d),
+            None => Err(Error::Overflow(d.to_string())),
+        }
+    }
+
+    /// Elements of one matrix `M`.
+    pub fn matrix_len(&self) -> usize {
+        self.n * self.m
+    }
+
+    /// Elements of all matrices.
+    pub fn m_len(&self) -> usize {
+        self.batch * self.n * self.m
+    }
+
+    /// Elements of all `P` factors (`batch x n x r`).
+    pub fn p_len(&self) -> usize {
+        self.batch * self.n * self.r
+    }
+
+    /// Elements of all `Q` factors (`batch x m x r`).
+    pub fn q_len(&self) -> usize {
+        self.batch * self.m * self.r
+    }
+
+    /// Errors unless `actual == expected`.
+    pub(crate) fn expect(&self, name: &'static str, actual: usize, expected: usize) -> Result<()> {
+        if actual == expected {
+            Ok(())
+        } else {
+            Err(Error::BufferSize {
+                name,
+                expected,
+                actual,
+                dims: self.to_string(),
+            })
+        }
+    }
+}
+
+impl fmt::Display for Dims {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "batch {} of {} x {} matrices at rank {}",
+            self.batch, self.n, self.m, self.r
+        )
+    }
+}
+
+/// Errors unless two element-wise operands have the same length.
+pub(crate) fn same_len(a: &'static str, len_a: usize, b: &'static str, len_b: usize) -> Result<()> {
+    if len_a == len_b {
+        Ok(())
+    } else {
+        Err(Error::LengthMismatch { a, len_a, b, len_b })
+    }
+}
+
+/// Validates an orthogonalisation epsilon.
+pub(crate) fn check_epsilon(eps: f32) -> Result<()> {
+    if eps.is_finite() && eps >= 0.0 {
+        Ok(())
+    } else {
+        Err(Error::InvalidEpsilon(eps))
+    }
+}
