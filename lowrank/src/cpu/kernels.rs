@@ -57,16 +57,6 @@ unsafe impl Send for Mat {}
 // SAFETY: as above.
 unsafe impl Sync for Mat {}
 
-/// Row blocking for `P = M Q` and `M = P Qᵀ`: rows that share each factor load.
-#[inline(always)]
-const fn row_block<S: Simd>() -> usize {
-    if S::LANES == 16 {
-        4
-    } else {
-        2
-    }
-}
-
 // ---------------------------------------------------------------------------------------
 // P = M Q (optionally fused with M += E)
 
@@ -131,64 +121,65 @@ unsafe fn mq_tile<S: Simd, const RB: usize, const RT: usize, const FUSE: bool>(a
     }
 }
 
-/// All `r` columns of `P` for `RB` rows at `i0`, in tiles of at most 4 columns. Only the
-/// first tile fuses the error add; later tiles read the already-updated rows (from cache).
+/// All `r` columns of `P` for `RB` rows at `i0`, in tiles of at most `WIDE` columns (8 or
+/// 4). Only the first tile fuses the error add; later tiles read the already-updated rows
+/// (from cache).
 #[inline(always)]
-unsafe fn mq_block<S: Simd, const RB: usize, const FUSE: bool>(a: &Mat, i0: usize) {
+unsafe fn mq_block<S: Simd, const RB: usize, const WIDE: usize, const FUSE: bool>(a: &Mat, i0: usize) {
     let mut k0 = 0;
     while k0 < a.r {
         let rem = a.r - k0;
         let fuse = FUSE && k0 == 0;
+        let rt = if WIDE >= 8 && rem >= 8 {
+            8
+        } else if rem >= 4 {
+            4
+        } else if rem >= 2 {
+            2
+        } else {
+            1
+        };
         // SAFETY: rows and tile columns are in range (see `mq_tile`).
         unsafe {
-            let rt = match (rem, fuse) {
-                (4.., true) => {
-                    mq_tile::<S, RB, 4, true>(a, i0, k0);
-                    4
-                }
-                (4.., false) => {
-                    mq_tile::<S, RB, 4, false>(a, i0, k0);
-                    4
-                }
-                (2..=3, true) => {
-                    mq_tile::<S, RB, 2, true>(a, i0, k0);
-                    2
-                }
-                (2..=3, false) => {
-                    mq_tile::<S, RB, 2, false>(a, i0, k0);
-                    2
-                }
-                (_, true) => {
-                    mq_tile::<S, RB, 1, true>(a, i0, k0);
-                    1
-                }
-                (_, false) => {
-                    mq_tile::<S, RB, 1, false>(a, i0, k0);
-                    1
-                }
-            };
-            k0 += rt;
+            match (rt, fuse) {
+                (8, true) => mq_tile::<S, RB, 8, true>(a, i0, k0),
+                (8, false) => mq_tile::<S, RB, 8, false>(a, i0, k0),
+                (4, true) => mq_tile::<S, RB, 4, true>(a, i0, k0),
+                (4, false) => mq_tile::<S, RB, 4, false>(a, i0, k0),
+                (2, true) => mq_tile::<S, RB, 2, true>(a, i0, k0),
+                (2, false) => mq_tile::<S, RB, 2, false>(a, i0, k0),
+                (_, true) => mq_tile::<S, RB, 1, true>(a, i0, k0),
+                (_, false) => mq_tile::<S, RB, 1, false>(a, i0, k0),
+            }
         }
+        k0 += rt;
     }
 }
 
 /// `P = M Q` (or with `FUSE`, `M += E; P = M Q`) for the given rows of one matrix.
+///
+/// Register budget: `RB x tile` accumulators plus `RB` row vectors. AVX-512 (32
+/// registers) takes 4 rows at a time with tiles of 4; AVX2 and the fallback take 2 rows.
+/// (Measured here: 2 rows with tiles of 8 on AVX-512, which streams each row once at
+/// `r = 8`, is slower than two passes of 4: the 8 columns of `Q` then come from L2.)
 #[inline(always)]
 pub(crate) unsafe fn mq_rows<S: Simd, const FUSE: bool>(a: &Mat, rows: Range<usize>) {
-    let rb = row_block::<S>();
     let mut i = rows.start;
     // SAFETY: every block lies inside `rows`, which the caller keeps inside 0..n.
     unsafe {
-        while i + rb <= rows.end {
-            if rb == 4 {
-                mq_block::<S, 4, FUSE>(a, i);
-            } else {
-                mq_block::<S, 2, FUSE>(a, i);
+        if S::LANES == 16 {
+            while i + 4 <= rows.end {
+                mq_block::<S, 4, 4, FUSE>(a, i);
+                i += 4;
             }
-            i += rb;
+        } else {
+            while i + 2 <= rows.end {
+                mq_block::<S, 2, 4, FUSE>(a, i);
+                i += 2;
+            }
         }
         while i < rows.end {
-            mq_block::<S, 1, FUSE>(a, i);
+            mq_block::<S, 1, 8, FUSE>(a, i);
             i += 1;
         }
     }
@@ -197,71 +188,118 @@ pub(crate) unsafe fn mq_rows<S: Simd, const FUSE: bool>(a: &Mat, rows: Range<usi
 // ---------------------------------------------------------------------------------------
 // Q = Mᵀ P
 
-/// Adds `Mᵀ P` of rows `i0..i0+RB` to the columns `cols` of `Q`. `RC` is the rank when it
-/// is a small constant (so the loop over it unrolls), or 0 for a rank known at run time.
+/// Adds `Mᵀ P` of rows `i0..i0+RB` to a column panel of `Q`.
+///
+/// `acc` is the panel's part of `Q` in a chunk-interleaved layout (for each vector-wide
+/// chunk of columns, the `r` vectors one after the other), so one pointer with constant
+/// offsets reaches every accumulator; `tile` is `P` of these rows, row-major (`RB x r`),
+/// for the same reason. `RC` is the rank when it is a small constant (the loop over it
+/// unrolls), or 0 for a rank known at run time.
 #[inline(always)]
-unsafe fn mtp_block<S: Simd, const RB: usize, const RC: usize>(a: &Mat, i0: usize, cols: &Range<usize>) {
+unsafe fn mtp_block<S: Simd, const RB: usize, const RC: usize>(
+    a: &Mat,
+    i0: usize,
+    panel: &Range<usize>,
+    acc: *mut f32,
+    tile: *const f32,
+) {
     let lanes = S::LANES;
     let r = if RC == 0 { a.r } else { RC };
-    // SAFETY: the caller guarantees rows i0..i0+RB < n and `cols` inside 0..a.cols.
+    // SAFETY: the caller guarantees rows i0..i0+RB < n, `panel` inside 0..a.cols, `acc`
+    // valid for r * panel.len() (rounded up to lanes) elements and `tile` for RB * r.
     unsafe {
         let row = |ii: usize| a.m.add((i0 + ii) * a.cols);
-        let pval = |k: usize, ii: usize| *a.p.add(k * a.n + i0 + ii);
-        let qcol = |k: usize| a.q.add(k * a.cols);
-        let mut j = cols.start;
-        while j + lanes <= cols.end {
+        let mut j = panel.start;
+        let mut dst = acc;
+        while j + lanes <= panel.end {
             let mut x = [S::zero(); RB];
             for (ii, xi) in x.iter_mut().enumerate() {
-                S::prefetch(row(ii).add(j + PREFETCH));
                 *xi = S::load(row(ii).add(j));
             }
             for k in 0..r {
-                let dst = qcol(k).add(j);
-                let mut acc = S::load(dst);
+                let d = dst.add(k * lanes);
+                let mut sum = S::load(d);
                 for (ii, &xi) in x.iter().enumerate() {
-                    acc = S::fma(S::splat(pval(k, ii)), xi, acc);
+                    sum = S::fma(S::splat(*tile.add(ii * r + k)), xi, sum);
                 }
-                S::store(dst, acc);
+                S::store(d, sum);
             }
+            dst = dst.add(r * lanes);
             j += lanes;
         }
-        while j < cols.end {
-            for ii in 0..RB {
-                let v = *row(ii).add(j);
-                for k in 0..r {
-                    *qcol(k).add(j) += pval(k, ii) * v;
+        // The ragged end of the panel: scalar, in the same interleaved layout.
+        let rest = panel.end - j;
+        for t in 0..rest {
+            for k in 0..r {
+                let d = dst.add(k * lanes + t);
+                for ii in 0..RB {
+                    *d += *tile.add(ii * r + k) * *row(ii).add(j + t);
                 }
             }
-            j += 1;
         }
     }
 }
+
+/// Columns of `M` per panel: the panel's accumulators (`r x width` floats) stay within
+/// 64 KiB, in L2, while runs of at least 8 KiB per row keep the hardware prefetchers busy.
+const MTP_PANEL_FLOATS: usize = 16384;
 
 #[inline(always)]
 unsafe fn mtp_cols_rc<S: Simd, const RC: usize>(a: &Mat, cols: Range<usize>) {
-    const RB: usize = 4;
-    let mut i = 0;
-    // SAFETY: rows stay inside 0..n, columns inside `cols`.
-    unsafe {
-        while i + RB <= a.n {
-            mtp_block::<S, RB, RC>(a, i, &cols);
-            i += RB;
+    const RB: usize = 8;
+    let lanes = S::LANES;
+    let r = a.r;
+    let width = (MTP_PANEL_FLOATS / r).max(lanes) / lanes * lanes;
+    let mut acc = vec![0.0f32; r * width.min(cols.len()).next_multiple_of(lanes)];
+    let mut tile = [0.0f32; RB * crate::MAX_RANK];
+    let mut c0 = cols.start;
+    while c0 < cols.end {
+        let panel = c0..(c0 + width).min(cols.end);
+        acc.fill(0.0);
+        let mut i = 0;
+        // SAFETY: rows stay inside 0..n, columns inside `panel` inside `cols`; `acc`
+        // holds r floats per panel column rounded up to whole chunks; `tile` 8 * r.
+        unsafe {
+            let load_tile = |tile: &mut [f32], i: usize, rows: usize| {
+                for ii in 0..rows {
+                    for k in 0..r {
+                        tile[ii * r + k] = *a.p.add(k * a.n + i + ii);
+                    }
+                }
+            };
+            macro_rules! blocks {
+                ($rb:expr) => {
+                    while i + $rb <= a.n {
+                        load_tile(&mut tile, i, $rb);
+                        mtp_block::<S, { $rb }, RC>(a, i, &panel, acc.as_mut_ptr(), tile.as_ptr());
+                        i += $rb;
+                    }
+                };
+            }
+            blocks!(RB);
+            while i < a.n {
+                load_tile(&mut tile, i, 1);
+                mtp_block::<S, 1, RC>(a, i, &panel, acc.as_mut_ptr(), tile.as_ptr());
+                i += 1;
+            }
+            // Scatter the interleaved accumulators into Q's column-major layout.
+            for (c, j) in panel.clone().enumerate() {
+                let (chunk, lane) = (c / lanes, c % lanes);
+                for k in 0..r {
+                    *a.q.add(k * a.cols + j) = acc[(chunk * r + k) * lanes + lane];
+                }
+            }
         }
-        while i < a.n {
-            mtp_block::<S, 1, RC>(a, i, &cols);
-            i += 1;
-        }
+        c0 = panel.end;
     }
 }
 
-/// `Q[cols] = (Mᵀ P)[cols]` for one matrix: every row of `M`, the given columns.
+/// `Q[cols] = (Mᵀ P)[cols]` for one matrix: every row of `M`, the given columns, one
+/// column panel at a time.
 #[inline(always)]
 pub(crate) unsafe fn mtp_cols<S: Simd>(a: &Mat, cols: Range<usize>) {
     // SAFETY: `cols` is inside 0..a.cols and `q` holds r columns of a.cols (caller).
     unsafe {
-        for k in 0..a.r {
-            std::ptr::write_bytes(a.q.add(k * a.cols + cols.start), 0, cols.len());
-        }
         match a.r {
             1 => mtp_cols_rc::<S, 1>(a, cols),
             2 => mtp_cols_rc::<S, 2>(a, cols),

@@ -1,4 +1,20 @@
 //! The CUDA backend, or its stand-in when the `cuda` feature is off.
+//!
+//! With the feature: `device.rs` (the type, construction, launch helpers), `ops.rs` (the
+//! [`crate::Backend`] implementation), `blas.rs` (the products on cuBLAS) and `kernels.rs`
+//! (the CUDA C source compiled by NVRTC, and the kernel handles).
+
+#[cfg(feature = "cuda")]
+mod blas;
+#[cfg(feature = "cuda")]
+mod device;
+#[cfg(feature = "cuda")]
+mod kernels;
+#[cfg(feature = "cuda")]
+mod ops;
+
+#[cfg(feature = "cuda")]
+pub use device::CudaBackend;
 
 #[cfg(not(feature = "cuda"))]
 mod stand_in {

@@ -1,0 +1,445 @@
+//! The CUDA C source of the backend's kernels, compiled once per backend by NVRTC, and
+//! the handles of the compiled functions.
+//!
+//! The source includes no header at all, so NVRTC needs no include path: the half and
+//! bfloat16 conversions are written on the raw bit patterns (`unsigned short`) and are
+//! bit-for-bit the ones of the `half` crate that the CPU backend uses (round to nearest,
+//! ties to even; infinities, subnormals and overflow to infinity handled exactly; a NaN
+//! stays a NaN with its payload truncated and its quiet bit set). Only NVRTC built-ins are
+//! used (`__shfl_down_sync`, `__syncthreads`, `__float_as_uint`, `sqrtf`, `fmaf`, `float4`).
+//!
+//! Compilation pins IEEE behaviour: no flush-to-zero, correctly rounded division and
+//! square root, so `1 / (norm + eps)` and `sqrt` match the CPU's `f32` operations.
+
+use crate::{Error, Result};
+use cudarc::driver::{CudaContext, CudaFunction, DriverError};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileError, CompileOptions, Ptx};
+use std::sync::Arc;
+
+/// Threads per block of the element-wise kernels.
+pub(super) const ELEMENTWISE_THREADS: u32 = 256;
+/// Threads per block of `lr_pqt_error` (fixed by its tiling).
+pub(super) const PQT_ERROR_THREADS: u32 = 256;
+/// Rows of `M` in one `lr_pqt_error` tile.
+pub(super) const PQT_ERROR_ROWS: usize = 32;
+/// Columns of `M` in one `lr_pqt_error` tile.
+pub(super) const PQT_ERROR_COLS: usize = 64;
+/// Most threads per block of `lr_orthogonalize` (its shared arrays hold 32 warps).
+pub(super) const ORTHO_MAX_THREADS: usize = 1024;
+
+/// The kernels. Every index is 64-bit; every loop is grid-stride, so any grid size works.
+pub(super) const SOURCE: &str = r#"
+typedef unsigned long long u64;
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+#define LR_MAX_RANK 64
+
+/* ---------------------------------------------------------------------------------- */
+/* Conversions, on bit patterns; mirrors of the `half` crate (2.x) software paths.     */
+
+__device__ __forceinline__ float lr_f16_to_f32(u16 h) {
+    const u32 sign = ((u32)(h & 0x8000u)) << 16;
+    const u32 exp = (u32)(h & 0x7c00u);
+    const u32 man = (u32)(h & 0x03ffu);
+    if (exp == 0x7c00u) {
+        return __uint_as_float(man == 0u ? (sign | 0x7f800000u) : (sign | 0x7fc00000u | (man << 13)));
+    }
+    if (exp == 0u) {
+        /* zero or subnormal: man * 2^-24, exact in f32 */
+        const float mag = (float)man * 5.9604644775390625e-8f;
+        return __uint_as_float(__float_as_uint(mag) | sign);
+    }
+    return __uint_as_float(sign | ((exp + 0x1c000u) << 13) | (man << 13));
+}
+
+__device__ __forceinline__ u16 lr_f32_to_f16(float f) {
+    const u32 x = __float_as_uint(f);
+    const u32 exp = x & 0x7f800000u;
+    const u32 man = x & 0x007fffffu;
+    const u32 hsign = (x & 0x80000000u) >> 16;
+    if (exp == 0x7f800000u) {
+        const u32 nan_bit = man == 0u ? 0u : 0x0200u;
+        return (u16)(hsign | 0x7c00u | nan_bit | (man >> 13));
+    }
+    const int hexp = (int)(exp >> 23) - 127 + 15;
+    if (hexp >= 0x1f) {
+        return (u16)(hsign | 0x7c00u);
+    }
+    if (hexp <= 0) {
+        if (14 - hexp > 24) {
+            return (u16)hsign;
+        }
+        const u32 m = man | 0x00800000u;
+        u32 hman = m >> (14 - hexp);
+        const u32 round_bit = 1u << (13 - hexp);
+        if ((m & round_bit) != 0u && (m & (3u * round_bit - 1u)) != 0u) {
+            hman += 1u;
+        }
+        return (u16)(hsign | hman);
+    }
+    const u32 out = hsign | ((u32)hexp << 10) | (man >> 13);
+    const u32 round_bit = 0x00001000u;
+    if ((man & round_bit) != 0u && (man & (3u * round_bit - 1u)) != 0u) {
+        return (u16)(out + 1u);
+    }
+    return (u16)out;
+}
+
+__device__ __forceinline__ float lr_bf16_to_f32(u16 h) {
+    const u32 v = (u32)h;
+    if ((v & 0x7fffu) > 0x7f80u) {
+        return __uint_as_float((v | 0x0040u) << 16);
+    }
+    return __uint_as_float(v << 16);
+}
+
+__device__ __forceinline__ u16 lr_f32_to_bf16(float f) {
+    const u32 x = __float_as_uint(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) {
+        return (u16)((x >> 16) | 0x0040u);
+    }
+    const u32 round_bit = 0x00008000u;
+    if ((x & round_bit) != 0u && (x & (3u * round_bit - 1u)) != 0u) {
+        return (u16)((x >> 16) + 1u);
+    }
+    return (u16)(x >> 16);
+}
+
+__device__ __forceinline__ u16 lr_f16_to_bf16(u16 h) { return lr_f32_to_bf16(lr_f16_to_f32(h)); }
+__device__ __forceinline__ u16 lr_bf16_to_f16(u16 h) { return lr_f32_to_f16(lr_bf16_to_f32(h)); }
+
+#define LR_GRID_STRIDE(i, n) \
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (u64)gridDim.x * blockDim.x)
+
+#define LR_CAST(NAME, ST, DT, CONV)                                                        \
+    extern "C" __global__ void NAME(const ST* __restrict__ src, DT* __restrict__ dst, u64 n) { \
+        LR_GRID_STRIDE(i, n) { dst[i] = CONV(src[i]); }                                    \
+    }
+
+LR_CAST(lr_cast_f32_f16, float, u16, lr_f32_to_f16)
+LR_CAST(lr_cast_f32_bf16, float, u16, lr_f32_to_bf16)
+LR_CAST(lr_cast_f16_f32, u16, float, lr_f16_to_f32)
+LR_CAST(lr_cast_bf16_f32, u16, float, lr_bf16_to_f32)
+LR_CAST(lr_cast_f16_bf16, u16, u16, lr_f16_to_bf16)
+LR_CAST(lr_cast_bf16_f16, u16, u16, lr_bf16_to_f16)
+
+/* ---------------------------------------------------------------------------------- */
+/* Element-wise f32.                                                                   */
+
+extern "C" __global__ void lr_add(float* __restrict__ y, const float* __restrict__ x, u64 n) {
+    LR_GRID_STRIDE(i, n) { y[i] += x[i]; }
+}
+
+extern "C" __global__ void lr_scale(float* __restrict__ x, float alpha, u64 n) {
+    LR_GRID_STRIDE(i, n) { x[i] *= alpha; }
+}
+
+/* ---------------------------------------------------------------------------------- */
+/* pqt_error: for every (b, i, j): s = sum_k P[b][k*n + i] * Q[b][k*m + j] (k ascending,
+   fused multiply-add from 0); x = M[b][i*m + j]; M = s; E = x - s.
+   A block of 256 threads computes a tile of 32 rows x 64 columns of one matrix: the
+   tile's P rows and Q columns are staged in shared memory; thread (tx, ty) owns column
+   tx and the 8 contiguous rows ty*8 .. ty*8+7. Tiles are taken grid-stride.           */
+
+#define PE_ROWS 32
+#define PE_COLS 64
+#define PE_THREADS 256
+#define PE_RPT 8
+
+extern "C" __global__ void __launch_bounds__(PE_THREADS) lr_pqt_error(
+    const float* __restrict__ p, const float* __restrict__ q, float* __restrict__ mat,
+    float* __restrict__ err, u64 batch, u64 n, u64 m, u32 r) {
+    __shared__ float4 sp4[LR_MAX_RANK * PE_ROWS / 4];
+    __shared__ float sq[LR_MAX_RANK * PE_COLS];
+    float* sp = reinterpret_cast<float*>(sp4);
+    const u32 tid = threadIdx.x;
+    const u32 tx = tid % PE_COLS;
+    const u32 ty = tid / PE_COLS;
+    const u64 row_tiles = (n + PE_ROWS - 1) / PE_ROWS;
+    const u64 col_tiles = (m + PE_COLS - 1) / PE_COLS;
+    const u64 per_matrix = row_tiles * col_tiles;
+    const u64 tiles = batch * per_matrix;
+    for (u64 tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        const u64 b = tile / per_matrix;
+        const u64 t = tile - b * per_matrix;
+        const u64 i0 = (t / col_tiles) * PE_ROWS;
+        const u64 j0 = (t % col_tiles) * PE_COLS;
+        const float* pb = p + b * n * r;
+        const float* qb = q + b * m * r;
+        __syncthreads(); /* the previous tile is done with the shared arrays */
+        for (u32 idx = tid; idx < r * PE_ROWS; idx += PE_THREADS) {
+            const u32 k = idx / PE_ROWS;
+            const u64 i = i0 + idx % PE_ROWS;
+            sp[idx] = i < n ? pb[(u64)k * n + i] : 0.0f;
+        }
+        for (u32 idx = tid; idx < r * PE_COLS; idx += PE_THREADS) {
+            const u32 k = idx / PE_COLS;
+            const u64 j = j0 + idx % PE_COLS;
+            sq[idx] = j < m ? qb[(u64)k * m + j] : 0.0f;
+        }
+        __syncthreads();
+        float acc[PE_RPT];
+#pragma unroll
+        for (int s = 0; s < PE_RPT; ++s) {
+            acc[s] = 0.0f;
+        }
+        for (u32 k = 0; k < r; ++k) {
+            const float qv = sq[k * PE_COLS + tx];
+            const float4 lo = sp4[(k * PE_ROWS + ty * PE_RPT) / 4];
+            const float4 hi = sp4[(k * PE_ROWS + ty * PE_RPT) / 4 + 1];
+            acc[0] = fmaf(lo.x, qv, acc[0]);
+            acc[1] = fmaf(lo.y, qv, acc[1]);
+            acc[2] = fmaf(lo.z, qv, acc[2]);
+            acc[3] = fmaf(lo.w, qv, acc[3]);
+            acc[4] = fmaf(hi.x, qv, acc[4]);
+            acc[5] = fmaf(hi.y, qv, acc[5]);
+            acc[6] = fmaf(hi.z, qv, acc[6]);
+            acc[7] = fmaf(hi.w, qv, acc[7]);
+        }
+        const u64 j = j0 + tx;
+        if (j < m) {
+#pragma unroll
+            for (int s = 0; s < PE_RPT; ++s) {
+                const u64 i = i0 + ty * PE_RPT + s;
+                if (i < n) {
+                    const u64 at = (b * n + i) * m + j;
+                    const float x = mat[at];
+                    mat[at] = acc[s];
+                    err[at] = x - acc[s];
+                }
+            }
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------------- */
+/* orthogonalize: modified Gram-Schmidt, one block per n x r column-major factor (grid-
+   stride over the batch). Thread t owns elements t, t + blockDim.x, ... of every column,
+   so all global accesses are thread-private; only reductions cross threads, through
+   shared memory, and every thread reads the same partial sums in the same order, so
+   every decision (the zero-column rule) is uniform across the block.
+   Rule (the CPU's): before[k] = |c_k| for all k first; then for i in 0..r:
+   norm = |c_i|; if norm == 0 || norm <= tol * before[i] || !finite(norm): c_i = 0;
+   else c_i *= 1 / (norm + eps) and, for j > i, c_j -= <c_i, c_j> c_i.
+   The dot products <c_i, c_j> of one step are all taken before any c_j is updated:
+   each c_j only depends on c_i in that step, so this is exactly the sequential rule.  */
+
+#define OG_MAX_WARPS 32
+
+__device__ __forceinline__ bool lr_isfinite(float v) {
+    return (__float_as_uint(v) & 0x7f800000u) != 0x7f800000u;
+}
+
+/* Complete in lane 0 only. */
+__device__ __forceinline__ float lr_warp_sum(float v) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        v += __shfl_down_sync(0xffffffffu, v, off);
+    }
+    return v;
+}
+
+/* This thread's share of <a, b>. */
+__device__ __forceinline__ float lr_own_dot(const float* a, const float* b, u64 n) {
+    float s = 0.0f;
+    for (u64 t = threadIdx.x; t < n; t += blockDim.x) {
+        s = fmaf(a[t], b[t], s);
+    }
+    return s;
+}
+
+/* The block's sum of one value per thread; the same bits in every thread. */
+__device__ float lr_block_sum(float v, float* red) {
+    v = lr_warp_sum(v);
+    __syncthreads();
+    if ((threadIdx.x & 31u) == 0u) {
+        red[threadIdx.x >> 5] = v;
+    }
+    __syncthreads();
+    const u32 warps = blockDim.x >> 5;
+    float s = 0.0f;
+    for (u32 w = 0; w < warps; ++w) {
+        s += red[w];
+    }
+    return s;
+}
+
+extern "C" __global__ void __launch_bounds__(1024) lr_orthogonalize(
+    float* __restrict__ x, u64 batch, u64 n, u32 r, float eps, float tol) {
+    __shared__ float part[OG_MAX_WARPS * LR_MAX_RANK];
+    __shared__ float before[LR_MAX_RANK];
+    __shared__ float red[OG_MAX_WARPS];
+    const u32 lane = threadIdx.x & 31u;
+    const u32 warp = threadIdx.x >> 5;
+    const u32 warps = blockDim.x >> 5;
+    for (u64 b = blockIdx.x; b < batch; b += gridDim.x) {
+        float* base = x + b * n * r;
+        __syncthreads(); /* the previous matrix is done with part and before */
+        for (u32 k = 0; k < r; ++k) {
+            const float* c = base + (u64)k * n;
+            const float s = lr_warp_sum(lr_own_dot(c, c, n));
+            if (lane == 0u) {
+                part[warp * LR_MAX_RANK + k] = s;
+            }
+        }
+        __syncthreads();
+        if (threadIdx.x < r) {
+            float s = 0.0f;
+            for (u32 w = 0; w < warps; ++w) {
+                s += part[w * LR_MAX_RANK + threadIdx.x];
+            }
+            before[threadIdx.x] = sqrtf(s);
+        }
+        __syncthreads();
+        for (u32 i = 0; i < r; ++i) {
+            float* ci = base + (u64)i * n;
+            const float norm = sqrtf(lr_block_sum(lr_own_dot(ci, ci, n), red));
+            if (norm == 0.0f || norm <= tol * before[i] || !lr_isfinite(norm)) {
+                for (u64 t = threadIdx.x; t < n; t += blockDim.x) {
+                    ci[t] = 0.0f;
+                }
+                continue;
+            }
+            const float inv = 1.0f / (norm + eps);
+            for (u64 t = threadIdx.x; t < n; t += blockDim.x) {
+                ci[t] *= inv;
+            }
+            if (i + 1u < r) {
+                /* part is free: its last readers finished before lr_block_sum's barriers */
+                for (u32 j = i + 1u; j < r; ++j) {
+                    const float d = lr_warp_sum(lr_own_dot(ci, base + (u64)j * n, n));
+                    if (lane == 0u) {
+                        part[warp * LR_MAX_RANK + j] = d;
+                    }
+                }
+                __syncthreads();
+                for (u32 j = i + 1u; j < r; ++j) {
+                    float d = 0.0f;
+                    for (u32 w = 0; w < warps; ++w) {
+                        d += part[w * LR_MAX_RANK + j];
+                    }
+                    float* cj = base + (u64)j * n;
+                    for (u64 t = threadIdx.x; t < n; t += blockDim.x) {
+                        cj[t] = fmaf(-d, ci[t], cj[t]);
+                    }
+                }
+            }
+        }
+    }
+}
+"#;
+
+/// The `(source, destination)` element names of the cast kernels, `lr_cast_{src}_{dst}`.
+const CASTS: [(&str, &str); 6] = [
+    ("f32", "f16"),
+    ("f32", "bf16"),
+    ("f16", "f32"),
+    ("bf16", "f32"),
+    ("f16", "bf16"),
+    ("bf16", "f16"),
+];
+
+/// Handles of the compiled kernels (each keeps the module loaded).
+#[derive(Debug)]
+pub(super) struct Kernels {
+    /// `lr_add(float* y, const float* x, u64 n)`.
+    pub(super) add: CudaFunction,
+    /// `lr_scale(float* x, float alpha, u64 n)`.
+    pub(super) scale: CudaFunction,
+    /// `lr_pqt_error(const float* p, const float* q, float* m, float* e, u64 batch, u64 n, u64 m, u32 r)`.
+    pub(super) pqt_error: CudaFunction,
+    /// `lr_orthogonalize(float* x, u64 batch, u64 n, u32 r, float eps, float tol)`.
+    pub(super) orthogonalize: CudaFunction,
+    /// `lr_cast_{src}_{dst}(const S* src, D* dst, u64 n)` for the pairs of [`CASTS`].
+    casts: Vec<((&'static str, &'static str), CudaFunction)>,
+}
+
+impl Kernels {
+    /// Compiles the source for the device of `ctx` and loads every kernel.
+    pub(super) fn load(ctx: &Arc<CudaContext>) -> Result<Self> {
+        let (major, minor) = ctx.compute_capability().map_err(driver_error)?;
+        let ptx = compile(major, minor)?;
+        let module = ctx.load_module(ptx).map_err(load_error)?;
+        let function = |name: &str| {
+            module.load_function(name).map_err(|e| {
+                Error::Cuda(format!(
+                    "kernel `{name}` not found in the compiled module: {e:?}"
+                ))
+            })
+        };
+        let mut casts = Vec::with_capacity(CASTS.len());
+        for (src, dst) in CASTS {
+            casts.push(((src, dst), function(&format!("lr_cast_{src}_{dst}"))?));
+        }
+        Ok(Kernels {
+            add: function("lr_add")?,
+            scale: function("lr_scale")?,
+            pqt_error: function("lr_pqt_error")?,
+            orthogonalize: function("lr_orthogonalize")?,
+            casts,
+        })
+    }
+
+    /// The kernel converting elements named `src` into elements named `dst`.
+    pub(super) fn cast(&self, src: &str, dst: &str) -> Result<&CudaFunction> {
+        self.casts
+            .iter()
+            .find(|((s, d), _)| *s == src && *d == dst)
+            .map(|(_, f)| f)
+            .ok_or_else(|| Error::Cuda(format!("no cast kernel from {src} to {dst}")))
+    }
+}
+
+/// Compiles [`SOURCE`] to PTX for `compute_{major}{minor}`; if NVRTC rejects that
+/// architecture (an NVRTC older than the device), compiles for NVRTC's default virtual
+/// architecture instead, which the driver JIT-compiles for the device. Returns the first
+/// error when both fail.
+fn compile(major: i32, minor: i32) -> Result<Ptx> {
+    let options = |arch: Option<String>| CompileOptions {
+        ftz: Some(false),
+        prec_div: Some(true),
+        prec_sqrt: Some(true),
+        options: arch.into_iter().collect(),
+        name: Some("lowrank_kernels.cu".into()),
+        ..Default::default()
+    };
+    let arch = format!("--gpu-architecture=compute_{major}{minor}");
+    match compile_ptx_with_opts(SOURCE, options(Some(arch))) {
+        Ok(ptx) => Ok(ptx),
+        Err(first) => compile_ptx_with_opts(SOURCE, options(None)).map_err(|_| nvrtc_error(first)),
+    }
+}
+
+/// An NVRTC failure with its log, readable.
+fn nvrtc_error(e: CompileError) -> Error {
+    match e {
+        CompileError::CompileError {
+            nvrtc,
+            options,
+            log,
+        } => Error::Nvrtc(format!(
+            "{nvrtc:?} with options {options:?}:\n{}",
+            log.to_string_lossy()
+        )),
+        other => Error::Nvrtc(format!("{other:?}")),
+    }
+}
+
+/// A driver error, as [`Error::Cuda`] with its Debug text (name and description).
+pub(super) fn driver_error(e: DriverError) -> Error {
+    Error::Cuda(format!("{e:?}"))
+}
+
+/// A failure to load the compiled PTX, with a hint for the usual cause.
+fn load_error(e: DriverError) -> Error {
+    use cudarc::driver::sys::CUresult;
+    let hint = match e.0 {
+        CUresult::CUDA_ERROR_UNSUPPORTED_PTX_VERSION => {
+            " (the NVRTC library is newer than the CUDA driver: update the driver or put an \
+             NVRTC of the driver's CUDA version first on LD_LIBRARY_PATH)"
+        }
+        _ => "",
+    };
+    Error::Cuda(format!("loading the compiled kernels failed: {e:?}{hint}"))
+}

@@ -1,0 +1,345 @@
+//! [`Backend`] for [`CudaBackend`]: validation exactly as the CPU backend's, then cuBLAS
+//! (`blas.rs`), an NVRTC kernel (`kernels.rs`) or a driver copy on the backend's stream.
+
+use super::device::CudaBackend;
+use super::kernels::{
+    driver_error, ORTHO_MAX_THREADS, PQT_ERROR_COLS, PQT_ERROR_ROWS, PQT_ERROR_THREADS,
+};
+use crate::backend::{Backend, ViewLen};
+use crate::dims::{check_epsilon, same_len};
+use crate::{Dims, Element, Error, NormalRng, Result};
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, PushKernelArg};
+use std::any::TypeId;
+use std::ops::{Bound, Range, RangeBounds};
+
+impl<T> ViewLen for CudaView<'_, T> {
+    fn len(&self) -> usize {
+        CudaView::len(self)
+    }
+}
+
+impl<T> ViewLen for CudaViewMut<'_, T> {
+    fn len(&self) -> usize {
+        CudaViewMut::len(self)
+    }
+}
+
+/// `range` resolved against a buffer of `len` elements, or [`Error::OutOfBounds`] (the CPU
+/// backend's rule).
+fn resolve(range: impl RangeBounds<usize>, len: usize) -> Result<Range<usize>> {
+    let start = match range.start_bound() {
+        Bound::Included(&s) => s,
+        Bound::Excluded(&s) => s.saturating_add(1),
+        Bound::Unbounded => 0,
+    };
+    let end = match range.end_bound() {
+        Bound::Included(&e) => e.saturating_add(1),
+        Bound::Excluded(&e) => e,
+        Bound::Unbounded => len,
+    };
+    if start > end || end > len {
+        return Err(Error::OutOfBounds { start, end, len });
+    }
+    Ok(start..end)
+}
+
+impl CudaBackend {
+    /// `y += x` on the stream (lengths checked by the caller).
+    fn launch_add(&self, y: &mut CudaViewMut<'_, f32>, x: &CudaView<'_, f32>) -> Result<()> {
+        if y.is_empty() {
+            return Ok(());
+        }
+        let n = y.len() as u64;
+        let cfg = self.elementwise_config(y.len());
+        let mut launch = self.stream.launch_builder(&self.kernels.add);
+        launch.arg(y).arg(x).arg(&n);
+        // SAFETY: `lr_add(float* y, const float* x, u64 n)` takes exactly these arguments;
+        // both views hold `n` f32s (checked by the caller) and the kernel touches indices
+        // below `n` only; `y` and `x` are distinct buffers (one is borrowed mutably).
+        unsafe { launch.launch(cfg) }.map_err(driver_error)?;
+        Ok(())
+    }
+
+    /// The block size of `lr_orthogonalize`: about 4 elements of a column per thread, a
+    /// multiple of 32, at most 256 when the batch fills the device and 1024 otherwise.
+    fn ortho_threads(&self, batch: usize, n: usize) -> u32 {
+        let cap = if batch >= self.sm_count() {
+            256
+        } else {
+            ORTHO_MAX_THREADS
+        };
+        n.div_ceil(4).next_multiple_of(32).clamp(32, cap) as u32
+    }
+}
+
+impl Backend for CudaBackend {
+    type Buffer<T: Element> = CudaSlice<T>;
+    type View<'a, T: Element> = CudaView<'a, T>;
+    type ViewMut<'a, T: Element> = CudaViewMut<'a, T>;
+
+    fn name(&self) -> String {
+        self.describe()
+    }
+
+    fn alloc<T: Element>(&self, len: usize) -> Result<CudaSlice<T>> {
+        if len == 0 {
+            return self.empty();
+        }
+        self.stream.alloc_zeros(len).map_err(driver_error)
+    }
+
+    fn upload<T: Element>(&self, host: &[T]) -> Result<CudaSlice<T>> {
+        if host.is_empty() {
+            return self.empty();
+        }
+        self.stream.clone_htod(host).map_err(driver_error)
+    }
+
+    fn download<T: Element>(&self, src: CudaView<'_, T>, dst: &mut [T]) -> Result<()> {
+        same_len("src", src.len(), "dst", dst.len())?;
+        if !dst.is_empty() {
+            self.stream.memcpy_dtoh(&src, dst).map_err(driver_error)?;
+        }
+        self.stream.synchronize().map_err(driver_error)
+    }
+
+    fn buffer_len<T: Element>(buf: &CudaSlice<T>) -> usize {
+        buf.len()
+    }
+
+    fn view<'a, T: Element>(
+        buf: &'a CudaSlice<T>,
+        range: impl RangeBounds<usize>,
+    ) -> Result<CudaView<'a, T>> {
+        let len = buf.len();
+        let r = resolve(range, len)?;
+        buf.try_slice(r.clone()).ok_or(Error::OutOfBounds {
+            start: r.start,
+            end: r.end,
+            len,
+        })
+    }
+
+    fn view_mut<'a, T: Element>(
+        buf: &'a mut CudaSlice<T>,
+        range: impl RangeBounds<usize>,
+    ) -> Result<CudaViewMut<'a, T>> {
+        let len = buf.len();
+        let r = resolve(range, len)?;
+        buf.try_slice_mut(r.clone()).ok_or(Error::OutOfBounds {
+            start: r.start,
+            end: r.end,
+            len,
+        })
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().map_err(driver_error)
+    }
+
+    fn mq(
+        &self,
+        d: Dims,
+        m: CudaView<'_, f32>,
+        q: CudaView<'_, f32>,
+        mut p: CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        d.expect("m", m.len(), d.m_len())?;
+        d.expect("q", q.len(), d.q_len())?;
+        d.expect("p", p.len(), d.p_len())?;
+        self.gemm_mq(&d, &m, &q, &mut p)
+    }
+
+    fn mtp(
+        &self,
+        d: Dims,
+        m: CudaView<'_, f32>,
+        p: CudaView<'_, f32>,
+        mut q: CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        d.expect("m", m.len(), d.m_len())?;
+        d.expect("p", p.len(), d.p_len())?;
+        d.expect("q", q.len(), d.q_len())?;
+        self.gemm_mtp(&d, &m, &p, &mut q)
+    }
+
+    fn pqt(
+        &self,
+        d: Dims,
+        p: CudaView<'_, f32>,
+        q: CudaView<'_, f32>,
+        mut m: CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        d.expect("p", p.len(), d.p_len())?;
+        d.expect("q", q.len(), d.q_len())?;
+        d.expect("m", m.len(), d.m_len())?;
+        self.gemm_pqt(&d, &p, &q, &mut m)
+    }
+
+    /// `g += e` (an element-wise kernel), then `P = g Q` (cuBLAS). Not fused on the GPU:
+    /// `g` is read twice, the second time mostly from L2 for small matrices.
+    fn add_mq(
+        &self,
+        d: Dims,
+        mut g: CudaViewMut<'_, f32>,
+        e: CudaView<'_, f32>,
+        q: CudaView<'_, f32>,
+        mut p: CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        d.expect("g", g.len(), d.m_len())?;
+        d.expect("e", e.len(), d.m_len())?;
+        d.expect("q", q.len(), d.q_len())?;
+        d.expect("p", p.len(), d.p_len())?;
+        self.launch_add(&mut g, &e)?;
+        self.gemm_mq(&d, &g.as_view(), &q, &mut p)
+    }
+
+    /// One kernel: each element of `M̂ = P Qᵀ` is a sum over `k` in ascending order, written
+    /// into `m` after the old value `x` was read, and `e = x - M̂`.
+    fn pqt_error(
+        &self,
+        d: Dims,
+        p: CudaView<'_, f32>,
+        q: CudaView<'_, f32>,
+        mut m: CudaViewMut<'_, f32>,
+        mut e: CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        d.expect("p", p.len(), d.p_len())?;
+        d.expect("q", q.len(), d.q_len())?;
+        d.expect("m", m.len(), d.m_len())?;
+        d.expect("e", e.len(), d.m_len())?;
+        if d.m_len() == 0 {
+            return Ok(());
+        }
+        let tiles = d.batch * d.n.div_ceil(PQT_ERROR_ROWS) * d.m.div_ceil(PQT_ERROR_COLS);
+        let cfg = self.launch_config(tiles, PQT_ERROR_THREADS);
+        let (batch, n, cols, r) = (d.batch as u64, d.n as u64, d.m as u64, d.r as u32);
+        let mut launch = self.stream.launch_builder(&self.kernels.pqt_error);
+        launch.arg(&p).arg(&q).arg(&mut m).arg(&mut e);
+        launch.arg(&batch).arg(&n).arg(&cols).arg(&r);
+        // SAFETY: the arguments match `lr_pqt_error(const float* p, const float* q,
+        // float* m, float* e, u64 batch, u64 n, u64 m, u32 r)`; every length was checked
+        // against the shape, the kernel indexes below `batch*n*r`, `batch*m*r` and
+        // `batch*n*m` only, and `r <= 64` (its shared arrays' size) by `Dims`. `m` and `e`
+        // are distinct buffers (both borrowed mutably).
+        unsafe { launch.launch(cfg) }.map_err(driver_error)?;
+        Ok(())
+    }
+
+    fn orthogonalize(
+        &self,
+        batch: usize,
+        n: usize,
+        r: usize,
+        mut x: CudaViewMut<'_, f32>,
+        eps: f32,
+    ) -> Result<()> {
+        let d = Dims::new(batch, n, 1, r)?;
+        d.expect("x", x.len(), d.p_len())?;
+        check_epsilon(eps)?;
+        if d.p_len() == 0 {
+            return Ok(());
+        }
+        // The CPU's threshold, computed the same way in f32.
+        let tol = 8.0 * n as f32 * f32::EPSILON;
+        let cfg = self.launch_config(batch, self.ortho_threads(batch, n));
+        let (batch, n, r) = (batch as u64, n as u64, r as u32);
+        let mut launch = self.stream.launch_builder(&self.kernels.orthogonalize);
+        launch
+            .arg(&mut x)
+            .arg(&batch)
+            .arg(&n)
+            .arg(&r)
+            .arg(&eps)
+            .arg(&tol);
+        // SAFETY: the arguments match `lr_orthogonalize(float* x, u64 batch, u64 n, u32 r,
+        // float eps, float tol)`; `x` holds `batch*n*r` f32s (checked), the kernel indexes
+        // below that only, `r <= 64` and the block size is a multiple of 32 in 32..=1024
+        // (the sizes of its shared arrays).
+        unsafe { launch.launch(cfg) }.map_err(driver_error)?;
+        Ok(())
+    }
+
+    fn add(&self, mut y: CudaViewMut<'_, f32>, x: CudaView<'_, f32>) -> Result<()> {
+        same_len("y", y.len(), "x", x.len())?;
+        self.launch_add(&mut y, &x)
+    }
+
+    fn scale(&self, mut x: CudaViewMut<'_, f32>, alpha: f32) -> Result<()> {
+        if !alpha.is_finite() {
+            return Err(Error::InvalidScale(alpha));
+        }
+        if x.is_empty() {
+            return Ok(());
+        }
+        let n = x.len() as u64;
+        let cfg = self.elementwise_config(x.len());
+        let mut launch = self.stream.launch_builder(&self.kernels.scale);
+        launch.arg(&mut x).arg(&alpha).arg(&n);
+        // SAFETY: the arguments match `lr_scale(float* x, float alpha, u64 n)`; `x` holds
+        // `n` f32s and the kernel touches indices below `n` only.
+        unsafe { launch.launch(cfg) }.map_err(driver_error)?;
+        Ok(())
+    }
+
+    fn copy<T: Element>(&self, src: CudaView<'_, T>, mut dst: CudaViewMut<'_, T>) -> Result<()> {
+        same_len("src", src.len(), "dst", dst.len())?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.stream
+            .memcpy_dtod(&src, &mut dst)
+            .map_err(driver_error)
+    }
+
+    fn zero<T: Element>(&self, mut x: CudaViewMut<'_, T>) -> Result<()> {
+        if x.is_empty() {
+            return Ok(());
+        }
+        self.stream.memset_zeros(&mut x).map_err(driver_error)
+    }
+
+    /// Element-wise kernels on the bit patterns, bit-exact with the CPU (see the kernels'
+    /// module); a cast to the same type is a device copy.
+    fn cast<S: Element, D: Element>(
+        &self,
+        src: CudaView<'_, S>,
+        mut dst: CudaViewMut<'_, D>,
+    ) -> Result<()> {
+        same_len("src", src.len(), "dst", dst.len())?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        if TypeId::of::<S>() == TypeId::of::<D>() {
+            // SAFETY: `S` and `D` are the same type, so this reinterpretation is the
+            // identity, over the same number of elements.
+            let same = unsafe { src.transmute::<D>(src.len()) };
+            let same = same.ok_or_else(|| Error::Cuda("same-type cast view".into()))?;
+            return self
+                .stream
+                .memcpy_dtod(&same, &mut dst)
+                .map_err(driver_error);
+        }
+        let kernel = self.kernels.cast(S::NAME, D::NAME)?;
+        let n = src.len() as u64;
+        let cfg = self.elementwise_config(src.len());
+        let mut launch = self.stream.launch_builder(kernel);
+        launch.arg(&src).arg(&mut dst).arg(&n);
+        // SAFETY: the arguments match `lr_cast_{S}_{D}(const S* src, D* dst, u64 n)`, whose
+        // element types have the sizes and layouts of `S` and `D` (f32 is `float`, f16 and
+        // bf16 are 16-bit patterns); both views hold `n` elements (checked) and the kernel
+        // touches indices below `n` only.
+        unsafe { launch.launch(cfg) }.map_err(driver_error)?;
+        Ok(())
+    }
+
+    /// Draws on the host, then copies to the device, so both backends see the same values.
+    fn fill_normal(&self, rng: &mut NormalRng, mut x: CudaViewMut<'_, f32>) -> Result<()> {
+        let mut host = vec![0.0f32; x.len()];
+        rng.fill(&mut host);
+        if host.is_empty() {
+            return Ok(());
+        }
+        self.stream.memcpy_htod(&host, &mut x).map_err(driver_error)
+    }
+}
