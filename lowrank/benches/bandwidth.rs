@@ -8,6 +8,9 @@
 //!   `M` comes from memory (the L3 here can hold a 64 MiB matrix);
 //! - kernel and reference repetitions are interleaved; the median of each is reported.
 //!
+//! A general library, `gemm`, runs the same products as a comparison row (`gemm-mq`,
+//! `gemm-mtp`): the faster of its runs with a column-major and a row-major output.
+//!
 //! Arguments: `--quick` (n = 4096 only, 5 pairs), `--json` (one object per line),
 //! `--reps N`. Driven by `cargo xtask bench lowrank`.
 
@@ -33,7 +36,11 @@ fn args() -> Args {
         .and_then(|s| s.parse().ok())
         .unwrap_or(if quick { 5 } else { 7 })
         .max(5);
-    Args { quick, json: argv.iter().any(|a| a == "--json"), reps }
+    Args {
+        quick,
+        json: argv.iter().any(|a| a == "--json"),
+        reps,
+    }
 }
 
 /// Streams a buffer larger than every cache through the cores, evicting `M`.
@@ -109,9 +116,17 @@ fn reference(m: &[f32], threads: usize) -> f32 {
     }
     let chunk = m.len().div_ceil(threads);
     std::thread::scope(|s| {
-        let handles: Vec<_> = m.chunks(chunk).skip(1).map(|c| s.spawn(move || sum_slice(c))).collect();
+        let handles: Vec<_> = m
+            .chunks(chunk)
+            .skip(1)
+            .map(|c| s.spawn(move || sum_slice(c)))
+            .collect();
         let first = sum_slice(&m[..chunk.min(m.len())]);
-        first + handles.into_iter().map(|h| h.join().unwrap_or(0.0)).sum::<f32>()
+        first
+            + handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or(0.0))
+                .sum::<f32>()
     })
 }
 
@@ -126,6 +141,56 @@ enum Op {
     Mtp,
 }
 
+/// The same product through `gemm`, writing a column-major (`col_major`) or row-major
+/// output. `M` is row-major `n x n`; the input factor is column-major, as ours.
+#[allow(clippy::too_many_arguments)]
+fn gemm_product(
+    op: Op,
+    n: usize,
+    r: usize,
+    m: &[f32],
+    input: &[f32],
+    out: &mut [f32],
+    col_major: bool,
+    threads: usize,
+) {
+    let par = if threads > 1 {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    };
+    let (n_i, r_i) = (n as isize, r as isize);
+    let (dst_cs, dst_rs) = if col_major { (n_i, 1) } else { (1, r_i) };
+    // M is row-major: element (i, j) at i * n + j. As the left operand of `M Q` its
+    // column stride is 1 and its row stride n; as `Mᵀ` in `Mᵀ P` the two swap.
+    let (lhs_cs, lhs_rs) = if op == Op::Mq { (1, n_i) } else { (n_i, 1) };
+    // SAFETY: every pointer covers the n x n, n x r and n x r operands described by the
+    // strides above; `out` does not alias the inputs.
+    unsafe {
+        gemm::gemm(
+            n,
+            r,
+            n,
+            out.as_mut_ptr(),
+            dst_cs,
+            dst_rs,
+            false,
+            m.as_ptr(),
+            lhs_cs,
+            lhs_rs,
+            input.as_ptr(),
+            n_i,
+            1,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            par,
+        );
+    }
+}
+
 fn main() {
     let a = args();
     let cpu = CpuBackend::new();
@@ -134,12 +199,14 @@ fn main() {
     let mut flush_buf = vec![1u64; FLUSH_BYTES / 8];
     if !a.json {
         println!(
-            "{:<8} {:>6} {:>6} {:>3} {:>7} {:>9} {:>10} {:>9}",
+            "{:<9} {:>6} {:>6} {:>3} {:>7} {:>9} {:>10} {:>9}",
             "op", "n", "m", "r", "threads", "GB/s", "ref GB/s", "fraction"
         );
     }
     for &n in sizes {
-        let m_host: Vec<f32> = (0..n * n).map(|i| ((i % 251) as f32 - 125.0) * 1e-3).collect();
+        let m_host: Vec<f32> = (0..n * n)
+            .map(|i| ((i % 251) as f32 - 125.0) * 1e-3)
+            .collect();
         for op in [Op::Mq, Op::Mtp] {
             for r in [1, 2, 4, 8] {
                 let d = Dims::new(1, n, n, r).expect("valid shape");
@@ -149,6 +216,8 @@ fn main() {
                 for threads in [1, 2] {
                     let be = cpu.clone().with_threads(threads).expect("threads");
                     let (mut tk, mut tr) = (Vec::new(), Vec::new());
+                    let (mut tg_col, mut tg_row) = (Vec::new(), Vec::new());
+                    let mut g_out = vec![0.0f32; n * r];
                     for _ in 0..a.reps {
                         flush(&mut flush_buf);
                         let t = Instant::now();
@@ -163,32 +232,60 @@ fn main() {
                         .expect("kernel");
                         tk.push(t.elapsed());
                         black_box((&p_out, &q));
+                        let input = if op == Op::Mq { &q } else { &p };
+                        for (col_major, times) in [(true, &mut tg_col), (false, &mut tg_row)] {
+                            flush(&mut flush_buf);
+                            let t = Instant::now();
+                            gemm_product(op, n, r, &m_host, input, &mut g_out, col_major, threads);
+                            times.push(t.elapsed());
+                            black_box(&g_out);
+                        }
                     }
+                    let gemm_time = median(tg_col).min(median(tg_row));
                     let bytes = (n * n * 4) as f64;
-                    let gbs = bytes / median(tk).as_secs_f64() / 1e9;
                     let ref_gbs = bytes / median(tr).as_secs_f64() / 1e9;
                     let name = if op == Op::Mq { "mq" } else { "mtp" };
-                    if a.json {
-                        println!(
-                            "{{\"bench\":\"lowrank/{name}\",\"isa\":\"{}\",\"n\":{n},\"m\":{n},\"r\":{r},\"threads\":{threads},\"gb_per_s\":{gbs:.3},\"reference_gb_per_s\":{ref_gbs:.3},\"fraction_of_bandwidth\":{:.4}}}",
-                            isa.name(),
-                            gbs / ref_gbs
-                        );
-                    } else {
-                        println!(
-                            "{:<8} {:>6} {:>6} {:>3} {:>7} {:>9.2} {:>10.2} {:>8.1}%",
-                            name,
-                            n,
-                            n,
-                            r,
-                            threads,
-                            gbs,
-                            ref_gbs,
-                            100.0 * gbs / ref_gbs
-                        );
+                    for (row, time) in [
+                        (name.to_string(), median(tk)),
+                        (format!("gemm-{name}"), gemm_time),
+                    ] {
+                        let gbs = bytes / time.as_secs_f64() / 1e9;
+                        report(&a, &row, isa, n, r, threads, gbs, ref_gbs);
                     }
                 }
             }
         }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn report(
+    a: &Args,
+    name: &str,
+    isa: Isa,
+    n: usize,
+    r: usize,
+    threads: usize,
+    gbs: f64,
+    ref_gbs: f64,
+) {
+    if a.json {
+        println!(
+            "{{\"bench\":\"lowrank/{name}\",\"isa\":\"{}\",\"n\":{n},\"m\":{n},\"r\":{r},\"threads\":{threads},\"gb_per_s\":{gbs:.3},\"reference_gb_per_s\":{ref_gbs:.3},\"fraction_of_bandwidth\":{:.4}}}",
+            isa.name(),
+            gbs / ref_gbs
+        );
+    } else {
+        println!(
+            "{:<9} {:>6} {:>6} {:>3} {:>7} {:>9.2} {:>10.2} {:>8.1}%",
+            name,
+            n,
+            n,
+            r,
+            threads,
+            gbs,
+            ref_gbs,
+            100.0 * gbs / ref_gbs
+        );
     }
 }

@@ -124,7 +124,14 @@ pub trait Backend: Send + Sync {
     /// column whose norm after projection is at most `8 · n · ε_f32` times its norm before
     /// any projection (or exactly zero) is set to zero and stays zero, so zero input never
     /// gives NaN and `r > n` is handled (the surplus columns become zero).
-    fn orthogonalize(&self, batch: usize, n: usize, r: usize, x: Self::ViewMut<'_, f32>, eps: f32) -> Result<()>;
+    fn orthogonalize(
+        &self,
+        batch: usize,
+        n: usize,
+        r: usize,
+        x: Self::ViewMut<'_, f32>,
+        eps: f32,
+    ) -> Result<()>;
 
     /// `y += x`.
     fn add(&self, y: Self::ViewMut<'_, f32>, x: Self::View<'_, f32>) -> Result<()>;
@@ -135,7 +142,11 @@ pub trait Backend: Send + Sync {
     /// Sets every element to zero.
     fn zero<T: Element>(&self, x: Self::ViewMut<'_, T>) -> Result<()>;
     /// Converts between element types with round-to-nearest-even (`f32 <-> f16/bf16`).
-    fn cast<S: Element, D: Element>(&self, src: Self::View<'_, S>, dst: Self::ViewMut<'_, D>) -> Result<()>;
+    fn cast<S: Element, D: Element>(
+        &self,
+        src: Self::View<'_, S>,
+        dst: Self::ViewMut<'_, D>,
+    ) -> Result<()>;
     /// Fills `x` with standard-normal values drawn on the host from `rng`, so every
     /// backend produces the same values from the same generator state.
     fn fill_normal(&self, rng: &mut NormalRng, x: Self::ViewMut<'_, f32>) -> Result<()>;

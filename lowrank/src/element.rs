@@ -25,7 +25,15 @@ impl<T> DeviceElement for T {}
 /// An element type of a buffer: `f32` for everything, `f16` and `bf16` for compressed
 /// transfers (casts). Sealed: the kernels exist for these three only.
 pub trait Element:
-    sealed::Sealed + bytemuck::Pod + Default + PartialEq + std::fmt::Debug + Send + Sync + DeviceElement + 'static
+    sealed::Sealed
+    + bytemuck::Pod
+    + Default
+    + PartialEq
+    + std::fmt::Debug
+    + Send
+    + Sync
+    + DeviceElement
+    + 'static
 {
     /// The name used in kernels and messages (`"f32"`, `"f16"`, `"bf16"`).
     const NAME: &'static str;

@@ -39,7 +39,8 @@ fn on<B: Backend>(be: &B, host: &[f32]) -> B::Buffer<f32> {
 
 fn back<B: Backend>(be: &B, buf: &B::Buffer<f32>) -> Vec<f32> {
     let mut out = vec![0.0; B::buffer_len(buf)];
-    be.download(B::view(buf, ..).unwrap(), &mut out).expect("download");
+    be.download(B::view(buf, ..).unwrap(), &mut out)
+        .expect("download");
     out
 }
 
@@ -58,7 +59,10 @@ fn ref_mq(d: Dims, m: &[f32], q: &[f32]) -> Vec<f64> {
         for k in 0..d.r {
             for i in 0..d.n {
                 p[b * d.n * d.r + k * d.n + i] = (0..d.m)
-                    .map(|j| m[b * d.n * d.m + i * d.m + j] as f64 * q[b * d.m * d.r + k * d.m + j] as f64)
+                    .map(|j| {
+                        m[b * d.n * d.m + i * d.m + j] as f64
+                            * q[b * d.m * d.r + k * d.m + j] as f64
+                    })
                     .sum();
             }
         }
@@ -72,7 +76,10 @@ fn ref_mtp(d: Dims, m: &[f32], p: &[f32]) -> Vec<f64> {
         for k in 0..d.r {
             for j in 0..d.m {
                 q[b * d.m * d.r + k * d.m + j] = (0..d.n)
-                    .map(|i| m[b * d.n * d.m + i * d.m + j] as f64 * p[b * d.n * d.r + k * d.n + i] as f64)
+                    .map(|i| {
+                        m[b * d.n * d.m + i * d.m + j] as f64
+                            * p[b * d.n * d.r + k * d.n + i] as f64
+                    })
                     .sum();
             }
         }
@@ -86,7 +93,10 @@ fn ref_pqt(d: Dims, p: &[f32], q: &[f32]) -> Vec<f64> {
         for i in 0..d.n {
             for j in 0..d.m {
                 m[b * d.n * d.m + i * d.m + j] = (0..d.r)
-                    .map(|k| p[b * d.n * d.r + k * d.n + i] as f64 * q[b * d.m * d.r + k * d.m + j] as f64)
+                    .map(|k| {
+                        p[b * d.n * d.r + k * d.n + i] as f64
+                            * q[b * d.m * d.r + k * d.m + j] as f64
+                    })
                     .sum();
             }
         }
@@ -98,11 +108,23 @@ fn ref_pqt(d: Dims, p: &[f32], q: &[f32]) -> Vec<f64> {
 /// `1e-5 · sqrt(inner)`; an all-zero reference needs an all-zero result.
 fn assert_close(what: &str, got: &[f32], want: &[f64], inner: usize) {
     assert_eq!(got.len(), want.len(), "{what}: length");
-    assert!(got.iter().all(|x| x.is_finite()), "{what}: non-finite output");
-    let diff: f64 = got.iter().zip(want).map(|(&g, &w)| (g as f64 - w).powi(2)).sum::<f64>().sqrt();
+    assert!(
+        got.iter().all(|x| x.is_finite()),
+        "{what}: non-finite output"
+    );
+    let diff: f64 = got
+        .iter()
+        .zip(want)
+        .map(|(&g, &w)| (g as f64 - w).powi(2))
+        .sum::<f64>()
+        .sqrt();
     let norm: f64 = want.iter().map(|w| w * w).sum::<f64>().sqrt();
     let tol = 1e-5 * (inner.max(1) as f64).sqrt();
-    assert!(diff <= tol * norm, "{what}: relative error {} > {tol}", diff / norm);
+    assert!(
+        diff <= tol * norm,
+        "{what}: relative error {} > {tol}",
+        diff / norm
+    );
 }
 
 fn check_products<B: Backend>(be: &B) {
@@ -110,26 +132,34 @@ fn check_products<B: Backend>(be: &B) {
         let d = Dims::new(batch, n, m, r).unwrap();
         let name = |op: &str| format!("{} {op} on {d}", be.name());
         let seed = 100 * s as u64;
-        let (hm, hq, hp) = (random(d.m_len(), seed), random(d.q_len(), seed + 1), random(d.p_len(), seed + 2));
+        let (hm, hq, hp) = (
+            random(d.m_len(), seed),
+            random(d.q_len(), seed + 1),
+            random(d.p_len(), seed + 2),
+        );
         let (bm, bq, bp) = (on(be, &hm), on(be, &hq), on(be, &hp));
 
         let mut out = be.alloc::<f32>(d.p_len()).unwrap();
-        be.mq(d, v::<B>(&bm), v::<B>(&bq), vm::<B>(&mut out)).unwrap();
+        be.mq(d, v::<B>(&bm), v::<B>(&bq), vm::<B>(&mut out))
+            .unwrap();
         assert_close(&name("M Q"), &back(be, &out), &ref_mq(d, &hm, &hq), m);
 
         let mut out = be.alloc::<f32>(d.q_len()).unwrap();
-        be.mtp(d, v::<B>(&bm), v::<B>(&bp), vm::<B>(&mut out)).unwrap();
+        be.mtp(d, v::<B>(&bm), v::<B>(&bp), vm::<B>(&mut out))
+            .unwrap();
         assert_close(&name("Mᵀ P"), &back(be, &out), &ref_mtp(d, &hm, &hp), n);
 
         let mut out = on(be, &random(d.m_len(), seed + 3)); // overwritten, not accumulated
-        be.pqt(d, v::<B>(&bp), v::<B>(&bq), vm::<B>(&mut out)).unwrap();
+        be.pqt(d, v::<B>(&bp), v::<B>(&bq), vm::<B>(&mut out))
+            .unwrap();
         assert_close(&name("P Qᵀ"), &back(be, &out), &ref_pqt(d, &hp, &hq), r);
 
         // x = g + e; P = x Q.
         let he = random(d.m_len(), seed + 4);
         let (mut g, e) = (on(be, &hm), on(be, &he));
         let mut p = be.alloc::<f32>(d.p_len()).unwrap();
-        be.add_mq(d, vm::<B>(&mut g), v::<B>(&e), v::<B>(&bq), vm::<B>(&mut p)).unwrap();
+        be.add_mq(d, vm::<B>(&mut g), v::<B>(&e), v::<B>(&bq), vm::<B>(&mut p))
+            .unwrap();
         let x: Vec<f32> = hm.iter().zip(&he).map(|(a, b)| a + b).collect();
         assert_eq!(back(be, &g), x, "{}: x = g + e", name("add_mq"));
         assert_close(&name("add_mq P"), &back(be, &p), &ref_mq(d, &x, &hq), m);
@@ -137,7 +167,14 @@ fn check_products<B: Backend>(be: &B) {
         // M̂ = P Qᵀ written over x; e = x - M̂.
         let mut xm = on(be, &x);
         let mut e = on(be, &random(d.m_len(), seed + 5));
-        be.pqt_error(d, v::<B>(&bp), v::<B>(&bq), vm::<B>(&mut xm), vm::<B>(&mut e)).unwrap();
+        be.pqt_error(
+            d,
+            v::<B>(&bp),
+            v::<B>(&bq),
+            vm::<B>(&mut xm),
+            vm::<B>(&mut e),
+        )
+        .unwrap();
         let want = ref_pqt(d, &hp, &hq);
         assert_close(&name("pqt_error M̂"), &back(be, &xm), &want, r);
         let want_e: Vec<f64> = x.iter().zip(&want).map(|(&x, &w)| x as f64 - w).collect();
@@ -146,8 +183,17 @@ fn check_products<B: Backend>(be: &B) {
         // The error is x - M̂ with M̂ computed in f32: compare with the f64 error using the
         // magnitude of x, not of the (possibly cancelled) error, as the scale.
         let scale: f64 = x.iter().map(|&v| (v as f64).powi(2)).sum::<f64>().sqrt();
-        let diff: f64 = got_e.iter().zip(&tol_e).map(|(&g, &w)| (g as f64 - w).powi(2)).sum::<f64>().sqrt();
-        assert!(diff <= 1e-5 * (r as f64).sqrt() * scale.max(1e-30), "{}: error update off by {diff}", name("pqt_error"));
+        let diff: f64 = got_e
+            .iter()
+            .zip(&tol_e)
+            .map(|(&g, &w)| (g as f64 - w).powi(2))
+            .sum::<f64>()
+            .sqrt();
+        assert!(
+            diff <= 1e-5 * (r as f64).sqrt() * scale.max(1e-30),
+            "{}: error update off by {diff}",
+            name("pqt_error")
+        );
     }
 }
 
@@ -159,26 +205,46 @@ fn columns(x: &[f32], n: usize) -> Vec<&[f32]> {
 fn gram(x: &[f32], n: usize, r: usize) -> Vec<Vec<f64>> {
     let c = columns(x, n);
     (0..r)
-        .map(|a| (0..r).map(|b| c[a].iter().zip(c[b]).map(|(&u, &v)| u as f64 * v as f64).sum()).collect())
+        .map(|a| {
+            (0..r)
+                .map(|b| {
+                    c[a].iter()
+                        .zip(c[b])
+                        .map(|(&u, &v)| u as f64 * v as f64)
+                        .sum()
+                })
+                .collect()
+        })
         .collect()
 }
 
 fn orth<B: Backend>(be: &B, batch: usize, n: usize, r: usize, x: &[f32], eps: f32) -> Vec<f32> {
     let mut buf = on(be, x);
-    be.orthogonalize(batch, n, r, vm::<B>(&mut buf), eps).unwrap();
+    be.orthogonalize(batch, n, r, vm::<B>(&mut buf), eps)
+        .unwrap();
     back(be, &buf)
 }
 
 fn check_orthogonalize<B: Backend>(be: &B) {
     // Well-conditioned (random) input: PᵀP = I within 1e-5.
-    for &(batch, n, r) in &[(1, 1, 1), (3, 50, 4), (2, 1000, 8), (1, 4096, 2), (1, 200, 64)] {
+    for &(batch, n, r) in &[
+        (1, 1, 1),
+        (3, 50, 4),
+        (2, 1000, 8),
+        (1, 4096, 2),
+        (1, 200, 64),
+    ] {
         let x = orth(be, batch, n, r, &random(batch * n * r, n as u64), 0.0);
         for b in 0..batch {
             let g = gram(&x[b * n * r..(b + 1) * n * r], n, r);
             for (a, row) in g.iter().enumerate() {
                 for (c, &val) in row.iter().enumerate() {
                     let want = if a == c { 1.0 } else { 0.0 };
-                    assert!((val - want).abs() < 1e-5, "{}: PᵀP[{a}][{c}] = {val} for n={n} r={r}", be.name());
+                    assert!(
+                        (val - want).abs() < 1e-5,
+                        "{}: PᵀP[{a}][{c}] = {val} for n={n} r={r}",
+                        be.name()
+                    );
                 }
             }
         }
@@ -186,7 +252,11 @@ fn check_orthogonalize<B: Backend>(be: &B) {
     // Zero input gives zeros, never NaN, with and without epsilon.
     for eps in [0.0, 1e-8] {
         let x = orth(be, 2, 33, 3, &vec![0.0; 2 * 33 * 3], eps);
-        assert!(x.iter().all(|&v| v == 0.0), "{}: zero input must stay zero", be.name());
+        assert!(
+            x.iter().all(|&v| v == 0.0),
+            "{}: zero input must stay zero",
+            be.name()
+        );
     }
     // Rank-deficient: column 2 = 2 * column 0 + column 1 becomes exactly zero; a zero
     // column in the middle stays zero and does not disturb the others.
@@ -197,7 +267,11 @@ fn check_orthogonalize<B: Backend>(be: &B) {
         x[2 * n + i] = 2.0 * c0[i] + c1[i];
     }
     let y = orth(be, 1, n, 4, &x, 0.0);
-    assert!(y[2 * n..3 * n].iter().all(|&v| v == 0.0), "{}: dependent column must be zero", be.name());
+    assert!(
+        y[2 * n..3 * n].iter().all(|&v| v == 0.0),
+        "{}: dependent column must be zero",
+        be.name()
+    );
     let g = gram(&y, n, 4);
     for a in [0, 1, 3] {
         assert!((g[a][a] - 1.0).abs() < 1e-5);
@@ -210,7 +284,11 @@ fn check_orthogonalize<B: Backend>(be: &B) {
     // r > n: the first n columns span the space, the rest become zero.
     let (n, r) = (3, 6);
     let y = orth(be, 1, n, r, &random(n * r, 11), 0.0);
-    assert!(y[n * n..].iter().all(|&v| v == 0.0), "{}: surplus columns must be zero", be.name());
+    assert!(
+        y[n * n..].iter().all(|&v| v == 0.0),
+        "{}: surplus columns must be zero",
+        be.name()
+    );
     let g = gram(&y, n, n);
     for (a, row) in g.iter().enumerate() {
         assert!((row[a] - 1.0).abs() < 1e-5);
@@ -243,12 +321,30 @@ fn check_elementwise<B: Backend>(be: &B) {
         check_cast::<B, bf16>(be, &a);
     }
     // Values that test rounding and the special cases of the half formats.
-    let special = [0.0, -0.0, 1.0, 65504.0, 65520.0, 1e-8, 6e-8, -3.1e-5, f32::INFINITY, f32::NEG_INFINITY, 1.0 + 1.0 / 2048.0, 1.0 + 3.0 / 2048.0, 3.4e38];
+    let special = [
+        0.0,
+        -0.0,
+        1.0,
+        65504.0,
+        65520.0,
+        1e-8,
+        6e-8,
+        -3.1e-5,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        1.0 + 1.0 / 2048.0,
+        1.0 + 3.0 / 2048.0,
+        3.4e38,
+    ];
     check_cast::<B, f16>(be, &special);
     check_cast::<B, bf16>(be, &special);
     // NaN stays NaN.
     let mut h = be.alloc::<f16>(1).unwrap();
-    be.cast::<f32, f16>(v::<B>(&on(be, &[f32::NAN])), B::view_mut(&mut h, ..).unwrap()).unwrap();
+    be.cast::<f32, f16>(
+        v::<B>(&on(be, &[f32::NAN])),
+        B::view_mut(&mut h, ..).unwrap(),
+    )
+    .unwrap();
     let mut out = [f16::ZERO];
     be.download(B::view(&h, ..).unwrap(), &mut out).unwrap();
     assert!(out[0].is_nan());
@@ -257,49 +353,108 @@ fn check_elementwise<B: Backend>(be: &B) {
 /// `f32 -> T -> f32` matches the `half` crate's round-to-nearest-even conversions.
 fn check_cast<B: Backend, T: Element>(be: &B, a: &[f32]) {
     let mut h = be.alloc::<T>(a.len()).unwrap();
-    be.cast::<f32, T>(v::<B>(&on(be, a)), B::view_mut(&mut h, ..).unwrap()).unwrap();
+    be.cast::<f32, T>(v::<B>(&on(be, a)), B::view_mut(&mut h, ..).unwrap())
+        .unwrap();
     let mut hh = vec![T::default(); a.len()];
     be.download(B::view(&h, ..).unwrap(), &mut hh).unwrap();
     let want: Vec<T> = a.iter().map(|&x| T::from_f32(x)).collect();
     assert_eq!(hh, want, "{}: f32 -> {}", be.name(), T::NAME);
     let mut back32 = be.alloc::<f32>(a.len()).unwrap();
-    be.cast::<T, f32>(B::view(&h, ..).unwrap(), vm::<B>(&mut back32)).unwrap();
+    be.cast::<T, f32>(B::view(&h, ..).unwrap(), vm::<B>(&mut back32))
+        .unwrap();
     let want: Vec<f32> = want.iter().map(|x| x.to_f32()).collect();
     assert_eq!(back(be, &back32), want, "{}: {} -> f32", be.name(), T::NAME);
 }
 
 fn check_fill_normal<B: Backend>(be: &B) {
     let mut buf = be.alloc::<f32>(1001).unwrap();
-    be.fill_normal(&mut NormalRng::new(5), vm::<B>(&mut buf)).unwrap();
+    be.fill_normal(&mut NormalRng::new(5), vm::<B>(&mut buf))
+        .unwrap();
     let mut want = vec![0.0; 1001];
     NormalRng::new(5).fill(&mut want);
-    assert_eq!(back(be, &buf), want, "{}: fill_normal must draw on the host", be.name());
+    assert_eq!(
+        back(be, &buf),
+        want,
+        "{}: fill_normal must draw on the host",
+        be.name()
+    );
 }
 
 fn check_bad_input<B: Backend>(be: &B) {
     let d = Dims::new(2, 4, 3, 2).unwrap();
     let (m, q, p) = (on(be, &[0.0; 24]), on(be, &[0.0; 12]), on(be, &[0.0; 16]));
     let mut short = be.alloc::<f32>(15).unwrap();
-    let err = be.mq(d, v::<B>(&m), v::<B>(&q), vm::<B>(&mut short)).unwrap_err();
-    assert!(matches!(err, Error::BufferSize { name: "p", expected: 16, actual: 15, .. }), "{err}");
-    let err = be.mtp(d, v::<B>(&p), v::<B>(&p), vm::<B>(&mut short)).unwrap_err();
+    let err = be
+        .mq(d, v::<B>(&m), v::<B>(&q), vm::<B>(&mut short))
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::BufferSize {
+                name: "p",
+                expected: 16,
+                actual: 15,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let err = be
+        .mtp(d, v::<B>(&p), v::<B>(&p), vm::<B>(&mut short))
+        .unwrap_err();
     assert!(matches!(err, Error::BufferSize { name: "m", .. }), "{err}");
     let mut mm = on(be, &[0.0; 24]);
-    let err = be.pqt(d, v::<B>(&p), v::<B>(&m), vm::<B>(&mut mm)).unwrap_err();
+    let err = be
+        .pqt(d, v::<B>(&p), v::<B>(&m), vm::<B>(&mut mm))
+        .unwrap_err();
     assert!(matches!(err, Error::BufferSize { name: "q", .. }), "{err}");
     assert!(matches!(Dims::new(1, 4, 4, 0), Err(Error::InvalidRank(0))));
-    assert!(matches!(Dims::new(1, 4, 4, MAX_RANK + 1), Err(Error::InvalidRank(65))));
-    assert!(matches!(Dims::new(usize::MAX, 2, 2, 1), Err(Error::Overflow(_))));
+    assert!(matches!(
+        Dims::new(1, 4, 4, MAX_RANK + 1),
+        Err(Error::InvalidRank(65))
+    ));
+    assert!(matches!(
+        Dims::new(usize::MAX, 2, 2, 1),
+        Err(Error::Overflow(_))
+    ));
     let mut x = on(be, &[1.0; 8]);
-    assert!(matches!(be.orthogonalize(1, 4, 2, vm::<B>(&mut x), -1.0), Err(Error::InvalidEpsilon(_))));
-    assert!(matches!(be.orthogonalize(1, 4, 2, vm::<B>(&mut x), f32::NAN), Err(Error::InvalidEpsilon(_))));
-    assert!(matches!(be.orthogonalize(1, 4, 3, vm::<B>(&mut x), 0.0), Err(Error::BufferSize { .. })));
-    assert!(matches!(be.orthogonalize(1, 4, 0, vm::<B>(&mut x), 0.0), Err(Error::InvalidRank(0))));
-    assert!(matches!(be.scale(vm::<B>(&mut x), f32::INFINITY), Err(Error::InvalidScale(_))));
-    assert!(matches!(be.add(vm::<B>(&mut x), v::<B>(&q)), Err(Error::LengthMismatch { .. })));
-    assert!(matches!(B::view(&x, 4..9), Err(Error::OutOfBounds { start: 4, end: 9, len: 8 })));
+    assert!(matches!(
+        be.orthogonalize(1, 4, 2, vm::<B>(&mut x), -1.0),
+        Err(Error::InvalidEpsilon(_))
+    ));
+    assert!(matches!(
+        be.orthogonalize(1, 4, 2, vm::<B>(&mut x), f32::NAN),
+        Err(Error::InvalidEpsilon(_))
+    ));
+    assert!(matches!(
+        be.orthogonalize(1, 4, 3, vm::<B>(&mut x), 0.0),
+        Err(Error::BufferSize { .. })
+    ));
+    assert!(matches!(
+        be.orthogonalize(1, 4, 0, vm::<B>(&mut x), 0.0),
+        Err(Error::InvalidRank(0))
+    ));
+    assert!(matches!(
+        be.scale(vm::<B>(&mut x), f32::INFINITY),
+        Err(Error::InvalidScale(_))
+    ));
+    assert!(matches!(
+        be.add(vm::<B>(&mut x), v::<B>(&q)),
+        Err(Error::LengthMismatch { .. })
+    ));
+    assert!(matches!(
+        B::view(&x, 4..9),
+        Err(Error::OutOfBounds {
+            start: 4,
+            end: 9,
+            len: 8
+        })
+    ));
     let mut host = [0.0f32; 3];
-    assert!(matches!(be.download(v::<B>(&x), &mut host), Err(Error::LengthMismatch { .. })));
+    assert!(matches!(
+        be.download(v::<B>(&x), &mut host),
+        Err(Error::LengthMismatch { .. })
+    ));
 }
 
 /// Sub-views address the right elements (what the hooks use to carve P and Q memory).
@@ -309,7 +464,13 @@ fn check_views<B: Backend>(be: &B) {
     let buf = on(be, &host);
     let mut p = on(be, &[0.0; 10]);
     // M = host[2..14], Q = host[14..18], P written into p[5..8].
-    be.mq(d, B::view(&buf, 2..14).unwrap(), B::view(&buf, 14..18).unwrap(), B::view_mut(&mut p, 5..8).unwrap()).unwrap();
+    be.mq(
+        d,
+        B::view(&buf, 2..14).unwrap(),
+        B::view(&buf, 14..18).unwrap(),
+        B::view_mut(&mut p, 5..8).unwrap(),
+    )
+    .unwrap();
     let want = ref_mq(d, &host[2..14], &host[14..18]);
     let got = back(be, &p);
     assert_eq!(&got[..5], &[0.0; 5]);
@@ -320,7 +481,15 @@ fn check_views<B: Backend>(be: &B) {
 fn cpu_backends() -> Vec<CpuBackend> {
     Isa::supported()
         .into_iter()
-        .flat_map(|isa| [1, 2].map(|t| CpuBackend::new().with_isa(isa).unwrap().with_threads(t).unwrap()))
+        .flat_map(|isa| {
+            [1, 2].map(|t| {
+                CpuBackend::new()
+                    .with_isa(isa)
+                    .unwrap()
+                    .with_threads(t)
+                    .unwrap()
+            })
+        })
         .collect()
 }
 
@@ -369,27 +538,48 @@ cpu_tests!(
 #[test]
 fn results_do_not_depend_on_thread_count() {
     let d = Dims::new(1, 1024, 1536, 3).unwrap();
-    let (m, q, p) = (random(d.m_len(), 1), random(d.q_len(), 2), random(d.p_len(), 3));
+    let (m, q, p) = (
+        random(d.m_len(), 1),
+        random(d.q_len(), 2),
+        random(d.p_len(), 3),
+    );
     for isa in Isa::supported() {
         let run = |threads: usize| {
-            let be = CpuBackend::new().with_isa(isa).unwrap().with_threads(threads).unwrap();
-            let (mut po, mut qo, mut mo) = (vec![0.0; d.p_len()], vec![0.0; d.q_len()], vec![0.0; d.m_len()]);
+            let be = CpuBackend::new()
+                .with_isa(isa)
+                .unwrap()
+                .with_threads(threads)
+                .unwrap();
+            let (mut po, mut qo, mut mo) = (
+                vec![0.0; d.p_len()],
+                vec![0.0; d.q_len()],
+                vec![0.0; d.m_len()],
+            );
             be.mq(d, &m, &q, &mut po).unwrap();
             be.mtp(d, &m, &p, &mut qo).unwrap();
             be.pqt(d, &p, &q, &mut mo).unwrap();
             (po, qo, mo)
         };
         let one = run(1);
-        assert!(one == run(2) && one == run(3), "{isa:?}: results changed with the thread count");
+        assert!(
+            one == run(2) && one == run(3),
+            "{isa:?}: results changed with the thread count"
+        );
     }
 }
 
 #[test]
 fn unsupported_isa_and_zero_threads_are_errors() {
-    assert!(matches!(CpuBackend::new().with_threads(0), Err(Error::InvalidThreads)));
+    assert!(matches!(
+        CpuBackend::new().with_threads(0),
+        Err(Error::InvalidThreads)
+    ));
     for isa in [Isa::Avx512, Isa::Avx2] {
         if !isa.is_supported() {
-            assert!(matches!(CpuBackend::new().with_isa(isa), Err(Error::UnsupportedIsa(_))));
+            assert!(matches!(
+                CpuBackend::new().with_isa(isa),
+                Err(Error::UnsupportedIsa(_))
+            ));
         }
     }
 }

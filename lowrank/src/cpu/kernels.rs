@@ -33,7 +33,15 @@ pub(crate) struct Mat {
 impl Mat {
     /// The pointers of matrix 0 of a batch of shape `d`.
     pub(crate) fn base(d: &crate::Dims, m: *mut f32, e: *mut f32, p: *mut f32, q: *mut f32) -> Mat {
-        Mat { m, e, p, q, n: d.n, cols: d.m, r: d.r }
+        Mat {
+            m,
+            e,
+            p,
+            q,
+            n: d.n,
+            cols: d.m,
+            r: d.r,
+        }
     }
 
     /// The pointers of matrix `b` (offsets computed with wrapping arithmetic; they are
@@ -42,7 +50,11 @@ impl Mat {
         let mo = b * d.matrix_len();
         Mat {
             m: self.m.wrapping_add(mo),
-            e: if self.e.is_null() { self.e } else { self.e.wrapping_add(mo) },
+            e: if self.e.is_null() {
+                self.e
+            } else {
+                self.e.wrapping_add(mo)
+            },
             p: self.p.wrapping_add(b * d.n * d.r),
             q: self.q.wrapping_add(b * d.m * d.r),
             ..*self
@@ -62,8 +74,14 @@ unsafe impl Sync for Mat {}
 
 /// `P[rows, k0..k0+RT] = X[rows] Q[:, k0..k0+RT]` for `RB` rows starting at `i0`. With
 /// `FUSE`, `X = M + E` is computed on the fly and written back into `M`.
+// Register tiles read best with explicit indices.
+#[allow(clippy::needless_range_loop)]
 #[inline(always)]
-unsafe fn mq_tile<S: Simd, const RB: usize, const RT: usize, const FUSE: bool>(a: &Mat, i0: usize, k0: usize) {
+unsafe fn mq_tile<S: Simd, const RB: usize, const RT: usize, const FUSE: bool>(
+    a: &Mat,
+    i0: usize,
+    k0: usize,
+) {
     let cols = a.cols;
     let lanes = S::LANES;
     // SAFETY: the caller guarantees rows i0..i0+RB < n and columns k0..k0+RT < r, so every
@@ -125,7 +143,10 @@ unsafe fn mq_tile<S: Simd, const RB: usize, const RT: usize, const FUSE: bool>(a
 /// 4). Only the first tile fuses the error add; later tiles read the already-updated rows
 /// (from cache).
 #[inline(always)]
-unsafe fn mq_block<S: Simd, const RB: usize, const WIDE: usize, const FUSE: bool>(a: &Mat, i0: usize) {
+unsafe fn mq_block<S: Simd, const RB: usize, const WIDE: usize, const FUSE: bool>(
+    a: &Mat,
+    i0: usize,
+) {
     let mut k0 = 0;
     while k0 < a.r {
         let rem = a.r - k0;
@@ -314,7 +335,10 @@ pub(crate) unsafe fn mtp_cols<S: Simd>(a: &Mat, cols: Range<usize>) {
 // M = P Qᵀ (optionally fused with E = X - M, X read from M)
 
 #[inline(always)]
-unsafe fn pqt_block<S: Simd, const RB: usize, const RC: usize, const FUSE: bool>(a: &Mat, i0: usize) {
+unsafe fn pqt_block<S: Simd, const RB: usize, const RC: usize, const FUSE: bool>(
+    a: &Mat,
+    i0: usize,
+) {
     let lanes = S::LANES;
     let cols = a.cols;
     let r = if RC == 0 { a.r } else { RC };
@@ -473,10 +497,10 @@ pub(crate) unsafe fn gram_schmidt<S: Simd>(x: *mut f32, n: usize, r: usize, eps:
         for (k, b) in before.iter_mut().enumerate().take(r) {
             *b = dot::<S>(col(k), col(k), n).sqrt();
         }
-        for i in 0..r {
+        for (i, &norm_before) in before.iter().enumerate().take(r) {
             let c = col(i);
             let norm = dot::<S>(c, c, n).sqrt();
-            if norm == 0.0 || norm <= tol * before[i] || !norm.is_finite() {
+            if norm == 0.0 || norm <= tol * norm_before || !norm.is_finite() {
                 std::ptr::write_bytes(c, 0, n);
                 continue;
             }
@@ -534,9 +558,17 @@ macro_rules! isa_entries {
 
 isa_entries!(portable, super::super::simd::Portable);
 #[cfg(target_arch = "x86_64")]
-isa_entries!(#[target_feature(enable = "avx2,fma")] avx2, super::super::simd::Avx2);
+isa_entries!(
+    #[target_feature(enable = "avx2,fma")]
+    avx2,
+    super::super::simd::Avx2
+);
 #[cfg(target_arch = "x86_64")]
-isa_entries!(#[target_feature(enable = "avx512f,avx2,fma")] avx512, super::super::simd::Avx512);
+isa_entries!(
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    avx512,
+    super::super::simd::Avx512
+);
 
 /// A raw pointer that may cross threads; the code sharing it guarantees disjoint access.
 #[derive(Clone, Copy)]

@@ -202,10 +202,19 @@ impl CpuBackend {
     }
 
     /// Element-wise `f` over matching chunks of two slices, in parallel when large.
-    fn zip_chunks<A: Sync, B: Send>(&self, a: &[A], b: &mut [B], f: impl Fn(&[A], &mut [B]) + Sync) {
+    fn zip_chunks<A: Sync, B: Send>(
+        &self,
+        a: &[A],
+        b: &mut [B],
+        f: impl Fn(&[A], &mut [B]) + Sync,
+    ) {
         debug_assert_eq!(a.len(), b.len());
         let bytes = a.len() * (size_of::<A>() + size_of::<B>());
-        let pieces = if bytes < PARALLEL_MIN_BYTES { 1 } else { self.threads };
+        let pieces = if bytes < PARALLEL_MIN_BYTES {
+            1
+        } else {
+            self.threads
+        };
         if pieces <= 1 {
             f(a, b);
             return;
@@ -301,11 +310,11 @@ impl Backend for CpuBackend {
         buf.len()
     }
 
-    fn view<'a, T: Element>(buf: &'a Vec<T>, range: impl RangeBounds<usize>) -> Result<&'a [T]> {
+    fn view<T: Element>(buf: &Vec<T>, range: impl RangeBounds<usize>) -> Result<&[T]> {
         Ok(&buf[resolve(range, buf.len())?])
     }
 
-    fn view_mut<'a, T: Element>(buf: &'a mut Vec<T>, range: impl RangeBounds<usize>) -> Result<&'a mut [T]> {
+    fn view_mut<T: Element>(buf: &mut Vec<T>, range: impl RangeBounds<usize>) -> Result<&mut [T]> {
         let r = resolve(range, buf.len())?;
         Ok(&mut buf[r])
     }
@@ -318,11 +327,17 @@ impl Backend for CpuBackend {
         d.expect("m", m.len(), d.m_len())?;
         d.expect("q", q.len(), d.q_len())?;
         d.expect("p", p.len(), d.p_len())?;
-        let (mp, qp, pp) = (m.as_ptr() as *mut f32, q.as_ptr() as *mut f32, p.as_mut_ptr());
+        let (mp, qp, pp) = (
+            m.as_ptr() as *mut f32,
+            q.as_ptr() as *mut f32,
+            p.as_mut_ptr(),
+        );
         let mat = Mat::base(&d, mp, std::ptr::null_mut(), pp, qp);
         // SAFETY: lengths were checked above; `m` is only read (no fusion); each task
         // writes the P entries of its own rows.
-        self.over_rows(&d, mat, |a, rows| unsafe { dispatch!(self.isa, mq(a, rows, false)) });
+        self.over_rows(&d, mat, |a, rows| unsafe {
+            dispatch!(self.isa, mq(a, rows, false))
+        });
         Ok(())
     }
 
@@ -330,11 +345,17 @@ impl Backend for CpuBackend {
         d.expect("m", m.len(), d.m_len())?;
         d.expect("p", p.len(), d.p_len())?;
         d.expect("q", q.len(), d.q_len())?;
-        let (mp, pp, qp) = (m.as_ptr() as *mut f32, p.as_ptr() as *mut f32, q.as_mut_ptr());
+        let (mp, pp, qp) = (
+            m.as_ptr() as *mut f32,
+            p.as_ptr() as *mut f32,
+            q.as_mut_ptr(),
+        );
         let mat = Mat::base(&d, mp, std::ptr::null_mut(), pp, qp);
         // SAFETY: lengths checked; `m` and `p` only read; each task writes its own
         // columns of Q.
-        self.over_cols(&d, mat, |a, cols| unsafe { dispatch!(self.isa, mtp(a, cols)) });
+        self.over_cols(&d, mat, |a, cols| unsafe {
+            dispatch!(self.isa, mtp(a, cols))
+        });
         Ok(())
     }
 
@@ -342,10 +363,16 @@ impl Backend for CpuBackend {
         d.expect("p", p.len(), d.p_len())?;
         d.expect("q", q.len(), d.q_len())?;
         d.expect("m", m.len(), d.m_len())?;
-        let (pp, qp, mp) = (p.as_ptr() as *mut f32, q.as_ptr() as *mut f32, m.as_mut_ptr());
+        let (pp, qp, mp) = (
+            p.as_ptr() as *mut f32,
+            q.as_ptr() as *mut f32,
+            m.as_mut_ptr(),
+        );
         let mat = Mat::base(&d, mp, std::ptr::null_mut(), pp, qp);
         // SAFETY: lengths checked; `p`, `q` only read; each task writes its own rows of M.
-        self.over_rows(&d, mat, |a, rows| unsafe { dispatch!(self.isa, pqt(a, rows, false)) });
+        self.over_rows(&d, mat, |a, rows| unsafe {
+            dispatch!(self.isa, pqt(a, rows, false))
+        });
         Ok(())
     }
 
@@ -354,11 +381,18 @@ impl Backend for CpuBackend {
         d.expect("e", e.len(), d.m_len())?;
         d.expect("q", q.len(), d.q_len())?;
         d.expect("p", p.len(), d.p_len())?;
-        let (gp, ep, qp, pp) = (g.as_mut_ptr(), e.as_ptr() as *mut f32, q.as_ptr() as *mut f32, p.as_mut_ptr());
+        let (gp, ep, qp, pp) = (
+            g.as_mut_ptr(),
+            e.as_ptr() as *mut f32,
+            q.as_ptr() as *mut f32,
+            p.as_mut_ptr(),
+        );
         let mat = Mat::base(&d, gp, ep, pp, qp);
         // SAFETY: lengths checked; `e` and `q` only read; each task writes its own rows of
         // G and the P entries of those rows.
-        self.over_rows(&d, mat, |a, rows| unsafe { dispatch!(self.isa, mq(a, rows, true)) });
+        self.over_rows(&d, mat, |a, rows| unsafe {
+            dispatch!(self.isa, mq(a, rows, true))
+        });
         Ok(())
     }
 
@@ -367,14 +401,28 @@ impl Backend for CpuBackend {
         d.expect("q", q.len(), d.q_len())?;
         d.expect("m", m.len(), d.m_len())?;
         d.expect("e", e.len(), d.m_len())?;
-        let (pp, qp, mp, ep) = (p.as_ptr() as *mut f32, q.as_ptr() as *mut f32, m.as_mut_ptr(), e.as_mut_ptr());
+        let (pp, qp, mp, ep) = (
+            p.as_ptr() as *mut f32,
+            q.as_ptr() as *mut f32,
+            m.as_mut_ptr(),
+            e.as_mut_ptr(),
+        );
         let mat = Mat::base(&d, mp, ep, pp, qp);
         // SAFETY: lengths checked; each task reads and writes its own rows of M and E.
-        self.over_rows(&d, mat, |a, rows| unsafe { dispatch!(self.isa, pqt(a, rows, true)) });
+        self.over_rows(&d, mat, |a, rows| unsafe {
+            dispatch!(self.isa, pqt(a, rows, true))
+        });
         Ok(())
     }
 
-    fn orthogonalize(&self, batch: usize, n: usize, r: usize, x: &mut [f32], eps: f32) -> Result<()> {
+    fn orthogonalize(
+        &self,
+        batch: usize,
+        n: usize,
+        r: usize,
+        x: &mut [f32],
+        eps: f32,
+    ) -> Result<()> {
         let d = Dims::new(batch, n, 1, r)?;
         d.expect("x", x.len(), d.p_len())?;
         check_epsilon(eps)?;
