@@ -123,7 +123,9 @@ pub trait Backend: Send + Sync {
     /// `eps == 0`, else `c / (‖c‖ + eps)`), then projected out of the later columns. A
     /// column whose norm after projection is at most `8 · n · ε_f32` times its norm before
     /// any projection (or exactly zero) is set to zero and stays zero, so zero input never
-    /// gives NaN and `r > n` is handled (the surplus columns become zero).
+    /// gives NaN and `r > n` is handled (the surplus columns become zero). The threshold
+    /// is capped at 1/128 for very long columns (`n` above about 8000), where `8 · n · ε`
+    /// would otherwise approach 1.
     fn orthogonalize(
         &self,
         batch: usize,

@@ -104,3 +104,13 @@ pub(crate) fn check_epsilon(eps: f32) -> Result<()> {
         Err(Error::InvalidEpsilon(eps))
     }
 }
+
+/// Gram-Schmidt's zero-column threshold for columns of `n` elements: a column whose norm
+/// after projection is at most this fraction of its norm before is set to zero.
+///
+/// `8 · n · ε_f32` bounds the rounding left in a fully dependent column after projection;
+/// it is capped at 1/128 because the bound reaches 1 at about a million rows (where it
+/// would zero every column), while the rounding actually seen grows like `√n · ε`.
+pub(crate) fn zero_column_tolerance(n: usize) -> f32 {
+    (8.0 * n as f32 * f32::EPSILON).min(1.0 / 128.0)
+}

@@ -127,8 +127,19 @@ fn assert_close(what: &str, got: &[f32], want: &[f64], inner: usize) {
     );
 }
 
+/// The edge shapes above plus 40 random ones (a fixed seed, so a failure reproduces).
+fn shapes() -> Vec<(usize, usize, usize, usize)> {
+    let mut g = NormalRng::new(2024);
+    let mut pick = |lo: u64, hi: u64| (lo + g.next_u64() % (hi - lo + 1)) as usize;
+    let mut v = SHAPES.to_vec();
+    for _ in 0..40 {
+        v.push((pick(0, 3), pick(1, 90), pick(1, 90), pick(1, 12)));
+    }
+    v
+}
+
 fn check_products<B: Backend>(be: &B) {
-    for (s, &(batch, n, m, r)) in SHAPES.iter().enumerate() {
+    for (s, &(batch, n, m, r)) in shapes().iter().enumerate() {
         let d = Dims::new(batch, n, m, r).unwrap();
         let name = |op: &str| format!("{} {op} on {d}", be.name());
         let seed = 100 * s as u64;
@@ -249,6 +260,22 @@ fn check_orthogonalize<B: Backend>(be: &B) {
             }
         }
     }
+    // The same random input gives the same columns as the CPU backend (modified
+    // Gram-Schmidt has no sign freedom), within rounding.
+    let (batch, n, r) = (3, 300, 6);
+    let x = random(batch * n * r, 77);
+    let got = orth(be, batch, n, r, &x, 1e-8);
+    let want = orth(&CpuBackend::new(), batch, n, r, &x, 1e-8);
+    let diff = got
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    assert!(
+        diff < 1e-5,
+        "{}: differs from the CPU backend by {diff}",
+        be.name()
+    );
     // Zero input gives zeros, never NaN, with and without epsilon.
     for eps in [0.0, 1e-8] {
         let x = orth(be, 2, 33, 3, &vec![0.0; 2 * 33 * 3], eps);
@@ -293,6 +320,16 @@ fn check_orthogonalize<B: Backend>(be: &B) {
     for (a, row) in g.iter().enumerate() {
         assert!((row[a] - 1.0).abs() < 1e-5);
     }
+    // Regression: the uncapped threshold 8·n·ε reaches 1 at n ≈ 10^6 and zeroed every
+    // column of such a factor; long independent columns must survive.
+    let n = (1 << 20) + 5;
+    let y = orth(be, 1, n, 2, &random(2 * n, 13), 0.0);
+    let g = gram(&y, n, 2);
+    assert!(
+        (g[0][0] - 1.0).abs() < 1e-4 && (g[1][1] - 1.0).abs() < 1e-4 && g[0][1].abs() < 1e-4,
+        "{}: long columns: {g:?}",
+        be.name()
+    );
     // Epsilon as PyTorch: c / (‖c‖ + eps).
     let x = vec![3.0, 4.0];
     let y = orth(be, 1, 2, 1, &x, 1.0);

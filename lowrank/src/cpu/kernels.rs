@@ -334,6 +334,8 @@ pub(crate) unsafe fn mtp_cols<S: Simd>(a: &Mat, cols: Range<usize>) {
 // ---------------------------------------------------------------------------------------
 // M = P Qᵀ (optionally fused with E = X - M, X read from M)
 
+// Register tiles read best with explicit indices.
+#[allow(clippy::needless_range_loop)]
 #[inline(always)]
 unsafe fn pqt_block<S: Simd, const RB: usize, const RC: usize, const FUSE: bool>(
     a: &Mat,
@@ -348,13 +350,25 @@ unsafe fn pqt_block<S: Simd, const RB: usize, const RC: usize, const FUSE: bool>
         let erow = |ii: usize| a.e.add((i0 + ii) * cols);
         let pval = |k: usize, ii: usize| *a.p.add(k * a.n + i0 + ii);
         let qcol = |k: usize| a.q.add(k * cols);
+        // With a constant rank, a local copy of this block's P values: the compiler knows
+        // nothing writes to it, so it keeps the broadcasts in registers across the row
+        // (it cannot for `a.p`, which might alias `a.m`).
+        let mut local = [[0.0f32; 8]; RB];
+        if RC != 0 {
+            for (ii, l) in local.iter_mut().enumerate() {
+                for (k, v) in l.iter_mut().enumerate().take(RC) {
+                    *v = pval(k, ii);
+                }
+            }
+        }
         let mut j = 0;
         while j + lanes <= cols {
             let mut acc = [S::zero(); RB];
             for k in 0..r {
                 let qv = S::load(qcol(k).add(j));
                 for (ii, acc_i) in acc.iter_mut().enumerate() {
-                    *acc_i = S::fma(S::splat(pval(k, ii)), qv, *acc_i);
+                    let pk = if RC != 0 { local[ii][k] } else { pval(k, ii) };
+                    *acc_i = S::fma(S::splat(pk), qv, *acc_i);
                 }
             }
             for (ii, &acc_i) in acc.iter().enumerate() {
@@ -489,7 +503,7 @@ unsafe fn scale<S: Simd>(x: *mut f32, alpha: f32, n: usize) {
 /// zero-column rule of [`crate::Backend::orthogonalize`].
 #[inline(always)]
 pub(crate) unsafe fn gram_schmidt<S: Simd>(x: *mut f32, n: usize, r: usize, eps: f32) {
-    let tol = 8.0 * n as f32 * f32::EPSILON;
+    let tol = crate::dims::zero_column_tolerance(n);
     // SAFETY: x is valid for r * n elements (caller).
     unsafe {
         let col = |k: usize| x.add(k * n);

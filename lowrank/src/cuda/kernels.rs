@@ -6,10 +6,15 @@
 //! bit-for-bit the ones of the `half` crate that the CPU backend uses (round to nearest,
 //! ties to even; infinities, subnormals and overflow to infinity handled exactly; a NaN
 //! stays a NaN with its payload truncated and its quiet bit set). Only NVRTC built-ins are
-//! used (`__shfl_down_sync`, `__syncthreads`, `__float_as_uint`, `sqrtf`, `fmaf`, `float4`).
+//! used (`__shfl_down_sync`, `__syncthreads`, `__float_as_uint`, `sqrtf`, `fmaf`, the
+//! `__f*_rn` intrinsics, `float4`). The source compiles with NVRTC 12.9 and 13.x, for
+//! `compute_90` and for NVRTC's default architecture.
 //!
 //! Compilation pins IEEE behaviour: no flush-to-zero, correctly rounded division and
 //! square root, so `1 / (norm + eps)` and `sqrt` match the CPU's `f32` operations.
+//! `orthogonalize` for `n < 8` repeats the CPU's scalar operations one thread per matrix,
+//! unfused and in the CPU's order, so its results there are bit-identical to the CPU's
+//! (this is where the zero-column rule is most sensitive to rounding, e.g. `r > n`).
 
 use crate::{Error, Result};
 use cudarc::driver::{CudaContext, CudaFunction, DriverError};
@@ -26,6 +31,8 @@ pub(super) const PQT_ERROR_ROWS: usize = 32;
 pub(super) const PQT_ERROR_COLS: usize = 64;
 /// Most threads per block of `lr_orthogonalize` (its shared arrays hold 32 warps).
 pub(super) const ORTHO_MAX_THREADS: usize = 1024;
+/// Below this `n`, `lr_orthogonalize` runs one thread per matrix (`OG_SERIAL_N`).
+pub(super) const ORTHO_SERIAL_N: usize = 8;
 
 /// The kernels. Every index is 64-bit; every loop is grid-stride, so any grid size works.
 pub(super) const SOURCE: &str = r#"
@@ -223,12 +230,54 @@ extern "C" __global__ void __launch_bounds__(PE_THREADS) lr_pqt_error(
    norm = |c_i|; if norm == 0 || norm <= tol * before[i] || !finite(norm): c_i = 0;
    else c_i *= 1 / (norm + eps) and, for j > i, c_j -= <c_i, c_j> c_i.
    The dot products <c_i, c_j> of one step are all taken before any c_j is updated:
-   each c_j only depends on c_i in that step, so this is exactly the sequential rule.  */
+   each c_j only depends on c_i in that step, so this is exactly the sequential rule.
+   Factors with n < OG_SERIAL_N take a serial thread-per-matrix path instead (below).  */
 
 #define OG_MAX_WARPS 32
 
 __device__ __forceinline__ bool lr_isfinite(float v) {
     return (__float_as_uint(v) & 0x7f800000u) != 0x7f800000u;
+}
+#define OG_SERIAL_N 8
+
+/* n < OG_SERIAL_N: every CPU instruction set (8 or 16 lanes) runs its scalar tail, so
+   this thread-per-matrix path repeats the CPU's exact operations, unfused and in its
+   order (s += a*b from 0; c *= 1/(norm+eps); c_j -= d*c_i), for bit-identical results. */
+__device__ float lr_serial_dot(const float* a, const float* b, u64 n) {
+    float s = 0.0f;
+    for (u64 t = 0; t < n; ++t) {
+        s = __fadd_rn(s, __fmul_rn(a[t], b[t]));
+    }
+    return s;
+}
+
+__device__ void lr_gram_schmidt_serial(float* x, u64 n, u32 r, float eps, float tol) {
+    float before[LR_MAX_RANK];
+    for (u32 k = 0; k < r; ++k) {
+        const float* c = x + (u64)k * n;
+        before[k] = __fsqrt_rn(lr_serial_dot(c, c, n));
+    }
+    for (u32 i = 0; i < r; ++i) {
+        float* ci = x + (u64)i * n;
+        const float norm = __fsqrt_rn(lr_serial_dot(ci, ci, n));
+        if (norm == 0.0f || norm <= __fmul_rn(tol, before[i]) || !lr_isfinite(norm)) {
+            for (u64 t = 0; t < n; ++t) {
+                ci[t] = 0.0f;
+            }
+            continue;
+        }
+        const float inv = __fdiv_rn(1.0f, __fadd_rn(norm, eps));
+        for (u64 t = 0; t < n; ++t) {
+            ci[t] = __fmul_rn(ci[t], inv);
+        }
+        for (u32 j = i + 1u; j < r; ++j) {
+            float* cj = x + (u64)j * n;
+            const float d = lr_serial_dot(ci, cj, n);
+            for (u64 t = 0; t < n; ++t) {
+                cj[t] = __fsub_rn(cj[t], __fmul_rn(d, ci[t]));
+            }
+        }
+    }
 }
 
 /* Complete in lane 0 only. */
@@ -270,6 +319,10 @@ extern "C" __global__ void __launch_bounds__(1024) lr_orthogonalize(
     __shared__ float part[OG_MAX_WARPS * LR_MAX_RANK];
     __shared__ float before[LR_MAX_RANK];
     __shared__ float red[OG_MAX_WARPS];
+    if (n < OG_SERIAL_N) {
+        LR_GRID_STRIDE(b, batch) { lr_gram_schmidt_serial(x + b * n * r, n, r, eps, tol); }
+        return;
+    }
     const u32 lane = threadIdx.x & 31u;
     const u32 warp = threadIdx.x >> 5;
     const u32 warps = blockDim.x >> 5;

@@ -3,12 +3,13 @@
 
 use super::device::CudaBackend;
 use super::kernels::{
-    driver_error, ORTHO_MAX_THREADS, PQT_ERROR_COLS, PQT_ERROR_ROWS, PQT_ERROR_THREADS,
+    driver_error, ORTHO_MAX_THREADS, ORTHO_SERIAL_N, PQT_ERROR_COLS, PQT_ERROR_ROWS,
+    PQT_ERROR_THREADS,
 };
 use crate::backend::{Backend, ViewLen};
 use crate::dims::{check_epsilon, same_len};
 use crate::{Dims, Element, Error, NormalRng, Result};
-use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 use std::any::TypeId;
 use std::ops::{Bound, Range, RangeBounds};
 
@@ -60,15 +61,21 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// The block size of `lr_orthogonalize`: about 4 elements of a column per thread, a
-    /// multiple of 32, at most 256 when the batch fills the device and 1024 otherwise.
-    fn ortho_threads(&self, batch: usize, n: usize) -> u32 {
+    /// The launch of `lr_orthogonalize`. Below `ORTHO_SERIAL_N` rows it runs one thread
+    /// per matrix, in blocks of 128. Otherwise one block per matrix (grid-stride beyond
+    /// the cap) of about 4 elements of a column per thread: a multiple of 32, at most 256
+    /// when the batch fills the device and 1024 when it does not.
+    fn ortho_config(&self, batch: usize, n: usize) -> LaunchConfig {
+        if n < ORTHO_SERIAL_N {
+            return self.launch_config(batch.div_ceil(128), 128);
+        }
         let cap = if batch >= self.sm_count() {
             256
         } else {
             ORTHO_MAX_THREADS
         };
-        n.div_ceil(4).next_multiple_of(32).clamp(32, cap) as u32
+        let threads = n.div_ceil(4).next_multiple_of(32).clamp(32, cap);
+        self.launch_config(batch, threads as u32)
     }
 }
 
@@ -241,8 +248,8 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         // The CPU's threshold, computed the same way in f32.
-        let tol = 8.0 * n as f32 * f32::EPSILON;
-        let cfg = self.launch_config(batch, self.ortho_threads(batch, n));
+        let tol = crate::dims::zero_column_tolerance(n);
+        let cfg = self.ortho_config(batch, n);
         let (batch, n, r) = (batch as u64, n as u64, r as u32);
         let mut launch = self.stream.launch_builder(&self.kernels.orthogonalize);
         launch
@@ -255,7 +262,7 @@ impl Backend for CudaBackend {
         // SAFETY: the arguments match `lr_orthogonalize(float* x, u64 batch, u64 n, u32 r,
         // float eps, float tol)`; `x` holds `batch*n*r` f32s (checked), the kernel indexes
         // below that only, `r <= 64` and the block size is a multiple of 32 in 32..=1024
-        // (the sizes of its shared arrays).
+        // (the sizes of its shared arrays; the serial path for small `n` uses none).
         unsafe { launch.launch(cfg) }.map_err(driver_error)?;
         Ok(())
     }
