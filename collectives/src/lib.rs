@@ -2,7 +2,12 @@
 //! `reduce_scatter` and `barrier` returning async work handles, on an in-process thread
 //! backend, NCCL (through `cudarc`) and MPI, with `env://` rendezvous like `torchrun`.
 //!
-//! **Status: placeholder.** This crate is specified by issue 3 and not yet written; it
-//! exports nothing. See `ARCHITECTURE.md` for where it sits: it depends on no other
-//! crate of this workspace, and `ddp-hooks` is generic over its `ProcessGroup` trait.
+//! **Status: in progress (issue 3).** Present: the error type, the TCP key-value store and
+//! the environment rendezvous. The process-group trait and its backends land next.
 #![deny(missing_docs)]
+
+pub mod env;
+mod error;
+pub mod store;
+
+pub use error::{Error, Result};

@@ -1,0 +1,85 @@
+//! The crate's one error type.
+
+use std::time::Duration;
+
+/// Everything that can go wrong in a collective, a rendezvous or a launch. Every rank
+/// of a failed collective gets an error; none hangs.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// An operation did not complete within the group's (or the caller's) timeout.
+    #[error("{what} timed out after {after:?}{}", missing_suffix(.missing))]
+    Timeout {
+        /// What was waited for.
+        what: String,
+        /// How long.
+        after: Duration,
+        /// Ranks that never arrived, where known.
+        missing: Vec<usize>,
+    },
+    /// A peer rank failed (panicked, returned early or dropped its group).
+    #[error("rank {rank} is gone ({why}); the group is unusable")]
+    PeerLost {
+        /// The rank that failed.
+        rank: usize,
+        /// What happened to it.
+        why: String,
+    },
+    /// Ranks called different collectives, or the same one with different buffers.
+    #[error("collective mismatch: {0}")]
+    Mismatch(String),
+    /// Bad arguments (a rank out of range, an empty group, a bad root ...).
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// The operation is not supported by this backend or for this buffer.
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+    /// A required environment variable is missing.
+    #[error("environment variable {0} is not set")]
+    MissingEnv(String),
+    /// An environment variable has a value that cannot be used.
+    #[error("environment variable {name}={value:?} is invalid: {why}")]
+    InvalidEnv {
+        /// The variable.
+        name: String,
+        /// Its value.
+        value: String,
+        /// Why it is invalid.
+        why: String,
+    },
+    /// An I/O error (sockets of the rendezvous store, launched processes).
+    #[error("I/O error during {context}: {message}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The underlying error, printed.
+        message: String,
+    },
+    /// The rendezvous store's peer broke the protocol.
+    #[error("store protocol error: {0}")]
+    Protocol(String),
+    /// An error from the NCCL or CUDA layer.
+    #[error("{0}")]
+    Backend(String),
+}
+
+fn missing_suffix(missing: &[usize]) -> String {
+    if missing.is_empty() {
+        String::new()
+    } else {
+        format!(" (ranks that never arrived: {missing:?})")
+    }
+}
+
+impl Error {
+    /// An [`Error::Io`] from an `std::io::Error`, with context.
+    pub fn io(context: impl Into<String>, e: std::io::Error) -> Self {
+        Error::Io {
+            context: context.into(),
+            message: e.to_string(),
+        }
+    }
+}
+
+/// `Result` with this crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
