@@ -6,8 +6,16 @@
 //! the environment rendezvous. The process-group trait and its backends land next.
 #![deny(missing_docs)]
 
+mod buffer;
 pub mod env;
 mod error;
+mod group;
 pub mod store;
+pub mod threads;
+mod work;
 
+pub use buffer::{Buffer, DType, ReduceOp};
 pub use error::{Error, Result};
+pub use group::{ProcessGroup, DEFAULT_TIMEOUT};
+pub use threads::{run_local, run_local_with_timeout, ThreadGroup};
+pub use work::{Completer, Work};

@@ -1,0 +1,201 @@
+//! Owned buffers that collectives operate on, and the reduction operators.
+
+use half::{bf16, f16};
+
+/// A reduction operator.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    /// Element-wise sum.
+    Sum,
+    /// Element-wise mean over the ranks (sum, then divide by the group size).
+    Avg,
+    /// Element-wise maximum.
+    Max,
+    /// Element-wise minimum.
+    Min,
+}
+
+/// Element type of a [`Buffer`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DType {
+    /// `f32`.
+    F32,
+    /// IEEE half precision.
+    F16,
+    /// bfloat16.
+    BF16,
+    /// `f64`.
+    F64,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::F16 | DType::BF16 => 2,
+            DType::F64 => 8,
+        }
+    }
+}
+
+/// An owned host buffer. Collectives take it by value and give it back through their
+/// work handle, so no borrowed slice outlives a call that returned.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Buffer {
+    /// `f32` elements.
+    F32(Vec<f32>),
+    /// `f16` elements.
+    F16(Vec<f16>),
+    /// `bf16` elements.
+    BF16(Vec<bf16>),
+    /// `f64` elements.
+    F64(Vec<f64>),
+}
+
+impl Buffer {
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        match self {
+            Buffer::F32(v) => v.len(),
+            Buffer::F16(v) => v.len(),
+            Buffer::BF16(v) => v.len(),
+            Buffer::F64(v) => v.len(),
+        }
+    }
+
+    /// Whether the buffer has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        match self {
+            Buffer::F32(_) => DType::F32,
+            Buffer::F16(_) => DType::F16,
+            Buffer::BF16(_) => DType::BF16,
+            Buffer::F64(_) => DType::F64,
+        }
+    }
+
+    /// A zeroed buffer of `len` elements of `dtype`.
+    pub fn zeros(dtype: DType, len: usize) -> Buffer {
+        match dtype {
+            DType::F32 => Buffer::F32(vec![0.0; len]),
+            DType::F16 => Buffer::F16(vec![f16::ZERO; len]),
+            DType::BF16 => Buffer::BF16(vec![bf16::ZERO; len]),
+            DType::F64 => Buffer::F64(vec![0.0; len]),
+        }
+    }
+
+    /// The elements as bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        match self {
+            Buffer::F32(v) => bytemuck::cast_slice(v),
+            Buffer::F16(v) => bytemuck::cast_slice(v),
+            Buffer::BF16(v) => bytemuck::cast_slice(v),
+            Buffer::F64(v) => bytemuck::cast_slice(v),
+        }
+    }
+
+    /// The elements as mutable bytes.
+    pub fn as_bytes_mut(&mut self) -> &mut [u8] {
+        match self {
+            Buffer::F32(v) => bytemuck::cast_slice_mut(v),
+            Buffer::F16(v) => bytemuck::cast_slice_mut(v),
+            Buffer::BF16(v) => bytemuck::cast_slice_mut(v),
+            Buffer::F64(v) => bytemuck::cast_slice_mut(v),
+        }
+    }
+}
+
+macro_rules! conversions {
+    ($($t:ty => $variant:ident),*) => {$(
+        impl From<Vec<$t>> for Buffer {
+            fn from(v: Vec<$t>) -> Buffer {
+                Buffer::$variant(v)
+            }
+        }
+
+        impl TryFrom<Buffer> for Vec<$t> {
+            type Error = crate::Error;
+            fn try_from(b: Buffer) -> crate::Result<Vec<$t>> {
+                match b {
+                    Buffer::$variant(v) => Ok(v),
+                    other => Err(crate::Error::InvalidArgument(format!(
+                        "expected a {:?} buffer, got {:?}",
+                        DType::$variant,
+                        other.dtype()
+                    ))),
+                }
+            }
+        }
+    )*};
+}
+
+conversions!(f32 => F32, f16 => F16, bf16 => BF16, f64 => F64);
+
+/// An element type that reductions work on: accumulated in `f32` (`f16`, `bf16`, `f32`)
+/// or `f64`.
+pub(crate) trait Reducible: Copy + Send + Sync + 'static {
+    type Acc: Copy
+        + PartialOrd
+        + std::ops::Add<Output = Self::Acc>
+        + std::ops::Mul<Output = Self::Acc>;
+    fn widen(self) -> Self::Acc;
+    fn narrow(a: Self::Acc) -> Self;
+    fn acc_from_usize(n: usize) -> Self::Acc;
+}
+
+impl Reducible for f32 {
+    type Acc = f32;
+    fn widen(self) -> f32 {
+        self
+    }
+    fn narrow(a: f32) -> f32 {
+        a
+    }
+    fn acc_from_usize(n: usize) -> f32 {
+        n as f32
+    }
+}
+
+impl Reducible for f64 {
+    type Acc = f64;
+    fn widen(self) -> f64 {
+        self
+    }
+    fn narrow(a: f64) -> f64 {
+        a
+    }
+    fn acc_from_usize(n: usize) -> f64 {
+        n as f64
+    }
+}
+
+impl Reducible for f16 {
+    type Acc = f32;
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+    fn narrow(a: f32) -> f16 {
+        f16::from_f32(a)
+    }
+    fn acc_from_usize(n: usize) -> f32 {
+        n as f32
+    }
+}
+
+impl Reducible for bf16 {
+    type Acc = f32;
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+    fn narrow(a: f32) -> bf16 {
+        bf16::from_f32(a)
+    }
+    fn acc_from_usize(n: usize) -> f32 {
+        n as f32
+    }
+}

@@ -1,0 +1,55 @@
+//! The process-group trait.
+
+use crate::{Buffer, ReduceOp, Result, Work};
+use std::time::Duration;
+
+/// The default timeout of a group's operations: 30 minutes, as PyTorch's.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30 * 60);
+
+/// A group of ranks that run collectives together.
+///
+/// Every rank calls the same collectives in the same order. Each call returns a
+/// [`Work`] at once; the operation runs in the background (on the rank's progress thread
+/// or device stream) and hands the buffer back through the work. Guarantees, for every
+/// backend of this crate:
+///
+/// - **Bounded waits.** An operation that cannot complete within the group's timeout
+///   fails with [`Error::Timeout`](crate::Error::Timeout).
+/// - **Failure spreads.** A rank that fails (panics, returns early or drops its group)
+///   makes every pending and later operation of the other ranks fail with
+///   [`Error::PeerLost`](crate::Error::PeerLost) or a timeout; nothing hangs.
+/// - **Mismatches are errors.** Buffers of different lengths or types across ranks, or
+///   different collectives issued at the same position, fail on every rank with
+///   [`Error::Mismatch`](crate::Error::Mismatch) (backends that cannot see this cheaply
+///   check it in a debug mode), never with corrupted data.
+pub trait ProcessGroup: Send + Sync {
+    /// This rank's index in the group, `0..size()`.
+    fn rank(&self) -> usize;
+    /// Number of ranks.
+    fn size(&self) -> usize;
+    /// The backend's name (`"threads"`, `"nccl"`, `"mpi"`).
+    fn backend(&self) -> &'static str;
+    /// The timeout that bounds every operation.
+    fn timeout(&self) -> Duration;
+
+    /// Reduces `buf` element-wise over all ranks; every rank gets the result.
+    fn all_reduce(&self, buf: Buffer, op: ReduceOp) -> Work<Buffer>;
+    /// Reduces several buffers in one operation (PowerSGD's "allreduce the Ps as a
+    /// group"): cheaper than one call per buffer. Buffers may differ in length and type.
+    fn all_reduce_coalesced(&self, bufs: Vec<Buffer>, op: ReduceOp) -> Work<Vec<Buffer>>;
+    /// Every rank gets `root`'s buffer (in place of its own, which must match in length
+    /// and type).
+    fn broadcast(&self, buf: Buffer, root: usize) -> Work<Buffer>;
+    /// Every rank gets every rank's buffer, in rank order.
+    fn all_gather(&self, buf: Buffer) -> Work<Vec<Buffer>>;
+    /// `buf` holds `size()` equal chunks; rank `i` gets the reduction of chunk `i` over
+    /// all ranks.
+    fn reduce_scatter(&self, buf: Buffer, op: ReduceOp) -> Work<Buffer>;
+    /// Completes once every rank has called it.
+    fn barrier(&self) -> Work<()>;
+
+    /// A subgroup of the given ranks (of this group), as `torch.distributed.new_group`.
+    /// Every rank of this group must call it, with the same list, in the same order of
+    /// `new_group` calls; ranks outside the list get `None`.
+    fn new_group(&self, ranks: &[usize]) -> Result<Option<Box<dyn ProcessGroup>>>;
+}

@@ -1,0 +1,353 @@
+//! The thread backend: the ranks of a group are threads of one process.
+//!
+//! For CPU training on one machine and for every test. Collectives are zero-copy and
+//! rootless: each rank posts the addresses of its buffers, then reduces its `1/N` share
+//! reading the peers' buffers in place and writes the result into every rank's buffer
+//! (a reduce-scatter and an all-gather fused into one pass, with no staging copies and
+//! no allocation per operation). Elements are reduced in rank order, so every rank gets
+//! bit-identical results. Half-precision buffers are accumulated in `f32` and rounded
+//! once.
+//!
+//! Each rank's operations run in order on the rank's own progress thread, which also
+//! runs the continuations of its work handles.
+
+mod reduce;
+mod world;
+
+use crate::{Buffer, Error, ProcessGroup, ReduceOp, Result, Work, DEFAULT_TIMEOUT};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
+use std::thread::JoinHandle;
+use std::time::Duration;
+use world::{addr_of, share, Desc, Kind, World};
+
+type Job = Box<dyn FnOnce() + Send>;
+
+/// One rank of a group of threads. Create the ranks with [`ThreadGroup::create`], or run
+/// a closure on each with [`run_local`].
+pub struct ThreadGroup {
+    rank: usize,
+    world: Arc<World>,
+    jobs: Option<mpsc::Sender<Job>>,
+    worker: Option<JoinHandle<()>>,
+    new_group_calls: AtomicUsize,
+}
+
+impl std::fmt::Debug for ThreadGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "ThreadGroup {{ rank: {}, size: {} }}",
+            self.rank, self.world.size
+        )
+    }
+}
+
+impl ThreadGroup {
+    /// The `world_size` ranks of a new group with the given timeout (use
+    /// [`DEFAULT_TIMEOUT`] for PyTorch's 30 minutes). Hand one to each thread.
+    pub fn create(world_size: usize, timeout: Duration) -> Result<Vec<ThreadGroup>> {
+        if world_size == 0 {
+            return Err(Error::InvalidArgument(
+                "a group needs at least one rank".into(),
+            ));
+        }
+        if timeout.is_zero() {
+            return Err(Error::InvalidArgument(
+                "the timeout must be positive".into(),
+            ));
+        }
+        let world = World::new(world_size, timeout);
+        (0..world_size)
+            .map(|rank| ThreadGroup::join(world.clone(), rank))
+            .collect()
+    }
+
+    fn join(world: Arc<World>, rank: usize) -> Result<ThreadGroup> {
+        let (tx, rx) = mpsc::channel::<Job>();
+        let worker = std::thread::Builder::new()
+            .name(format!("collectives-rank-{rank}"))
+            .spawn(move || rx.into_iter().for_each(|job| job()))
+            .map_err(|e| Error::io("starting a rank's progress thread", e))?;
+        Ok(ThreadGroup {
+            rank,
+            world,
+            jobs: Some(tx),
+            worker: Some(worker),
+            new_group_calls: AtomicUsize::new(0),
+        })
+    }
+
+    /// Queues `f` on this rank's progress thread; its result completes the returned work.
+    fn submit<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&World, usize) -> Result<T> + Send + 'static,
+    ) -> Work<T> {
+        let (work, completer) = Work::pending();
+        let (world, rank) = (self.world.clone(), self.rank);
+        let job: Job = Box::new(move || completer.complete(f(&world, rank)));
+        match &self.jobs {
+            // A send fails only if the worker is gone; the completer, dropped with the
+            // job, then fails the work.
+            Some(tx) => drop(tx.send(job)),
+            None => drop(job),
+        }
+        work
+    }
+}
+
+/// Reduces each buffer of `bufs` over all ranks, in place, in one rendezvous.
+fn all_reduce_in_place(
+    world: &World,
+    rank: usize,
+    kind: Kind,
+    bufs: &mut [Buffer],
+    op: ReduceOp,
+) -> Result<()> {
+    let desc = Desc {
+        kind,
+        parts: bufs.iter().map(|b| (b.dtype(), b.len())).collect(),
+    };
+    let addrs = bufs.iter_mut().map(addr_of).collect();
+    let all = world.meet(rank, &desc, addrs)?;
+    for (t, &(dtype, len)) in desc.parts.iter().enumerate() {
+        let peers: Vec<usize> = all.iter().map(|a| a[t]).collect();
+        // SAFETY: `meet` checked that every rank posted a buffer of this type and length;
+        // each stays alive and untouched by its owner until every rank passes `done`,
+        // and ranks reduce disjoint shares.
+        unsafe { reduce::reduce(dtype, &peers, share(len, world.size, rank), op, None) };
+    }
+    world.done(rank, &desc)
+}
+
+impl ProcessGroup for ThreadGroup {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.world.size
+    }
+
+    fn backend(&self) -> &'static str {
+        "threads"
+    }
+
+    fn timeout(&self) -> Duration {
+        self.world.timeout
+    }
+
+    fn all_reduce(&self, buf: Buffer, op: ReduceOp) -> Work<Buffer> {
+        self.submit(move |world, rank| {
+            let mut bufs = [buf];
+            all_reduce_in_place(world, rank, Kind::AllReduce(op), &mut bufs, op)?;
+            let [buf] = bufs;
+            Ok(buf)
+        })
+    }
+
+    fn all_reduce_coalesced(&self, mut bufs: Vec<Buffer>, op: ReduceOp) -> Work<Vec<Buffer>> {
+        self.submit(move |world, rank| {
+            all_reduce_in_place(world, rank, Kind::Coalesced(op), &mut bufs, op)?;
+            Ok(bufs)
+        })
+    }
+
+    fn broadcast(&self, mut buf: Buffer, root: usize) -> Work<Buffer> {
+        if root >= self.size() {
+            return Work::ready(Err(Error::InvalidArgument(format!(
+                "broadcast root {root} is not a rank of a group of {}",
+                self.size()
+            ))));
+        }
+        self.submit(move |world, rank| {
+            let desc = Desc {
+                kind: Kind::Broadcast(root),
+                parts: vec![(buf.dtype(), buf.len())],
+            };
+            let all = world.meet(rank, &desc, vec![addr_of(&mut buf)])?;
+            if rank != root {
+                let bytes = buf.as_bytes_mut();
+                // SAFETY: the root's buffer has the same byte length (checked by `meet`)
+                // and is only read until every rank passes `done`.
+                let src =
+                    unsafe { std::slice::from_raw_parts(all[root][0] as *const u8, bytes.len()) };
+                bytes.copy_from_slice(src);
+            }
+            world.done(rank, &desc)?;
+            Ok(buf)
+        })
+    }
+
+    fn all_gather(&self, mut buf: Buffer) -> Work<Vec<Buffer>> {
+        self.submit(move |world, rank| {
+            let desc = Desc {
+                kind: Kind::AllGather,
+                parts: vec![(buf.dtype(), buf.len())],
+            };
+            let all = world.meet(rank, &desc, vec![addr_of(&mut buf)])?;
+            let mut out: Vec<Buffer> = Vec::with_capacity(world.size);
+            for (peer, addrs) in all.iter().enumerate() {
+                if peer == rank {
+                    out.push(Buffer::zeros(buf.dtype(), 0));
+                    continue;
+                }
+                let mut copy = Buffer::zeros(buf.dtype(), buf.len());
+                let bytes = copy.as_bytes_mut();
+                // SAFETY: the peer's buffer has this byte length (checked by `meet`) and is
+                // only read until every rank passes `done`.
+                bytes.copy_from_slice(unsafe {
+                    std::slice::from_raw_parts(addrs[0] as *const u8, bytes.len())
+                });
+                out.push(copy);
+            }
+            world.done(rank, &desc)?;
+            out[rank] = buf;
+            Ok(out)
+        })
+    }
+
+    fn reduce_scatter(&self, mut buf: Buffer, op: ReduceOp) -> Work<Buffer> {
+        let size = self.size();
+        if !buf.len().is_multiple_of(size) {
+            return Work::ready(Err(Error::InvalidArgument(format!(
+                "reduce_scatter needs a length divisible by the group size {size}, got {}",
+                buf.len()
+            ))));
+        }
+        self.submit(move |world, rank| {
+            let desc = Desc {
+                kind: Kind::ReduceScatter(op),
+                parts: vec![(buf.dtype(), buf.len())],
+            };
+            let all = world.meet(rank, &desc, vec![addr_of(&mut buf)])?;
+            let chunk = buf.len() / world.size;
+            let mut out = Buffer::zeros(buf.dtype(), chunk);
+            let peers: Vec<usize> = all.iter().map(|a| a[0]).collect();
+            // SAFETY: as in all_reduce; the results go to this rank's own `out`, and the
+            // peers' buffers are only read.
+            unsafe {
+                reduce::reduce(
+                    buf.dtype(),
+                    &peers,
+                    rank * chunk..(rank + 1) * chunk,
+                    op,
+                    Some(addr_of(&mut out)),
+                );
+            }
+            world.done(rank, &desc)?;
+            Ok(out)
+        })
+    }
+
+    fn barrier(&self) -> Work<()> {
+        self.submit(|world, rank| {
+            let desc = Desc {
+                kind: Kind::Barrier,
+                parts: Vec::new(),
+            };
+            world.meet(rank, &desc, Vec::new())?;
+            world.done(rank, &desc)
+        })
+    }
+
+    fn new_group(&self, ranks: &[usize]) -> Result<Option<Box<dyn ProcessGroup>>> {
+        let size = self.size();
+        let mut sorted = ranks.to_vec();
+        sorted.sort_unstable();
+        sorted.dedup();
+        if ranks.is_empty() || sorted.len() != ranks.len() || sorted.iter().any(|&r| r >= size) {
+            return Err(Error::InvalidArgument(format!(
+                "new_group needs distinct ranks below {size}, got {ranks:?}"
+            )));
+        }
+        let call = self.new_group_calls.fetch_add(1, Ordering::Relaxed);
+        let sub = {
+            let mut subs = self
+                .world
+                .subgroups
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            let (members, world) = subs
+                .entry(call)
+                .or_insert_with(|| (ranks.to_vec(), World::new(ranks.len(), self.world.timeout)));
+            if members != ranks {
+                return Err(Error::Mismatch(format!(
+                    "new_group call {call}: rank {} asked for {ranks:?}, another rank for {members:?}",
+                    self.rank
+                )));
+            }
+            world.clone()
+        };
+        match ranks.iter().position(|&r| r == self.rank) {
+            Some(index) => Ok(Some(Box::new(ThreadGroup::join(sub, index)?))),
+            None => Ok(None),
+        }
+    }
+}
+
+impl Drop for ThreadGroup {
+    fn drop(&mut self) {
+        let why = if std::thread::panicking() {
+            "its thread panicked"
+        } else {
+            "it dropped its process group"
+        };
+        self.world.fail(Error::PeerLost {
+            rank: self.rank,
+            why: why.into(),
+        });
+        drop(self.jobs.take());
+        if let Some(worker) = self.worker.take() {
+            // The worker's pending operations fail fast on the poisoned group; a panic
+            // inside one has already failed its work.
+            let _ = worker.join();
+        }
+    }
+}
+
+/// Runs `f` on `world_size` threads, each with its rank of a new [`ThreadGroup`]
+/// (timeout [`DEFAULT_TIMEOUT`]), and returns each rank's result in rank order. A rank
+/// that panics yields [`Error::PeerLost`] with the panic message, and its group fails the
+/// others' operations instead of leaving them waiting.
+pub fn run_local<R: Send>(
+    world_size: usize,
+    f: impl Fn(ThreadGroup) -> R + Sync,
+) -> Result<Vec<Result<R>>> {
+    run_local_with_timeout(world_size, DEFAULT_TIMEOUT, f)
+}
+
+/// [`run_local`] with a timeout for every operation of the group.
+pub fn run_local_with_timeout<R: Send>(
+    world_size: usize,
+    timeout: Duration,
+    f: impl Fn(ThreadGroup) -> R + Sync,
+) -> Result<Vec<Result<R>>> {
+    let groups = ThreadGroup::create(world_size, timeout)?;
+    let f = &f;
+    Ok(std::thread::scope(|s| {
+        let handles: Vec<_> = groups
+            .into_iter()
+            .map(|g| {
+                let rank = g.rank;
+                (rank, s.spawn(move || f(g)))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|(rank, h)| {
+                h.join().map_err(|panic| Error::PeerLost {
+                    rank,
+                    why: format!("panicked: {}", panic_message(&panic)),
+                })
+            })
+            .collect()
+    }))
+}
+
+fn panic_message(p: &Box<dyn std::any::Any + Send>) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".into())
+}

@@ -1,0 +1,221 @@
+//! Work handles: the result of an asynchronous collective.
+//!
+//! A collective returns a [`Work`] at once. [`Work::wait`] blocks until the operation has
+//! finished and gives the buffer back; [`Work::then`] chains a continuation, as c10d's
+//! futures do. Continuations run on the thread that completes the work, which is the
+//! owning rank's own progress thread, or on the caller's thread if the work has already
+//! completed: never on a peer rank's thread.
+
+use crate::{Error, Result};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+type Continuation<T> = Box<dyn FnOnce(Result<T>) + Send>;
+
+enum State<T> {
+    Pending(Option<Continuation<T>>),
+    Done(Result<T>),
+    Taken,
+}
+
+struct Shared<T> {
+    state: Mutex<State<T>>,
+    ready: Condvar,
+}
+
+impl<T> Shared<T> {
+    fn lock(&self) -> MutexGuard<'_, State<T>> {
+        // A panic while holding this lock leaves a consistent state (each transition is
+        // one assignment), so a poisoned lock is still usable.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// The handle of an operation in flight; completes with a value or an [`Error`].
+#[must_use = "a Work does nothing unless waited on or chained"]
+pub struct Work<T> {
+    shared: Arc<Shared<T>>,
+}
+
+/// The producing side of a [`Work`]: the backend completes it exactly once. Dropping it
+/// uncompleted completes the work with an error, so a waiter never hangs.
+pub struct Completer<T> {
+    shared: Option<Arc<Shared<T>>>,
+}
+
+impl<T: Send + 'static> Work<T> {
+    /// A pending work and the completer that finishes it.
+    pub fn pending() -> (Work<T>, Completer<T>) {
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State::Pending(None)),
+            ready: Condvar::new(),
+        });
+        (
+            Work {
+                shared: shared.clone(),
+            },
+            Completer {
+                shared: Some(shared),
+            },
+        )
+    }
+
+    /// A work that has already completed with `result`.
+    pub fn ready(result: Result<T>) -> Work<T> {
+        Work {
+            shared: Arc::new(Shared {
+                state: Mutex::new(State::Done(result)),
+                ready: Condvar::new(),
+            }),
+        }
+    }
+
+    /// Whether the operation has finished (successfully or not).
+    pub fn is_completed(&self) -> bool {
+        matches!(*self.shared.lock(), State::Done(_))
+    }
+
+    /// Blocks until the operation finishes and returns its result. Backends bound every
+    /// operation by their group's timeout, so this returns within it.
+    pub fn wait(self) -> Result<T> {
+        let mut st = self.shared.lock();
+        loop {
+            match std::mem::replace(&mut *st, State::Taken) {
+                State::Done(r) => return r,
+                pending => *st = pending,
+            }
+            st = self
+                .shared
+                .ready
+                .wait(st)
+                .unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    /// Like [`wait`](Self::wait), but gives up after `timeout` with [`Error::Timeout`]
+    /// (the operation itself carries on; its result is dropped).
+    pub fn wait_timeout(self, timeout: Duration) -> Result<T> {
+        let deadline = Instant::now() + timeout;
+        let mut st = self.shared.lock();
+        loop {
+            match std::mem::replace(&mut *st, State::Taken) {
+                State::Done(r) => return r,
+                pending => *st = pending,
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(Error::Timeout {
+                    what: "waiting for a work handle".into(),
+                    after: timeout,
+                    missing: Vec::new(),
+                });
+            }
+            st = self
+                .shared
+                .ready
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
+    /// Chains `f` to run with this work's result; returns the work of `f`'s result. `f`
+    /// runs on the completing thread (the owning rank's progress thread), or at once on
+    /// this thread if the work has already completed.
+    pub fn then<U: Send + 'static>(
+        self,
+        f: impl FnOnce(Result<T>) -> Result<U> + Send + 'static,
+    ) -> Work<U> {
+        let (next, completer) = Work::pending();
+        let mut st = self.shared.lock();
+        match std::mem::replace(&mut *st, State::Taken) {
+            State::Done(r) => {
+                drop(st);
+                completer.complete(f(r));
+            }
+            State::Pending(_) => {
+                *st = State::Pending(Some(Box::new(move |r| completer.complete(f(r)))));
+            }
+            State::Taken => completer.complete(Err(Error::InvalidArgument(
+                "work result already taken".into(),
+            ))),
+        }
+        next
+    }
+}
+
+impl<T: Send + 'static> Completer<T> {
+    /// Completes the work; runs a chained continuation, if any, on this thread.
+    pub fn complete(mut self, result: Result<T>) {
+        if let Some(shared) = self.shared.take() {
+            Self::finish(&shared, result);
+        }
+    }
+
+    fn finish(shared: &Shared<T>, result: Result<T>) {
+        let mut st = shared.lock();
+        match std::mem::replace(&mut *st, State::Taken) {
+            State::Pending(Some(cont)) => {
+                drop(st);
+                cont(result);
+            }
+            _ => {
+                *st = State::Done(result);
+                shared.ready.notify_all();
+            }
+        }
+    }
+}
+
+impl<T> Drop for Completer<T> {
+    fn drop(&mut self) {
+        if let Some(shared) = self.shared.take() {
+            let mut st = shared.lock();
+            if let State::Pending(cont) = std::mem::replace(&mut *st, State::Taken) {
+                let err = Error::Backend("the operation was abandoned before completing".into());
+                match cont {
+                    Some(cont) => {
+                        drop(st);
+                        cont(Err(err));
+                    }
+                    None => {
+                        *st = State::Done(Err(err));
+                        shared.ready.notify_all();
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wait_then_and_timeout() {
+        let (w, c) = Work::<u32>::pending();
+        assert!(!w.is_completed());
+        let chained = w.then(|r| r.map(|v| v + 1));
+        let t = std::thread::spawn(move || c.complete(Ok(41)));
+        assert_eq!(chained.wait().unwrap(), 42);
+        t.join().unwrap();
+
+        let (w, _c) = Work::<u32>::pending();
+        assert!(matches!(
+            w.wait_timeout(Duration::from_millis(20)),
+            Err(Error::Timeout { .. })
+        ));
+
+        let w = Work::ready(Ok(3));
+        assert!(w.is_completed());
+        assert_eq!(w.then(|r| r.map(|v| v * 2)).wait().unwrap(), 6);
+    }
+
+    #[test]
+    fn dropped_completer_fails_the_work() {
+        let (w, c) = Work::<u32>::pending();
+        drop(c);
+        assert!(matches!(w.wait(), Err(Error::Backend(_))));
+    }
+}

@@ -1,0 +1,369 @@
+//! The thread backend: every collective against an exact reference, on 1 to 4 ranks, and
+//! the failure guarantees of `ProcessGroup` (with a 1-second timeout).
+
+use collectives::{
+    run_local, run_local_with_timeout, Buffer, Error, ProcessGroup, ReduceOp, ThreadGroup,
+};
+use half::{bf16, f16};
+use std::time::{Duration, Instant};
+
+const SHORT: Duration = Duration::from_secs(1);
+
+/// Rank r's input: distinct, exactly representable values.
+fn input(rank: usize, len: usize) -> Vec<f64> {
+    (0..len)
+        .map(|i| ((i * 7 + rank * 13) % 23) as f64 - 11.0 + rank as f64 * 0.5)
+        .collect()
+}
+
+fn expected(ranks: usize, len: usize, op: ReduceOp) -> Vec<f64> {
+    let inputs: Vec<Vec<f64>> = (0..ranks).map(|r| input(r, len)).collect();
+    (0..len)
+        .map(|i| {
+            let xs = inputs.iter().map(|v| v[i]);
+            match op {
+                ReduceOp::Sum => xs.sum(),
+                ReduceOp::Avg => xs.sum::<f64>() / ranks as f64,
+                ReduceOp::Max => xs.fold(f64::MIN, f64::max),
+                ReduceOp::Min => xs.fold(f64::MAX, f64::min),
+            }
+        })
+        .collect()
+}
+
+/// A rank's result: it did not panic, and its operation succeeded.
+fn ok<T>(r: collectives::Result<collectives::Result<T>>) -> T {
+    r.expect("rank panicked").expect("operation failed")
+}
+
+fn to_f64(b: &Buffer) -> Vec<f64> {
+    match b {
+        Buffer::F32(v) => v.iter().map(|&x| x as f64).collect(),
+        Buffer::F64(v) => v.clone(),
+        Buffer::F16(v) => v.iter().map(|x| x.to_f64()).collect(),
+        Buffer::BF16(v) => v.iter().map(|x| x.to_f64()).collect(),
+    }
+}
+
+fn make(dtype: &str, xs: &[f64]) -> Buffer {
+    match dtype {
+        "f32" => Buffer::F32(xs.iter().map(|&x| x as f32).collect()),
+        "f64" => Buffer::F64(xs.to_vec()),
+        "f16" => Buffer::F16(xs.iter().map(|&x| f16::from_f64(x)).collect()),
+        _ => Buffer::BF16(xs.iter().map(|&x| bf16::from_f64(x)).collect()),
+    }
+}
+
+#[test]
+fn all_reduce_matches_exact_reduction_on_every_rank() {
+    for ranks in 1..=4 {
+        for dtype in ["f32", "f64", "f16", "bf16"] {
+            for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min] {
+                let len = 3001;
+                let out = run_local(ranks, |g| {
+                    g.all_reduce(make(dtype, &input(g.rank(), len)), op).wait()
+                })
+                .unwrap();
+                let want = expected(ranks, len, op);
+                let out: Vec<Buffer> = out.into_iter().map(ok).collect();
+                let first = out[0].clone();
+                for got in out {
+                    assert_eq!(got, first, "ranks must agree bit for bit");
+                    // Inputs are exact in every type; sums stay below 100, so f16/bf16
+                    // results are within their half-ulp rounding of the exact value.
+                    let tol = match dtype {
+                        "f16" => 0.05,
+                        "bf16" => 0.4,
+                        _ => 1e-6,
+                    };
+                    for (g, w) in to_f64(&got).iter().zip(&want) {
+                        assert!(
+                            (g - w).abs() <= tol,
+                            "{ranks} ranks {dtype} {op:?}: {g} vs {w}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn coalesced_all_reduce_of_mixed_buffers() {
+    let out = run_local(3, |g| {
+        let r = g.rank();
+        let bufs = vec![
+            make("f32", &input(r, 10)),
+            make("f64", &input(r, 1)),
+            make("f32", &[]),
+            make("f16", &input(r, 33)),
+        ];
+        g.all_reduce_coalesced(bufs, ReduceOp::Sum).wait()
+    })
+    .unwrap();
+    for r in out {
+        let bufs = ok(r);
+        for (b, len) in bufs.iter().zip([10, 1, 0, 33]) {
+            assert_eq!(to_f64(b), expected(3, len, ReduceOp::Sum));
+        }
+    }
+}
+
+#[test]
+fn broadcast_all_gather_reduce_scatter_barrier() {
+    for root in 0..3 {
+        let out = run_local(3, |g| {
+            g.broadcast(make("f32", &input(g.rank(), 50)), root).wait()
+        })
+        .unwrap();
+        for r in out {
+            assert_eq!(to_f64(&ok(r)), input(root, 50));
+        }
+    }
+    let out = run_local(4, |g| {
+        g.all_gather(make("bf16", &input(g.rank(), 5))).wait()
+    })
+    .unwrap();
+    for r in out {
+        let got: Vec<Vec<f64>> = ok(r).iter().map(to_f64).collect();
+        let want: Vec<Vec<f64>> = (0..4)
+            .map(|k| to_f64(&make("bf16", &input(k, 5))))
+            .collect();
+        assert_eq!(got, want);
+    }
+    let out = run_local(4, |g| {
+        g.reduce_scatter(make("f64", &input(g.rank(), 12)), ReduceOp::Sum)
+            .wait()
+    })
+    .unwrap();
+    let want = expected(4, 12, ReduceOp::Sum);
+    for (rank, r) in out.into_iter().enumerate() {
+        assert_eq!(to_f64(&ok(r)), want[rank * 3..rank * 3 + 3]);
+    }
+    let out = run_local(4, |g| g.barrier().wait()).unwrap();
+    assert!(out.into_iter().all(|r| r.unwrap().is_ok()));
+}
+
+#[test]
+fn continuations_run_on_the_owning_rank_thread() {
+    let out = run_local(2, |g| {
+        let me = g.rank();
+        g.all_reduce(Buffer::F32(vec![1.0; 4]), ReduceOp::Sum)
+            .then(move |r| {
+                let name = std::thread::current()
+                    .name()
+                    .unwrap_or_default()
+                    .to_string();
+                r.map(|b| (b, name, me))
+            })
+            .wait()
+    })
+    .unwrap();
+    for r in out {
+        let (b, thread, rank) = r.unwrap().unwrap();
+        assert_eq!(b, Buffer::F32(vec![2.0; 4]));
+        // On this rank's progress thread, or (if the work had already completed when
+        // `then` was called) on the calling thread, which is unnamed here; never on the
+        // peer's progress thread.
+        assert!(
+            thread == format!("collectives-rank-{rank}") || thread.is_empty(),
+            "continuation ran on {thread:?}"
+        );
+    }
+}
+
+#[test]
+fn subgroups() {
+    let out = run_local(4, |g| {
+        let sub = g.new_group(&[0, 2])?;
+        let odd = g.new_group(&[3, 1])?;
+        let a = match sub {
+            Some(s) => Some((
+                s.rank(),
+                s.size(),
+                s.all_reduce(Buffer::F64(vec![g.rank() as f64]), ReduceOp::Sum)
+                    .wait()?,
+            )),
+            None => None,
+        };
+        let b = match odd {
+            Some(s) => Some((
+                s.rank(),
+                s.all_reduce(Buffer::F64(vec![g.rank() as f64]), ReduceOp::Sum)
+                    .wait()?,
+            )),
+            None => None,
+        };
+        Ok::<_, Error>((a, b))
+    })
+    .unwrap();
+    let out: Vec<_> = out.into_iter().map(|r| r.unwrap().unwrap()).collect();
+    assert_eq!(out[0].0, Some((0, 2, Buffer::F64(vec![2.0]))));
+    assert_eq!(out[2].0, Some((1, 2, Buffer::F64(vec![2.0]))));
+    assert_eq!(out[1].0, None);
+    assert_eq!(
+        out[3].1,
+        Some((0, Buffer::F64(vec![4.0]))),
+        "ranks are ordered as listed"
+    );
+    assert_eq!(out[1].1, Some((1, Buffer::F64(vec![4.0]))));
+    let out = run_local(2, |g| g.new_group(&[0, 0]).map(|_| ())).unwrap();
+    assert!(matches!(
+        out[0].as_ref().unwrap(),
+        Err(Error::InvalidArgument(_))
+    ));
+}
+
+/// A rank that panics makes the other ranks' operations fail, fast, with its rank.
+#[test]
+fn a_panicking_rank_fails_the_others() {
+    let start = Instant::now();
+    let out = run_local_with_timeout(3, SHORT, |g| {
+        if g.rank() == 1 {
+            panic!("rank 1 fails");
+        }
+        g.all_reduce(Buffer::F32(vec![1.0; 8]), ReduceOp::Sum)
+            .wait()
+    })
+    .unwrap();
+    assert!(
+        matches!(&out[1], Err(Error::PeerLost { rank: 1, why }) if why.contains("rank 1 fails"))
+    );
+    for r in [0, 2] {
+        match &out[r] {
+            Ok(Err(Error::PeerLost { rank: 1, .. })) | Ok(Err(Error::Timeout { .. })) => {}
+            other => panic!("rank {r}: {other:?}"),
+        }
+    }
+    assert!(start.elapsed() < Duration::from_secs(3));
+}
+
+/// A rank that returns early (dropping its group) fails every pending and later
+/// operation of the others.
+#[test]
+fn a_rank_that_leaves_early_fails_pending_and_later_operations() {
+    let out = run_local_with_timeout(2, SHORT, |g| {
+        if g.rank() == 0 {
+            return Vec::new();
+        }
+        let first = g.all_reduce(Buffer::F32(vec![1.0]), ReduceOp::Sum).wait();
+        let later = g.barrier().wait();
+        vec![first.map(drop), later]
+    })
+    .unwrap();
+    for r in &out[1].as_ref().unwrap()[..] {
+        assert!(
+            matches!(
+                r,
+                Err(Error::PeerLost { rank: 0, .. }) | Err(Error::Timeout { .. })
+            ),
+            "{r:?}"
+        );
+    }
+}
+
+/// A rank that never arrives: a timeout naming it, on every rank that waited.
+#[test]
+fn a_missing_rank_times_out_with_its_name() {
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let rx = std::sync::Mutex::new(rx);
+    let groups = ThreadGroup::create(3, SHORT).unwrap();
+    let start = Instant::now();
+    let results: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = groups
+            .into_iter()
+            .map(|g| {
+                let (tx, rx) = (tx.clone(), &rx);
+                s.spawn(move || {
+                    if g.rank() == 2 {
+                        // Alive but busy: it joins only after the others gave up.
+                        let _ = rx.lock().unwrap().recv();
+                        let _ = rx.lock().unwrap().recv();
+                        return None;
+                    }
+                    let r = g.all_reduce(Buffer::F32(vec![1.0]), ReduceOp::Sum).wait();
+                    tx.send(()).unwrap();
+                    Some(r)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(start.elapsed() < Duration::from_secs(3));
+    for r in results.into_iter().flatten() {
+        match r {
+            Err(e @ Error::Timeout { .. }) => {
+                assert!(
+                    matches!(&e, Error::Timeout { missing, .. } if missing == &vec![2]),
+                    "{e}"
+                );
+                assert!(e.to_string().contains("[2]"), "{e}");
+            }
+            other => panic!("expected a timeout, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn mismatched_buffers_and_operations_are_errors_on_every_rank() {
+    let out = run_local_with_timeout(2, SHORT, |g| {
+        let len = if g.rank() == 0 { 10 } else { 11 };
+        g.all_reduce(Buffer::F32(vec![1.0; len]), ReduceOp::Sum)
+            .wait()
+    })
+    .unwrap();
+    for r in out {
+        assert!(
+            matches!(r.unwrap(), Err(Error::Mismatch(m)) if m.contains("F32 x 10") && m.contains("F32 x 11"))
+        );
+    }
+    let out = run_local_with_timeout(2, SHORT, |g| {
+        let b = Buffer::F32(vec![1.0; 4]);
+        if g.rank() == 0 {
+            g.all_reduce(b, ReduceOp::Sum).wait()
+        } else {
+            g.broadcast(b, 0).wait()
+        }
+    })
+    .unwrap();
+    for r in out {
+        let e = r.unwrap().unwrap_err();
+        assert!(
+            matches!(&e, Error::Mismatch(m) if m.contains("AllReduce") && m.contains("Broadcast")),
+            "{e}"
+        );
+    }
+    let out = run_local_with_timeout(2, SHORT, |g| {
+        let b = if g.rank() == 0 {
+            Buffer::F32(vec![1.0; 4])
+        } else {
+            Buffer::F64(vec![1.0; 4])
+        };
+        g.all_reduce(b, ReduceOp::Sum).wait()
+    })
+    .unwrap();
+    assert!(out
+        .into_iter()
+        .all(|r| matches!(r.unwrap(), Err(Error::Mismatch(_)))));
+}
+
+#[test]
+fn bad_arguments_are_errors() {
+    assert!(matches!(
+        ThreadGroup::create(0, SHORT),
+        Err(Error::InvalidArgument(_))
+    ));
+    let out = run_local(2, |g| {
+        (
+            g.broadcast(Buffer::F32(vec![0.0]), 2).wait(),
+            g.reduce_scatter(Buffer::F32(vec![0.0; 3]), ReduceOp::Sum)
+                .wait(),
+        )
+    })
+    .unwrap();
+    for r in out {
+        let (b, rs) = r.unwrap();
+        assert!(matches!(b, Err(Error::InvalidArgument(_))));
+        assert!(matches!(rs, Err(Error::InvalidArgument(_))));
+    }
+}
