@@ -10,6 +10,7 @@ mod buffer;
 pub mod env;
 mod error;
 mod group;
+pub mod link;
 pub mod store;
 pub mod threads;
 mod work;

@@ -4,7 +4,7 @@
 
 use crate::{cargo, run_status, Failure};
 
-const SUITES: &[&str] = &["lowrank"];
+const SUITES: &[&str] = &["lowrank", "collectives"];
 
 pub fn run(args: &[String]) -> Result<(), Failure> {
     let mut quick = false;
@@ -29,6 +29,7 @@ pub fn run(args: &[String]) -> Result<(), Failure> {
     for suite in &suites {
         match suite.as_str() {
             "lowrank" => lowrank(quick, json)?,
+            "collectives" => collectives(quick, json)?,
             _ => unreachable!("suites are checked above"),
         }
     }
@@ -63,4 +64,16 @@ fn lowrank(quick: bool, json: bool) -> Result<(), Failure> {
         run_status(cargo(&crit))?;
     }
     Ok(())
+}
+
+/// All-reduce bandwidth of the thread backend against memcpy (nccl-tests definitions).
+fn collectives(quick: bool, json: bool) -> Result<(), Failure> {
+    let mut args = vec!["bench", "-q", "-p", "collectives", "--bench", "allreduce", "--"];
+    if quick {
+        args.push("--quick");
+    }
+    if json {
+        args.push("--json");
+    }
+    run_status(cargo(&args))
 }

@@ -1,0 +1,261 @@
+//! A link model for benchmarks: charges each operation the time a network of a given
+//! bandwidth and latency would take.
+//!
+//! Most users compress gradients because their network is slow, so benchmark step times
+//! must be reported at realistic link speeds. [`Linked`] wraps any [`ProcessGroup`] and
+//! charges every collective its ring-algorithm cost (the formulas of nccl-tests), either
+//! by sleeping on the rank's progress thread after the real operation
+//! ([`Charge::Sleep`], so overlap with compute is real) or by adding it to a counter
+//! ([`Charge::Account`], so a benchmark adds it to measured compute time). Which one ran
+//! is part of what a benchmark must report.
+
+use crate::{Buffer, ProcessGroup, ReduceOp, Result, Work};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// A network link: bandwidth per direction and per-message latency.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Link {
+    /// Bytes per second.
+    pub bytes_per_s: f64,
+    /// Latency of one message.
+    pub latency: Duration,
+}
+
+impl Link {
+    /// A link of `gbit` Gbit/s with `latency`.
+    pub fn gbit(gbit: f64, latency: Duration) -> Link {
+        Link {
+            bytes_per_s: gbit * 1e9 / 8.0,
+            latency,
+        }
+    }
+
+    fn time(&self, bytes: f64, messages: f64) -> Duration {
+        Duration::from_secs_f64((bytes / self.bytes_per_s + messages * self.latency.as_secs_f64()).max(0.0))
+    }
+
+    /// Ring all-reduce of `bytes` per rank on `n` ranks:
+    /// `2(n-1)/n · bytes / bandwidth + 2(n-1) · latency`.
+    pub fn all_reduce(&self, n: usize, bytes: usize) -> Duration {
+        let k = n.saturating_sub(1) as f64;
+        if n <= 1 {
+            return Duration::ZERO;
+        }
+        self.time(2.0 * k / n as f64 * bytes as f64, 2.0 * k)
+    }
+
+    /// Ring all-gather of `bytes` per rank (output `n · bytes`):
+    /// `(n-1) · bytes / bandwidth + (n-1) · latency`.
+    pub fn all_gather(&self, n: usize, bytes: usize) -> Duration {
+        let k = n.saturating_sub(1) as f64;
+        self.time(k * bytes as f64, k)
+    }
+
+    /// Ring reduce-scatter of an input of `bytes` per rank:
+    /// `(n-1)/n · bytes / bandwidth + (n-1) · latency`.
+    pub fn reduce_scatter(&self, n: usize, bytes: usize) -> Duration {
+        let k = n.saturating_sub(1) as f64;
+        if n <= 1 {
+            return Duration::ZERO;
+        }
+        self.time(k / n as f64 * bytes as f64, k)
+    }
+
+    /// Pipelined broadcast of `bytes`: `bytes / bandwidth + (n-1) · latency`.
+    pub fn broadcast(&self, n: usize, bytes: usize) -> Duration {
+        if n <= 1 {
+            return Duration::ZERO;
+        }
+        self.time(bytes as f64, n as f64 - 1.0)
+    }
+
+    /// A barrier: an all-reduce of nothing, `2(n-1) · latency`.
+    pub fn barrier(&self, n: usize) -> Duration {
+        self.all_reduce(n, 0)
+    }
+}
+
+/// How a [`Linked`] group charges the modelled time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Charge {
+    /// Sleep on the rank's progress thread after the real operation.
+    Sleep,
+    /// Only add to [`Linked::charged`].
+    Account,
+}
+
+/// A process group whose operations also cost what `link` would charge.
+pub struct Linked<G> {
+    inner: G,
+    link: Link,
+    charge: Charge,
+    charged_ns: Arc<AtomicU64>,
+}
+
+impl<G: ProcessGroup> Linked<G> {
+    /// Wraps `inner`.
+    pub fn new(inner: G, link: Link, charge: Charge) -> Self {
+        Linked {
+            inner,
+            link,
+            charge,
+            charged_ns: Arc::new(AtomicU64::new(0)),
+        }
+    }
+
+    /// The modelled link time charged so far (in both modes).
+    pub fn charged(&self) -> Duration {
+        Duration::from_nanos(self.charged_ns.load(Ordering::Relaxed))
+    }
+
+    /// The link.
+    pub fn link(&self) -> Link {
+        self.link
+    }
+
+    /// The wrapped group.
+    pub fn inner(&self) -> &G {
+        &self.inner
+    }
+
+    fn charge<T: Send + 'static>(&self, work: Work<T>, cost: Duration) -> Work<T> {
+        self.charged_ns.fetch_add(cost.as_nanos() as u64, Ordering::Relaxed);
+        match self.charge {
+            Charge::Account => work,
+            Charge::Sleep => work.then(move |r| {
+                std::thread::sleep(cost);
+                r
+            }),
+        }
+    }
+}
+
+fn bytes(b: &Buffer) -> usize {
+    b.len() * b.dtype().size()
+}
+
+impl<G: ProcessGroup> ProcessGroup for Linked<G> {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn size(&self) -> usize {
+        self.inner.size()
+    }
+    fn backend(&self) -> &'static str {
+        self.inner.backend()
+    }
+    fn timeout(&self) -> Duration {
+        self.inner.timeout()
+    }
+    fn all_reduce(&self, buf: Buffer, op: ReduceOp) -> Work<Buffer> {
+        let cost = self.link.all_reduce(self.size(), bytes(&buf));
+        self.charge(self.inner.all_reduce(buf, op), cost)
+    }
+    fn all_reduce_coalesced(&self, bufs: Vec<Buffer>, op: ReduceOp) -> Work<Vec<Buffer>> {
+        let cost = self.link.all_reduce(self.size(), bufs.iter().map(bytes).sum());
+        self.charge(self.inner.all_reduce_coalesced(bufs, op), cost)
+    }
+    fn broadcast(&self, buf: Buffer, root: usize) -> Work<Buffer> {
+        let cost = self.link.broadcast(self.size(), bytes(&buf));
+        self.charge(self.inner.broadcast(buf, root), cost)
+    }
+    fn all_gather(&self, buf: Buffer) -> Work<Vec<Buffer>> {
+        let cost = self.link.all_gather(self.size(), bytes(&buf));
+        self.charge(self.inner.all_gather(buf), cost)
+    }
+    fn reduce_scatter(&self, buf: Buffer, op: ReduceOp) -> Work<Buffer> {
+        let cost = self.link.reduce_scatter(self.size(), bytes(&buf));
+        self.charge(self.inner.reduce_scatter(buf, op), cost)
+    }
+    fn barrier(&self) -> Work<()> {
+        let cost = self.link.barrier(self.size());
+        self.charge(self.inner.barrier(), cost)
+    }
+    fn new_group(&self, ranks: &[usize]) -> Result<Option<Box<dyn ProcessGroup>>> {
+        // Subgroups inherit the link; their charges are accounted separately.
+        Ok(self.inner.new_group(ranks)?.map(|g| {
+            Box::new(Linked {
+                inner: g,
+                link: self.link,
+                charge: self.charge,
+                charged_ns: Arc::new(AtomicU64::new(0)),
+            }) as Box<dyn ProcessGroup>
+        }))
+    }
+}
+
+impl ProcessGroup for Box<dyn ProcessGroup> {
+    fn rank(&self) -> usize {
+        (**self).rank()
+    }
+    fn size(&self) -> usize {
+        (**self).size()
+    }
+    fn backend(&self) -> &'static str {
+        (**self).backend()
+    }
+    fn timeout(&self) -> Duration {
+        (**self).timeout()
+    }
+    fn all_reduce(&self, buf: Buffer, op: ReduceOp) -> Work<Buffer> {
+        (**self).all_reduce(buf, op)
+    }
+    fn all_reduce_coalesced(&self, bufs: Vec<Buffer>, op: ReduceOp) -> Work<Vec<Buffer>> {
+        (**self).all_reduce_coalesced(bufs, op)
+    }
+    fn broadcast(&self, buf: Buffer, root: usize) -> Work<Buffer> {
+        (**self).broadcast(buf, root)
+    }
+    fn all_gather(&self, buf: Buffer) -> Work<Vec<Buffer>> {
+        (**self).all_gather(buf)
+    }
+    fn reduce_scatter(&self, buf: Buffer, op: ReduceOp) -> Work<Buffer> {
+        (**self).reduce_scatter(buf, op)
+    }
+    fn barrier(&self) -> Work<()> {
+        (**self).barrier()
+    }
+    fn new_group(&self, ranks: &[usize]) -> Result<Option<Box<dyn ProcessGroup>>> {
+        (**self).new_group(ranks)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::run_local;
+
+    #[test]
+    fn ring_costs() {
+        let l = Link::gbit(8.0, Duration::from_micros(10)); // 1 GB/s
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        // 2 ranks, 1 MB: 2·1/2·1e6 B / 1e9 B/s = 1 ms, plus 2 messages of 10 us.
+        assert!((ms(l.all_reduce(2, 1_000_000)) - 1.02).abs() < 1e-9);
+        assert!((ms(l.all_reduce(4, 1_000_000)) - (1.5 + 0.06)).abs() < 1e-9);
+        assert!((ms(l.all_gather(4, 1_000_000)) - (3.0 + 0.03)).abs() < 1e-9);
+        assert!((ms(l.reduce_scatter(4, 1_000_000)) - (0.75 + 0.03)).abs() < 1e-9);
+        assert!((ms(l.broadcast(4, 1_000_000)) - (1.0 + 0.03)).abs() < 1e-9);
+        assert_eq!(l.all_reduce(1, 1_000_000), Duration::ZERO);
+    }
+
+    #[test]
+    fn linked_groups_charge_and_still_reduce() {
+        let link = Link::gbit(1.0, Duration::from_micros(50));
+        let out = run_local(2, |g| {
+            let g = Linked::new(g, link, Charge::Sleep);
+            let t = std::time::Instant::now();
+            let b = g.all_reduce(Buffer::F32(vec![1.0; 25_000]), ReduceOp::Sum).wait().unwrap();
+            (b, t.elapsed(), g.charged())
+        })
+        .unwrap();
+        for r in out {
+            let (b, took, charged) = r.unwrap();
+            assert_eq!(b, Buffer::F32(vec![2.0; 25_000]));
+            // 100 kB over 1 Gbit/s: 0.8 ms + 0.1 ms latency.
+            assert_eq!(charged, link.all_reduce(2, 100_000));
+            assert!(took >= charged, "sleep mode waits for the link: {took:?} < {charged:?}");
+        }
+    }
+}
