@@ -12,6 +12,9 @@ use std::time::{Duration, Instant};
 
 type Continuation<T> = Box<dyn FnOnce(Result<T>) + Send>;
 
+/// Both results of a [`Work::zip`] as they arrive, and the completer of the pair.
+type ZipSlot<T, U> = (Option<Result<T>>, Option<Result<U>>, Option<Completer<(T, U)>>);
+
 enum State<T> {
     Pending(Option<Continuation<T>>),
     Done(Result<T>),
@@ -144,6 +147,54 @@ impl<T: Send + 'static> Work<T> {
     }
 }
 
+impl<T: Send + 'static> Work<T> {
+    /// Chains an operation that itself returns work (for example, issuing the next
+    /// collective of a pipeline from a continuation, which must not block the progress
+    /// thread that will run it). The result completes when the inner work does.
+    pub fn and_then<U: Send + 'static>(self, f: impl FnOnce(T) -> Work<U> + Send + 'static) -> Work<U> {
+        let (outer, completer) = Work::pending();
+        drop(self.then(move |r| {
+            match r {
+                Ok(v) => drop(f(v).then(move |u| {
+                    completer.complete(u);
+                    Ok(())
+                })),
+                Err(e) => completer.complete(Err(e)),
+            }
+            Ok(())
+        }));
+        outer
+    }
+
+    /// Completes when both works have completed, with both values (or the first error),
+    /// without blocking any thread.
+    pub fn zip<U: Send + 'static>(self, other: Work<U>) -> Work<(T, U)> {
+        let (out, completer) = Work::pending();
+        let slot: Arc<Mutex<ZipSlot<T, U>>> = Arc::new(Mutex::new((None, None, Some(completer))));
+        fn finish<T: Send + 'static, U: Send + 'static>(st: &mut ZipSlot<T, U>) {
+            if st.0.is_some() && st.1.is_some() {
+                if let (Some(a), Some(b), Some(c)) = (st.0.take(), st.1.take(), st.2.take()) {
+                    c.complete(a.and_then(|a| b.map(|b| (a, b))));
+                }
+            }
+        }
+        let s1 = slot.clone();
+        drop(self.then(move |r| {
+            let mut st = s1.lock().unwrap_or_else(|p| p.into_inner());
+            st.0 = Some(r);
+            finish(&mut st);
+            Ok(())
+        }));
+        drop(other.then(move |r| {
+            let mut st = slot.lock().unwrap_or_else(|p| p.into_inner());
+            st.1 = Some(r);
+            finish(&mut st);
+            Ok(())
+        }));
+        out
+    }
+}
+
 impl<T: Send + 'static> Completer<T> {
     /// Completes the work; runs a chained continuation, if any, on this thread.
     pub fn complete(mut self, result: Result<T>) {
@@ -210,6 +261,23 @@ mod tests {
         let w = Work::ready(Ok(3));
         assert!(w.is_completed());
         assert_eq!(w.then(|r| r.map(|v| v * 2)).wait().unwrap(), 6);
+    }
+
+    #[test]
+    fn and_then_and_zip() {
+        let (a, ca) = Work::<u32>::pending();
+        let (b, cb) = Work::<u32>::pending();
+        let chained = a.and_then(|v| Work::ready(Ok(v * 10)));
+        let both = chained.zip(b);
+        assert!(!both.is_completed());
+        cb.complete(Ok(2));
+        assert!(!both.is_completed());
+        ca.complete(Ok(4));
+        assert_eq!(both.wait().unwrap(), (40, 2));
+        let (a, ca) = Work::<u32>::pending();
+        let failed = a.zip(Work::ready(Ok(1u32)));
+        ca.complete(Err(Error::Mismatch("x".into())));
+        assert!(matches!(failed.wait(), Err(Error::Mismatch(_))));
     }
 
     #[test]
