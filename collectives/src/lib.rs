@@ -2,8 +2,24 @@
 //! `reduce_scatter` and `barrier` returning async work handles, on an in-process thread
 //! backend, NCCL (through `cudarc`) and MPI, with `env://` rendezvous like `torchrun`.
 //!
-//! **Status: in progress (issue 3).** Present: the error type, the TCP key-value store and
-//! the environment rendezvous. The process-group trait and its backends land next.
+//! - [`ProcessGroup`]: the trait hooks are written against; every operation returns a
+//!   [`Work`] handle (`wait`, `wait_timeout`, `is_completed`, `then`, `and_then`, `zip`).
+//! - [`ThreadGroup`] / [`run_local`]: N ranks as threads of one process, zero-copy and
+//!   rootless; the backend of every test.
+//! - [`store::TcpStore`] and [`env::EnvInfo`]: `env://` rendezvous as `torchrun` sets it
+//!   up (also from Slurm or Open MPI variables); the `launch` binary starts N local
+//!   processes with those variables, like `torchrun --standalone`.
+//! - [`link`]: a link model that charges each operation a network's ring cost, for
+//!   benchmarks at 1, 10 and 100 Gbit/s.
+//!
+//! ```
+//! use collectives::{run_local, Buffer, ProcessGroup, ReduceOp};
+//! let out = run_local(2, |g| g.all_reduce(Buffer::F32(vec![g.rank() as f32]), ReduceOp::Sum).wait()).unwrap();
+//! assert!(out.into_iter().all(|r| r.unwrap().unwrap() == Buffer::F32(vec![1.0])));
+//! ```
+//!
+//! **Status (issue 3):** threads, rendezvous, launcher and link model are here; the NCCL
+//! and MPI backends and staging of CUDA buffers are not yet.
 #![deny(missing_docs)]
 
 mod buffer;
