@@ -1,8 +1,43 @@
 //! DDP communication hooks on gradient buckets: allreduce, fp16/bf16 compression, noop,
-//! PowerSGD (per layer) and batched PowerSGD with the full `PowerSGDState`, plus the
-//! gradient bucketing (the reducer) that calls them.
+//! and PowerSGD with the full `PowerSGDState`.
 //!
-//! **Status: placeholder.** This crate is specified by issue 4 and not yet written; it
-//! exports nothing. It will build on `lowrank` (the kernels), `collectives` (the process
-//! group) and `accum` (the sync trait its reducer implements).
+//! A hook is called once per bucket per synchronised step with a [`GradBucket`] (one
+//! flat gradient buffer and where each parameter lives in it) and returns at once a
+//! [`collectives::Work`] that completes with the reduced gradients, so communication
+//! overlaps the rest of the backward pass. Hooks are generic over the `lowrank` backend
+//! (CPU or CUDA) and take any `collectives` process group.
+//!
+//! ```
+//! use collectives::{run_local, ProcessGroup};
+//! use ddp_hooks::{AllReduce, CommHook, GradBucket, Layout};
+//! use lowrank::CpuBackend;
+//! use std::sync::Arc;
+//!
+//! let layout = Arc::new(Layout::packed(&[vec![2, 3], vec![3]])); // a weight and a bias
+//! let results = run_local(2, |group| {
+//!     let rank = group.rank() as f32;
+//!     let mut hook = AllReduce::new(Arc::new(CpuBackend::new()), Arc::new(group));
+//!     let bucket = GradBucket::<CpuBackend>::new(0, 1, vec![rank; 9], layout.clone()).unwrap();
+//!     hook.run(bucket).wait()
+//! })
+//! .unwrap();
+//! for r in results {
+//!     assert_eq!(r.unwrap().unwrap(), vec![0.5; 9]); // the mean of 0 and 1
+//! }
+//! ```
+//!
+//! **Status (issue 4):** the hooks and `PowerSgd` (per layer) are here; the batched
+//! PowerSGD hook, the reducer and the hook registry are not yet.
 #![deny(missing_docs)]
+
+mod bucket;
+mod comm;
+mod error;
+mod hooks;
+pub mod powersgd;
+
+pub use bucket::{GradBucket, Layout, ParamSlot};
+pub use comm::{CommBackend, CommElement};
+pub use error::{Error, Result};
+pub use hooks::{AllReduce, CommHook, Compress, HalfFormat, Noop};
+pub use powersgd::{PowerSgd, PowerSgdConfig, PowerSgdState};

@@ -37,7 +37,7 @@ impl<T> ViewLen for &mut [T] {
 /// [`Backend::download`] and [`Backend::synchronize`] wait for them.
 pub trait Backend: Send + Sync {
     /// An owned buffer on this backend.
-    type Buffer<T: Element>: Send;
+    type Buffer<T: Element>: Send + 'static;
     /// A shared view of (part of) a buffer.
     type View<'a, T: Element>: ViewLen;
     /// A mutable view of (part of) a buffer.

@@ -1,0 +1,150 @@
+//! `GradBucket`: one flat gradient buffer and where each parameter lives in it.
+
+use crate::{Error, Result};
+use lowrank::Backend;
+use std::sync::Arc;
+
+/// Where one parameter's gradient lives in a bucket.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ParamSlot {
+    /// First element in the bucket buffer.
+    pub offset: usize,
+    /// Number of elements (the product of `shape`).
+    pub len: usize,
+    /// The parameter's shape (`[]` for a scalar).
+    pub shape: Vec<usize>,
+}
+
+impl ParamSlot {
+    /// The matrix view PowerSGD compresses: `shape[0] x (len / shape[0])` (a vector of
+    /// `k` is `k x 1`, a scalar `1 x 1`; a conv weight `O x I x kh x kw` is `O x I·kh·kw`).
+    pub fn matrix(&self) -> (usize, usize) {
+        match self.shape.first() {
+            Some(&n) if n > 0 => (n, self.len / n),
+            _ => (1, self.len),
+        }
+    }
+}
+
+/// The layout of a bucket: its parameters, in order, packed one after another.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Layout {
+    params: Vec<ParamSlot>,
+    len: usize,
+}
+
+impl Layout {
+    /// Packs parameters of the given shapes one after another.
+    pub fn packed(shapes: &[Vec<usize>]) -> Layout {
+        let mut offset = 0;
+        let params = shapes
+            .iter()
+            .map(|s| {
+                let len = s.iter().product();
+                let slot = ParamSlot {
+                    offset,
+                    len,
+                    shape: s.clone(),
+                };
+                offset += len;
+                slot
+            })
+            .collect();
+        Layout {
+            params,
+            len: offset,
+        }
+    }
+
+    /// The parameters.
+    pub fn params(&self) -> &[ParamSlot] {
+        &self.params
+    }
+
+    /// Total elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the bucket holds no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// A bucket of gradients handed to a communication hook: one contiguous buffer on the
+/// backend `B` plus each parameter's offset and shape. As PyTorch's `GradBucket`, its
+/// `index` counts buckets in the order the reducer launches them, and the last one
+/// (`is_last`) holds the first layers of the forward pass.
+pub struct GradBucket<B: Backend> {
+    index: usize,
+    count: usize,
+    buffer: B::Buffer<f32>,
+    layout: Arc<Layout>,
+}
+
+impl<B: Backend> GradBucket<B> {
+    /// A bucket; errors unless `buffer` holds exactly `layout.len()` elements and
+    /// `index < count`.
+    pub fn new(
+        index: usize,
+        count: usize,
+        buffer: B::Buffer<f32>,
+        layout: Arc<Layout>,
+    ) -> Result<Self> {
+        if index >= count {
+            return Err(Error::Bucket {
+                index,
+                why: format!("index {index} is not below the bucket count {count}"),
+            });
+        }
+        let len = B::buffer_len(&buffer);
+        if len != layout.len() {
+            return Err(Error::Bucket {
+                index,
+                why: format!("buffer has {len} elements, the layout {}", layout.len()),
+            });
+        }
+        Ok(GradBucket {
+            index,
+            count,
+            buffer,
+            layout,
+        })
+    }
+
+    /// Position in launch order.
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
+    /// Number of buckets per step.
+    pub fn count(&self) -> usize {
+        self.count
+    }
+
+    /// Whether this is the last bucket of the step.
+    pub fn is_last(&self) -> bool {
+        self.index + 1 == self.count
+    }
+
+    /// The flat gradient buffer.
+    pub fn buffer(&self) -> &B::Buffer<f32> {
+        &self.buffer
+    }
+
+    /// The flat gradient buffer, mutably.
+    pub fn buffer_mut(&mut self) -> &mut B::Buffer<f32> {
+        &mut self.buffer
+    }
+
+    /// The layout.
+    pub fn layout(&self) -> &Arc<Layout> {
+        &self.layout
+    }
+
+    /// Takes the buffer out.
+    pub fn into_buffer(self) -> B::Buffer<f32> {
+        self.buffer
+    }
+}

@@ -1,0 +1,451 @@
+//! The per-layer PowerSGD hook.
+
+use super::plan::Plan;
+use super::state::SavedBucket;
+use super::{PowerSgdConfig, PowerSgdState};
+use crate::{CommBackend, CommHook, Error, GradBucket, Result};
+use collectives::{ProcessGroup, ReduceOp, Work};
+use lowrank::{Backend, NormalRng};
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// A bucket's warm-start factors; `None` while the factor is in a collective.
+struct Factors<B: Backend> {
+    len: usize,
+    p: Option<B::Buffer<f32>>,
+    q: Option<B::Buffer<f32>>,
+}
+
+struct Inner<B: Backend> {
+    config: PowerSgdConfig,
+    iter: u64,
+    total_before: u64,
+    total_after: u64,
+    next_stats_report: u64,
+    rng: NormalRng,
+    /// Error feedback per bucket: (bucket length, error of its compressed tensors).
+    errors: BTreeMap<usize, (usize, B::Buffer<f32>)>,
+    factors: BTreeMap<usize, Factors<B>>,
+}
+
+impl<B: Backend> Inner<B> {
+    /// PyTorch's `maybe_increase_iter`: one step per last bucket.
+    fn maybe_increase_iter(&mut self, is_last: bool) {
+        if is_last {
+            self.iter += 1;
+            if self.iter == self.config.start_powersgd_iter {
+                tracing::info!("Start to apply PowerSGD after {} iterations.", self.iter);
+            }
+        }
+    }
+}
+
+/// The PowerSGD hook: owns its state (a [`PowerSgdState`] when saved) and reduces every
+/// bucket it is given over its process group.
+pub struct PowerSgd<B: CommBackend> {
+    backend: Arc<B>,
+    group: Arc<dyn ProcessGroup>,
+    inner: Arc<Mutex<Inner<B>>>,
+}
+
+fn lock<B: Backend>(inner: &Mutex<Inner<B>>) -> MutexGuard<'_, Inner<B>> {
+    // Every update of the state is completed before the lock is released (or the step
+    // fails as a whole), so a poisoned lock holds consistent data.
+    inner.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn in_flight(index: usize) -> Error {
+    Error::Bucket {
+        index,
+        why: "the previous step of this bucket has not completed (wait for every hook's work before the next step)"
+            .into(),
+    }
+}
+
+impl<B: CommBackend> PowerSgd<B> {
+    /// A hook with `config` (validated) over `group`.
+    pub fn new(
+        backend: Arc<B>,
+        group: Arc<dyn ProcessGroup>,
+        config: PowerSgdConfig,
+    ) -> Result<Self> {
+        config.validate()?;
+        tracing::info!(?config, "PowerSGD hook");
+        let rng = NormalRng::new(config.random_seed);
+        Ok(PowerSgd {
+            backend,
+            group,
+            inner: Arc::new(Mutex::new(Inner {
+                config,
+                iter: 0,
+                total_before: 0,
+                total_after: 0,
+                next_stats_report: 0,
+                rng,
+                errors: BTreeMap::new(),
+                factors: BTreeMap::new(),
+            })),
+        })
+    }
+
+    /// The hyperparameters.
+    pub fn config(&self) -> PowerSgdConfig {
+        lock(&self.inner).config.clone()
+    }
+
+    /// Synchronised steps seen so far (PyTorch's `state.iter`).
+    pub fn iteration(&self) -> u64 {
+        lock(&self.inner).iter
+    }
+
+    /// `(rate, before, after)`: elements before and after compression over all
+    /// compressed steps, and their ratio (0 before the first compressed step), as
+    /// PyTorch's `compression_stats()`.
+    pub fn compression_stats(&self) -> (f64, u64, u64) {
+        let g = lock(&self.inner);
+        let rate = if g.total_after > 0 {
+            g.total_before as f64 / g.total_after as f64
+        } else {
+            0.0
+        };
+        (rate, g.total_before, g.total_after)
+    }
+
+    /// The whole state except the process group, on the host.
+    pub fn save(&self) -> Result<PowerSgdState> {
+        let g = lock(&self.inner);
+        let be = &*self.backend;
+        let host = |buf: &B::Buffer<f32>| -> Result<Vec<f32>> {
+            let mut v = vec![0.0; B::buffer_len(buf)];
+            be.download(B::view(buf, ..)?, &mut v)?;
+            Ok(v)
+        };
+        let mut buckets = BTreeMap::new();
+        for (&index, (len, e)) in &g.errors {
+            buckets.insert(
+                index,
+                SavedBucket {
+                    len: *len,
+                    error: host(e)?,
+                    p: Vec::new(),
+                    q: Vec::new(),
+                },
+            );
+        }
+        for (&index, f) in &g.factors {
+            let (p, q) = match (&f.p, &f.q) {
+                (Some(p), Some(q)) => (host(p)?, host(q)?),
+                _ => return Err(in_flight(index)),
+            };
+            let entry = buckets.entry(index).or_insert_with(|| SavedBucket {
+                len: f.len,
+                error: Vec::new(),
+                p: Vec::new(),
+                q: Vec::new(),
+            });
+            entry.p = p;
+            entry.q = q;
+        }
+        Ok(PowerSgdState {
+            config: g.config.clone(),
+            iter: g.iter,
+            total_before: g.total_before,
+            total_after: g.total_after,
+            next_stats_report: g.next_stats_report,
+            rng: g.rng.clone(),
+            buckets,
+        })
+    }
+
+    /// A hook that continues from `state` over `group` (which may differ from the group
+    /// the state was saved with, as in PyTorch).
+    pub fn load(
+        backend: Arc<B>,
+        group: Arc<dyn ProcessGroup>,
+        state: PowerSgdState,
+    ) -> Result<Self> {
+        let hook = PowerSgd::new(backend, group, state.config)?;
+        {
+            let mut g = lock(&hook.inner);
+            g.iter = state.iter;
+            g.total_before = state.total_before;
+            g.total_after = state.total_after;
+            g.next_stats_report = state.next_stats_report;
+            g.rng = state.rng;
+            for (index, saved) in state.buckets {
+                if !saved.error.is_empty() {
+                    let e = hook.backend.upload(&saved.error)?;
+                    g.errors.insert(index, (saved.len, e));
+                }
+                if !saved.p.is_empty() || !saved.q.is_empty() {
+                    let (p, q) = (
+                        hook.backend.upload(&saved.p)?,
+                        hook.backend.upload(&saved.q)?,
+                    );
+                    g.factors.insert(
+                        index,
+                        Factors {
+                            len: saved.len,
+                            p: Some(p),
+                            q: Some(q),
+                        },
+                    );
+                }
+            }
+        }
+        Ok(hook)
+    }
+
+    /// Starts one bucket's reduction; errors here mean nothing was communicated.
+    fn start(&self, bucket: GradBucket<B>) -> Result<Work<B::Buffer<f32>>> {
+        let (be, group) = (self.backend.clone(), self.group.clone());
+        let (index, is_last) = (bucket.index(), bucket.is_last());
+        let layout = bucket.layout().clone();
+        let mut x = bucket.into_buffer();
+        let mut guard = lock(&self.inner);
+        let g = &mut *guard;
+        if g.iter < g.config.start_powersgd_iter {
+            g.maybe_increase_iter(is_last);
+            return Ok(be.all_reduce(&*group, x, ReduceOp::Avg));
+        }
+        let cfg = g.config.clone();
+        let plan = Arc::new(Plan::new(
+            &layout,
+            cfg.matrix_approximation_rank,
+            cfg.min_compression_rate,
+        ));
+        check_memory(g, index, &plan)?;
+
+        g.total_before += plan.before;
+        g.total_after += plan.after;
+        if is_last && g.iter >= g.next_stats_report {
+            let rate = g.total_before as f64 / g.total_after.max(1) as f64;
+            tracing::info!(
+                "Compression stats: iter {}, total before compression {}, total after compression {}, rate {rate}",
+                g.iter,
+                g.total_before,
+                g.total_after
+            );
+            g.next_stats_report = g.iter + cfg.compression_stats_logging_frequency;
+        }
+
+        // The uncompressed tensors go first, so their all-reduce overlaps the products.
+        let mut u = be.alloc::<f32>(plan.u_len)?;
+        let mut at = 0;
+        for &(off, len) in &plan.uncompressed {
+            be.copy(
+                B::view(&x, off..off + len)?,
+                B::view_mut(&mut u, at..at + len)?,
+            )?;
+            at += len;
+        }
+        let work_u = if plan.u_len > 0 {
+            be.all_reduce(&*group, u, ReduceOp::Avg)
+        } else {
+            Work::ready(Ok(u))
+        };
+
+        if cfg.use_error_feedback && !g.errors.contains_key(&index) {
+            tracing::info!(
+                "A zero tensor of length {} that represents local error is created.",
+                plan.e_len
+            );
+            g.errors.insert(index, (plan.len, be.alloc(plan.e_len)?));
+        }
+        let randomize = !cfg.warm_start || !g.factors.contains_key(&index);
+        if randomize {
+            let (p, q) = (be.alloc(plan.p_len)?, be.alloc(plan.q_len)?);
+            g.factors.insert(
+                index,
+                Factors {
+                    len: plan.len,
+                    p: Some(p),
+                    q: Some(q),
+                },
+            );
+        }
+        let factors = g.factors.get_mut(&index).ok_or_else(|| in_flight(index))?;
+        let mut p = factors.p.take().ok_or_else(|| in_flight(index))?;
+        let q = factors.q.as_mut().ok_or_else(|| in_flight(index))?;
+        if randomize {
+            be.fill_normal(&mut g.rng, B::view_mut(q, ..)?)?;
+        }
+        for mat in &plan.compressed {
+            let qs = mat.q_off..mat.q_off + mat.m * mat.r;
+            be.orthogonalize(
+                1,
+                mat.m,
+                mat.r,
+                B::view_mut(q, qs)?,
+                cfg.orthogonalization_epsilon,
+            )?;
+        }
+        for mat in &plan.compressed {
+            let d = mat.dims();
+            let xs = mat.offset..mat.offset + mat.n * mat.m;
+            let ps = mat.p_off..mat.p_off + mat.n * mat.r;
+            let qs = mat.q_off..mat.q_off + mat.m * mat.r;
+            match g.errors.get(&index) {
+                Some((_, e)) if cfg.use_error_feedback => {
+                    let es = mat.e_off..mat.e_off + mat.n * mat.m;
+                    be.add_mq(
+                        d,
+                        B::view_mut(&mut x, xs)?,
+                        B::view(e, es)?,
+                        B::view(q, qs)?,
+                        B::view_mut(&mut p, ps)?,
+                    )?;
+                }
+                _ => be.mq(
+                    d,
+                    B::view(&x, xs)?,
+                    B::view(q, qs)?,
+                    B::view_mut(&mut p, ps)?,
+                )?,
+            }
+        }
+        drop(guard);
+
+        // P is summed, not averaged: it is orthogonalised next.
+        let work_p = be.all_reduce(&*group, p, ReduceOp::Sum);
+        let (be1, inner1, plan1) = (be.clone(), self.inner.clone(), plan.clone());
+        let eps = cfg.orthogonalization_epsilon;
+        let chain =
+            work_p.and_then(
+                move |p| match compute_q(&*be1, &inner1, index, &plan1, eps, p, &x) {
+                    Ok(q) => be1
+                        .all_reduce(&*group, q, ReduceOp::Avg)
+                        .then(move |q| Ok((q?, x))),
+                    Err(e) => Work::ready(Err(e.into())),
+                },
+            );
+        let inner2 = self.inner.clone();
+        Ok(chain.zip(work_u).then(move |r| {
+            let ((q, mut x), u) = r?;
+            decompress(&*be, &inner2, index, is_last, &plan, q, &mut x, &u)?;
+            Ok(x)
+        }))
+    }
+}
+
+/// A bucket whose length changed, or whose layout no longer fits its memory, is an error
+/// (PyTorch fails with an opaque shape error).
+fn check_memory<B: Backend>(g: &Inner<B>, index: usize, plan: &Plan) -> Result<()> {
+    let changed = |was: usize, what: &str| Error::Bucket {
+        index,
+        why: format!(
+            "{what} changed (was {was} elements, now {}): the PowerSGD state cannot be applied",
+            plan.len
+        ),
+    };
+    if let Some((len, e)) = g.errors.get(&index) {
+        if *len != plan.len || B::buffer_len(e) != plan.e_len {
+            return Err(changed(*len, "the bucket length or layout"));
+        }
+    }
+    if let Some(f) = g.factors.get(&index) {
+        let fits = |b: &Option<B::Buffer<f32>>, want: usize| {
+            b.as_ref().is_none_or(|b| B::buffer_len(b) == want)
+        };
+        if f.len != plan.len || !fits(&f.p, plan.p_len) || !fits(&f.q, plan.q_len) {
+            return Err(changed(f.len, "the bucket length or layout"));
+        }
+    }
+    Ok(())
+}
+
+/// Orthogonalises the summed `P`, computes `Q = Xᵀ P̂`, puts `P̂` back; returns `Q`.
+fn compute_q<B: CommBackend>(
+    be: &B,
+    inner: &Mutex<Inner<B>>,
+    index: usize,
+    plan: &Plan,
+    eps: f32,
+    mut p: B::Buffer<f32>,
+    x: &B::Buffer<f32>,
+) -> Result<B::Buffer<f32>> {
+    let mut g = lock(inner);
+    let factors = g.factors.get_mut(&index).ok_or_else(|| in_flight(index))?;
+    let mut q = factors.q.take().ok_or_else(|| in_flight(index))?;
+    for mat in &plan.compressed {
+        let ps = mat.p_off..mat.p_off + mat.n * mat.r;
+        be.orthogonalize(1, mat.n, mat.r, B::view_mut(&mut p, ps.clone())?, eps)?;
+        let xs = mat.offset..mat.offset + mat.n * mat.m;
+        let qs = mat.q_off..mat.q_off + mat.m * mat.r;
+        be.mtp(
+            mat.dims(),
+            B::view(x, xs)?,
+            B::view(&p, ps)?,
+            B::view_mut(&mut q, qs)?,
+        )?;
+    }
+    factors.p = Some(p);
+    Ok(q)
+}
+
+/// `M̂ = P̂ Qᵀ` into the bucket (with the error update), the uncompressed means copied
+/// back, the factors kept for warm start, and the iteration counted.
+#[allow(clippy::too_many_arguments)]
+fn decompress<B: CommBackend>(
+    be: &B,
+    inner: &Mutex<Inner<B>>,
+    index: usize,
+    is_last: bool,
+    plan: &Plan,
+    q: B::Buffer<f32>,
+    x: &mut B::Buffer<f32>,
+    u: &B::Buffer<f32>,
+) -> Result<()> {
+    let mut guard = lock(inner);
+    let g = &mut *guard;
+    let ef = g.config.use_error_feedback;
+    let factors = g.factors.get_mut(&index).ok_or_else(|| in_flight(index))?;
+    let p = factors.p.as_ref().ok_or_else(|| in_flight(index))?;
+    for mat in &plan.compressed {
+        let d = mat.dims();
+        let xs = mat.offset..mat.offset + mat.n * mat.m;
+        let ps = mat.p_off..mat.p_off + mat.n * mat.r;
+        let qs = mat.q_off..mat.q_off + mat.m * mat.r;
+        match g.errors.get_mut(&index) {
+            Some((_, e)) if ef => {
+                let es = mat.e_off..mat.e_off + mat.n * mat.m;
+                be.pqt_error(
+                    d,
+                    B::view(p, ps)?,
+                    B::view(&q, qs)?,
+                    B::view_mut(x, xs)?,
+                    B::view_mut(e, es)?,
+                )?;
+            }
+            _ => be.pqt(d, B::view(p, ps)?, B::view(&q, qs)?, B::view_mut(x, xs)?)?,
+        }
+    }
+    let mut at = 0;
+    for &(off, len) in &plan.uncompressed {
+        be.copy(B::view(u, at..at + len)?, B::view_mut(x, off..off + len)?)?;
+        at += len;
+    }
+    factors.q = Some(q);
+    if !g.config.warm_start {
+        g.factors.remove(&index);
+    }
+    g.maybe_increase_iter(is_last);
+    Ok(())
+}
+
+impl<B: CommBackend> CommHook<B> for PowerSgd<B> {
+    fn name(&self) -> String {
+        let c = self.config();
+        format!(
+            "powersgd:rank={},start_iter={}",
+            c.matrix_approximation_rank, c.start_powersgd_iter
+        )
+    }
+
+    fn run(&mut self, bucket: GradBucket<B>) -> Work<B::Buffer<f32>> {
+        match self.start(bucket) {
+            Ok(work) => work,
+            Err(e) => Work::ready(Err(e.into())),
+        }
+    }
+}
