@@ -27,6 +27,10 @@ pub mod env;
 mod error;
 mod group;
 pub mod link;
+#[cfg(feature = "mpi")]
+pub mod mpi;
+#[cfg(feature = "cuda")]
+pub mod nccl;
 pub mod store;
 pub mod threads;
 mod work;

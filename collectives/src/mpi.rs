@@ -1,0 +1,1 @@
+//! The MPI backend (feature `mpi`): placeholder until written.
