@@ -26,8 +26,12 @@
 //! }
 //! ```
 //!
-//! **Status (issue 4):** the hooks and `PowerSgd` (per layer) are here; the batched
-//! PowerSGD hook, the reducer and the hook registry are not yet.
+//! The [`Reducer`] packs parameters into buckets, calls the hook per bucket as gradients
+//! become ready, and implements `accum`'s `GradSync` so `no_sync` and `Accumulator`
+//! drive it.
+//!
+//! **Status (issue 4):** the hooks, `PowerSgd` (per layer) and the reducer are here; the
+//! batched PowerSGD hook and the hook registry are not yet.
 #![deny(missing_docs)]
 
 mod bucket;
@@ -35,9 +39,11 @@ mod comm;
 mod error;
 mod hooks;
 pub mod powersgd;
+mod reducer;
 
 pub use bucket::{GradBucket, Layout, ParamSlot};
 pub use comm::{CommBackend, CommElement};
 pub use error::{Error, Result};
 pub use hooks::{AllReduce, CommHook, Compress, HalfFormat, Noop};
 pub use powersgd::{PowerSgd, PowerSgdConfig, PowerSgdState};
+pub use reducer::{Reducer, ReducerConfig};
