@@ -30,8 +30,10 @@
 //! become ready, and implements `accum`'s `GradSync` so `no_sync` and `Accumulator`
 //! drive it.
 //!
-//! **Status (issue 4):** the hooks, `PowerSgd` (per layer) and the reducer are here; the
-//! batched PowerSGD hook and the hook registry are not yet.
+//! Hooks can be chosen by name: [`HookSpec`] parses `powersgd:rank=2,start_iter=10`.
+//!
+//! **Status (issue 4):** the hooks, `PowerSgd` (per layer), the registry and the reducer
+//! are here; the batched PowerSGD hook is not yet.
 #![deny(missing_docs)]
 
 mod bucket;
@@ -40,6 +42,7 @@ mod error;
 mod hooks;
 pub mod powersgd;
 mod reducer;
+mod registry;
 
 pub use bucket::{GradBucket, Layout, ParamSlot};
 pub use comm::{CommBackend, CommElement};
@@ -47,3 +50,4 @@ pub use error::{Error, Result};
 pub use hooks::{AllReduce, CommHook, Compress, HalfFormat, Noop};
 pub use powersgd::{PowerSgd, PowerSgdConfig, PowerSgdState};
 pub use reducer::{Reducer, ReducerConfig};
+pub use registry::HookSpec;
