@@ -86,12 +86,53 @@ pub enum Charge {
     Account,
 }
 
-/// A process group whose operations also cost what `link` would charge.
+/// The kind and payload of one operation, as [`Linked`] records it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LinkOp {
+    /// All-reduce (also coalesced) of this many bytes per rank.
+    AllReduce(usize),
+    /// All-gather of this many bytes per rank.
+    AllGather(usize),
+    /// Reduce-scatter of an input of this many bytes per rank.
+    ReduceScatter(usize),
+    /// Broadcast of this many bytes.
+    Broadcast(usize),
+    /// Barrier.
+    Barrier,
+}
+
+impl Link {
+    /// The cost of `op` on `n` ranks.
+    pub fn cost(&self, n: usize, op: LinkOp) -> Duration {
+        match op {
+            LinkOp::AllReduce(b) => self.all_reduce(n, b),
+            LinkOp::AllGather(b) => self.all_gather(n, b),
+            LinkOp::ReduceScatter(b) => self.reduce_scatter(n, b),
+            LinkOp::Broadcast(b) => self.broadcast(n, b),
+            LinkOp::Barrier => self.barrier(n),
+        }
+    }
+}
+
+impl LinkOp {
+    /// Payload bytes this rank sends into the operation.
+    pub fn bytes(&self) -> usize {
+        match *self {
+            LinkOp::AllReduce(b) | LinkOp::AllGather(b) | LinkOp::ReduceScatter(b) | LinkOp::Broadcast(b) => b,
+            LinkOp::Barrier => 0,
+        }
+    }
+}
+
+/// A process group whose operations also cost what `link` would charge. It records
+/// every operation ([`Linked::take_log`]), so a benchmark can price the same run at
+/// several link speeds.
 pub struct Linked<G> {
     inner: G,
     link: Link,
     charge: Charge,
     charged_ns: Arc<AtomicU64>,
+    log: Arc<std::sync::Mutex<Vec<LinkOp>>>,
 }
 
 impl<G: ProcessGroup> Linked<G> {
@@ -102,7 +143,19 @@ impl<G: ProcessGroup> Linked<G> {
             link,
             charge,
             charged_ns: Arc::new(AtomicU64::new(0)),
+            log: Arc::default(),
         }
+    }
+
+    /// Returns and clears the operations recorded so far.
+    pub fn take_log(&self) -> Vec<LinkOp> {
+        std::mem::take(&mut *self.log.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// A handle to the operation log that outlives the group (for groups moved into a
+    /// hook).
+    pub fn log_handle(&self) -> Arc<std::sync::Mutex<Vec<LinkOp>>> {
+        self.log.clone()
     }
 
     /// The modelled link time charged so far (in both modes).
@@ -120,7 +173,9 @@ impl<G: ProcessGroup> Linked<G> {
         &self.inner
     }
 
-    fn charge<T: Send + 'static>(&self, work: Work<T>, cost: Duration) -> Work<T> {
+    fn charge<T: Send + 'static>(&self, work: Work<T>, op: LinkOp) -> Work<T> {
+        let cost = self.link.cost(self.inner.size(), op);
+        self.log.lock().unwrap_or_else(|p| p.into_inner()).push(op);
         self.charged_ns.fetch_add(cost.as_nanos() as u64, Ordering::Relaxed);
         match self.charge {
             Charge::Account => work,
@@ -150,28 +205,27 @@ impl<G: ProcessGroup> ProcessGroup for Linked<G> {
         self.inner.timeout()
     }
     fn all_reduce(&self, buf: Buffer, op: ReduceOp) -> Work<Buffer> {
-        let cost = self.link.all_reduce(self.size(), bytes(&buf));
-        self.charge(self.inner.all_reduce(buf, op), cost)
+        let rec = LinkOp::AllReduce(bytes(&buf));
+        self.charge(self.inner.all_reduce(buf, op), rec)
     }
     fn all_reduce_coalesced(&self, bufs: Vec<Buffer>, op: ReduceOp) -> Work<Vec<Buffer>> {
-        let cost = self.link.all_reduce(self.size(), bufs.iter().map(bytes).sum());
-        self.charge(self.inner.all_reduce_coalesced(bufs, op), cost)
+        let rec = LinkOp::AllReduce(bufs.iter().map(bytes).sum());
+        self.charge(self.inner.all_reduce_coalesced(bufs, op), rec)
     }
     fn broadcast(&self, buf: Buffer, root: usize) -> Work<Buffer> {
-        let cost = self.link.broadcast(self.size(), bytes(&buf));
-        self.charge(self.inner.broadcast(buf, root), cost)
+        let rec = LinkOp::Broadcast(bytes(&buf));
+        self.charge(self.inner.broadcast(buf, root), rec)
     }
     fn all_gather(&self, buf: Buffer) -> Work<Vec<Buffer>> {
-        let cost = self.link.all_gather(self.size(), bytes(&buf));
-        self.charge(self.inner.all_gather(buf), cost)
+        let rec = LinkOp::AllGather(bytes(&buf));
+        self.charge(self.inner.all_gather(buf), rec)
     }
     fn reduce_scatter(&self, buf: Buffer, op: ReduceOp) -> Work<Buffer> {
-        let cost = self.link.reduce_scatter(self.size(), bytes(&buf));
-        self.charge(self.inner.reduce_scatter(buf, op), cost)
+        let rec = LinkOp::ReduceScatter(bytes(&buf));
+        self.charge(self.inner.reduce_scatter(buf, op), rec)
     }
     fn barrier(&self) -> Work<()> {
-        let cost = self.link.barrier(self.size());
-        self.charge(self.inner.barrier(), cost)
+        self.charge(self.inner.barrier(), LinkOp::Barrier)
     }
     fn new_group(&self, ranks: &[usize]) -> Result<Option<Box<dyn ProcessGroup>>> {
         // Subgroups inherit the link; their charges are accounted separately.
@@ -181,6 +235,7 @@ impl<G: ProcessGroup> ProcessGroup for Linked<G> {
                 link: self.link,
                 charge: self.charge,
                 charged_ns: Arc::new(AtomicU64::new(0)),
+                log: Arc::default(),
             }) as Box<dyn ProcessGroup>
         }))
     }
@@ -247,15 +302,17 @@ mod tests {
             let g = Linked::new(g, link, Charge::Sleep);
             let t = std::time::Instant::now();
             let b = g.all_reduce(Buffer::F32(vec![1.0; 25_000]), ReduceOp::Sum).wait().unwrap();
-            (b, t.elapsed(), g.charged())
+            let took = t.elapsed();
+            (b, took, g.charged(), g.take_log())
         })
         .unwrap();
         for r in out {
-            let (b, took, charged) = r.unwrap();
+            let (b, took, charged, log) = r.unwrap();
             assert_eq!(b, Buffer::F32(vec![2.0; 25_000]));
             // 100 kB over 1 Gbit/s: 0.8 ms + 0.1 ms latency.
             assert_eq!(charged, link.all_reduce(2, 100_000));
             assert!(took >= charged, "sleep mode waits for the link: {took:?} < {charged:?}");
+            assert_eq!(log, vec![LinkOp::AllReduce(100_000)]);
         }
     }
 }
