@@ -146,6 +146,16 @@ pub(crate) trait Reducible: Copy + Send + Sync + 'static {
     fn widen(self) -> Self::Acc;
     fn narrow(a: Self::Acc) -> Self;
     fn acc_from_usize(n: usize) -> Self::Acc;
+    /// `dst[i] = src[i].widen()`, vectorised where the format allows.
+    fn widen_slice(src: &[Self], dst: &mut [Self::Acc]) {
+        dst.iter_mut().zip(src).for_each(|(d, s)| *d = s.widen());
+    }
+    /// `dst[i] = narrow(src[i])`, vectorised where the format allows.
+    fn narrow_slice(src: &[Self::Acc], dst: &mut [Self]) {
+        dst.iter_mut()
+            .zip(src)
+            .for_each(|(d, s)| *d = Self::narrow(*s));
+    }
 }
 
 impl Reducible for f32 {
@@ -185,6 +195,14 @@ impl Reducible for f16 {
     fn acc_from_usize(n: usize) -> f32 {
         n as f32
     }
+    fn widen_slice(src: &[Self], dst: &mut [f32]) {
+        use half::slice::HalfFloatSliceExt;
+        src.convert_to_f32_slice(dst);
+    }
+    fn narrow_slice(src: &[f32], dst: &mut [Self]) {
+        use half::slice::HalfFloatSliceExt;
+        dst.convert_from_f32_slice(src);
+    }
 }
 
 impl Reducible for bf16 {
@@ -197,5 +215,13 @@ impl Reducible for bf16 {
     }
     fn acc_from_usize(n: usize) -> f32 {
         n as f32
+    }
+    fn widen_slice(src: &[Self], dst: &mut [f32]) {
+        use half::slice::HalfFloatSliceExt;
+        src.convert_to_f32_slice(dst);
+    }
+    fn narrow_slice(src: &[f32], dst: &mut [Self]) {
+        use half::slice::HalfFloatSliceExt;
+        dst.convert_from_f32_slice(src);
     }
 }

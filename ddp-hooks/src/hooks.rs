@@ -5,7 +5,7 @@ use collectives::{ProcessGroup, ReduceOp, Work};
 use half::{bf16, f16};
 use lowrank::Backend;
 use std::marker::PhantomData;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// A DDP communication hook: called once per bucket per synchronised step, it returns
 /// at once a work that completes with the bucket's reduced gradients (the mean over the
@@ -59,10 +59,11 @@ impl HalfFormat for bf16 {
 /// and `bf16_compress_hook`): half the bytes, within that format's precision. The thread
 /// backend accumulates the sum in `f32` and rounds once, so it never overflows where
 /// PyTorch pre-divides to avoid that.
-pub struct Compress<B, H> {
+pub struct Compress<B: Backend, H: HalfFormat> {
     backend: Arc<B>,
     group: Arc<dyn ProcessGroup>,
-    _format: PhantomData<fn() -> H>,
+    /// The 16-bit buffer of the last call, reused so steady state allocates nothing.
+    spare: Arc<Mutex<Option<B::Buffer<H>>>>,
 }
 
 impl<B: CommBackend, H: HalfFormat> Compress<B, H> {
@@ -71,7 +72,7 @@ impl<B: CommBackend, H: HalfFormat> Compress<B, H> {
         Compress {
             backend,
             group,
-            _format: PhantomData,
+            spare: Arc::default(),
         }
     }
 }
@@ -85,7 +86,12 @@ impl<B: CommBackend, H: HalfFormat> CommHook<B> for Compress<B, H> {
         let be = self.backend.clone();
         let mut full = bucket.into_buffer();
         let len = B::buffer_len(&full);
-        let half = be.alloc::<H>(len).and_then(|mut h| {
+        let spare = self.spare.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let half = match spare {
+            Some(h) if B::buffer_len(&h) == len => Ok(h),
+            _ => be.alloc::<H>(len),
+        };
+        let half = half.and_then(|mut h| {
             be.cast::<f32, H>(B::view(&full, ..)?, B::view_mut(&mut h, ..)?)?;
             Ok(h)
         });

@@ -4,7 +4,7 @@
 
 use crate::{cargo, run_status, Failure};
 
-const SUITES: &[&str] = &["lowrank", "collectives"];
+const SUITES: &[&str] = &["lowrank", "collectives", "hooks", "accum"];
 
 pub fn run(args: &[String]) -> Result<(), Failure> {
     let mut quick = false;
@@ -30,6 +30,7 @@ pub fn run(args: &[String]) -> Result<(), Failure> {
         match suite.as_str() {
             "lowrank" => lowrank(quick, json)?,
             "collectives" => collectives(quick, json)?,
+            "hooks" | "accum" => ddp_hooks(suite, quick, json)?,
             _ => unreachable!("suites are checked above"),
         }
     }
@@ -68,7 +69,37 @@ fn lowrank(quick: bool, json: bool) -> Result<(), Failure> {
 
 /// All-reduce bandwidth of the thread backend against memcpy (nccl-tests definitions).
 fn collectives(quick: bool, json: bool) -> Result<(), Failure> {
-    let mut args = vec!["bench", "-q", "-p", "collectives", "--bench", "allreduce", "--"];
+    let mut args = vec![
+        "bench",
+        "-q",
+        "-p",
+        "collectives",
+        "--bench",
+        "allreduce",
+        "--",
+    ];
+    if quick {
+        args.push("--quick");
+    }
+    if json {
+        args.push("--json");
+    }
+    run_status(cargo(&args))
+}
+
+/// Hook times and link-priced step times (`hooks`), or accumulation against syncing every
+/// micro-step (`accum`).
+fn ddp_hooks(suite: &str, quick: bool, json: bool) -> Result<(), Failure> {
+    let mut args = vec![
+        "bench",
+        "-q",
+        "-p",
+        "ddp-hooks",
+        "--bench",
+        "hooks",
+        "--",
+        suite,
+    ];
     if quick {
         args.push("--quick");
     }

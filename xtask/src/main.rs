@@ -20,7 +20,8 @@ commands:
   test                      cargo test --workspace, the CUDA tests (they skip without a GPU),
                             and the optional suites whose system software is installed
   bench [SUITE] [--quick] [--json]
-                            benchmarks in release builds; SUITE is one of: lowrank, collectives (default: all)
+                            benchmarks in release builds; SUITE is one of: lowrank, collectives, hooks, accum
+                            (default: all)
   gpu-check                 build the CUDA test binaries and benchmarks into gpu-check/,
                             with gpu-check/run.sh to run them on a GPU machine
 ";

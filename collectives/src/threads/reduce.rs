@@ -53,24 +53,24 @@ unsafe fn reduce_typed<T: Reducible>(
         // live reference.
         unsafe {
             let src = |a: Addr| std::slice::from_raw_parts((a as *const T).add(start), len);
-            for (a, &x) in acc.iter_mut().zip(src(addrs[0])) {
-                *a = x.widen();
-            }
+            T::widen_slice(src(addrs[0]), acc);
+            let mut wide = [T::Acc::default(); CHUNK];
+            let wide = &mut wide[..len];
             for &peer in &addrs[1..] {
-                let xs = src(peer);
+                T::widen_slice(src(peer), wide);
                 match op {
                     ReduceOp::Sum | ReduceOp::Avg => acc
                         .iter_mut()
-                        .zip(xs)
-                        .for_each(|(a, &x)| *a = *a + x.widen()),
-                    ReduceOp::Max => acc.iter_mut().zip(xs).for_each(|(a, &x)| {
-                        if x.widen() > *a {
-                            *a = x.widen()
+                        .zip(wide.iter())
+                        .for_each(|(a, &x)| *a = *a + x),
+                    ReduceOp::Max => acc.iter_mut().zip(wide.iter()).for_each(|(a, &x)| {
+                        if x > *a {
+                            *a = x
                         }
                     }),
-                    ReduceOp::Min => acc.iter_mut().zip(xs).for_each(|(a, &x)| {
-                        if x.widen() < *a {
-                            *a = x.widen()
+                    ReduceOp::Min => acc.iter_mut().zip(wide.iter()).for_each(|(a, &x)| {
+                        if x < *a {
+                            *a = x
                         }
                     }),
                 }
@@ -78,12 +78,7 @@ unsafe fn reduce_typed<T: Reducible>(
             if op == ReduceOp::Avg {
                 acc.iter_mut().for_each(|a| *a = *a / n);
             }
-            let write = |a: *mut T| {
-                let dst = std::slice::from_raw_parts_mut(a, len);
-                for (d, &v) in dst.iter_mut().zip(acc.iter()) {
-                    *d = T::narrow(v);
-                }
-            };
+            let write = |a: *mut T| T::narrow_slice(acc, std::slice::from_raw_parts_mut(a, len));
             match out {
                 Some(o) => write((o as *mut T).add(start - range.start)),
                 None => addrs.iter().for_each(|&a| write((a as *mut T).add(start))),

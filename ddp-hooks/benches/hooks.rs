@@ -1,0 +1,411 @@
+//! Hook and accumulation benchmarks on thread ranks, priced at several link speeds.
+//!
+//! `hooks` suite: per hook, on 4 x Linear(1024, 1024) (the hook called directly on one
+//! 16.8 MB bucket), ResNet-50 and BERT-base (through the reducer with default buckets,
+//! synthetic gradients): the hook time per step (from the first bucket's launch to the
+//! last bucket's result, on 2 ranks with one CPU thread each), the bytes each rank sends,
+//! the compression ratio, and the step time at 1, 10 and 100 Gbit/s. Link time is
+//! **accounted**, not slept: step time = measured hook time + the ring cost of every
+//! recorded collective (no overlap with compute assumed). PowerSGD rows also give
+//! `bound_ratio`: hook time over 7 passes of the gradient memory at the read bandwidth
+//! measured in the same run (the fused algorithm's memory traffic).
+//!
+//! `accum` suite: k = 4 micro-steps of 4 x Linear(1024, 1024) with a real forward and
+//! backward pass (batch 32, `gemm`), synchronising only the last micro-step (`accumulate`)
+//! against synchronising every one, at 1 and 10 Gbit/s (accounted as above).
+//!
+//! Arguments: `hooks` or `accum` (default both), `--quick`, `--json`.
+
+#[path = "models/mod.rs"]
+mod models;
+
+use accum::{Accumulator, GradSync};
+use collectives::link::{Charge, Link, LinkOp, Linked};
+use collectives::{run_local, ProcessGroup};
+use ddp_hooks::{CommHook, GradBucket, HookSpec, Layout, Reducer, ReducerConfig};
+use lowrank::{CpuBackend, NormalRng};
+use std::hint::black_box;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const RANKS: usize = 2;
+const LATENCY: Duration = Duration::from_micros(20);
+
+struct Args {
+    quick: bool,
+    json: bool,
+    hooks: bool,
+    accum: bool,
+}
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+/// Single-thread read bandwidth (bytes/s): a sum over 256 MiB, best of 3.
+fn read_bandwidth() -> f64 {
+    let v = vec![1.0f32; 64 << 20];
+    (0..3)
+        .map(|_| {
+            let t = Instant::now();
+            let s: f32 = v.chunks(16).map(|c| c.iter().sum::<f32>()).sum();
+            black_box(s);
+            v.len() as f64 * 4.0 / t.elapsed().as_secs_f64()
+        })
+        .fold(0.0, f64::max)
+}
+
+fn synthetic(shapes: &[Vec<usize>], rank: usize) -> Vec<Vec<f32>> {
+    shapes
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let mut v = vec![0.0; s.iter().product()];
+            NormalRng::new((rank * 1000 + i) as u64).fill(&mut v);
+            v
+        })
+        .collect()
+}
+
+/// (median step time over ranks, collectives of one step) for `spec` on `shapes`.
+fn measure(
+    shapes: &[Vec<usize>],
+    spec: &HookSpec,
+    direct: bool,
+    steps: usize,
+) -> (Duration, Vec<LinkOp>) {
+    let warmup = 3; // PowerSGD below starts at iteration 2; step 2 allocates its memory
+    let out = run_local(RANKS, |g| {
+        let rank = g.rank();
+        let linked = Linked::new(g, Link::gbit(1.0, LATENCY), Charge::Account);
+        let log = linked.log_handle();
+        let be = Arc::new(CpuBackend::new().with_threads(1).expect("threads"));
+        let mut hook = spec
+            .build(be.clone(), Arc::new(linked) as Arc<dyn ProcessGroup>)
+            .expect("hook");
+        let grads = synthetic(shapes, rank);
+        let mut times = Vec::new();
+        if direct {
+            let layout = Arc::new(Layout::packed(shapes));
+            let flat: Vec<f32> = grads.concat();
+            for step in 0..warmup + steps {
+                let bucket = GradBucket::new(0, 1, flat.clone(), layout.clone()).expect("bucket");
+                if step == warmup {
+                    log.lock().expect("log").clear();
+                }
+                let t = Instant::now();
+                black_box(hook.run(bucket).wait().expect("hook"));
+                times.push(t.elapsed());
+            }
+        } else {
+            let mut reducer =
+                Reducer::new(be, shapes, hook, ReducerConfig::default()).expect("reducer");
+            for step in 0..warmup + steps {
+                for (p, g) in grads.iter().enumerate() {
+                    reducer.grad_mut(p).expect("grad").copy_from_slice(g);
+                }
+                if step == warmup {
+                    log.lock().expect("log").clear();
+                }
+                let t = Instant::now();
+                for p in (0..shapes.len()).rev() {
+                    reducer.mark_ready(p).expect("ready");
+                }
+                reducer.finish().expect("finish");
+                times.push(t.elapsed());
+            }
+        }
+        let ops = std::mem::take(&mut *log.lock().expect("log"));
+        (median(times[warmup..].to_vec()), ops)
+    })
+    .expect("ranks");
+    let results: Vec<_> = out.into_iter().map(|r| r.expect("rank")).collect();
+    let time = results.iter().map(|r| r.0).max().unwrap_or_default();
+    let per_step: Vec<LinkOp> = results[0]
+        .1
+        .iter()
+        .copied()
+        .take(results[0].1.len() / steps.max(1))
+        .collect();
+    (time, per_step)
+}
+
+fn hooks_suite(a: &Args) {
+    let bw = read_bandwidth();
+    let steps = if a.quick { 3 } else { 7 };
+    let mut models = vec![("linear4x1024", models::linear4(), true)];
+    if !a.quick {
+        models.push(("resnet50", models::resnet50(), false));
+        models.push(("bert-base", models::bert_base(), false));
+    }
+    let specs = [
+        ("allreduce", "allreduce", 0),
+        ("fp16", "fp16", 0),
+        ("bf16", "bf16", 0),
+        ("powersgd", "powersgd:rank=1,start_iter=2", 1),
+        ("powersgd", "powersgd:rank=2,start_iter=2", 2),
+        ("powersgd", "powersgd:rank=4,start_iter=2", 4),
+    ];
+    if !a.json {
+        println!(
+            "read bandwidth (1 thread): {:.1} GB/s; link latency {LATENCY:?}; link time accounted",
+            bw / 1e9
+        );
+        println!(
+            "{:<13} {:<10} {:>4} {:>9} {:>12} {:>8} {:>11} {:>11} {:>11} {:>7}",
+            "model",
+            "hook",
+            "rank",
+            "hook ms",
+            "bytes/rank",
+            "ratio",
+            "1G step ms",
+            "10G step ms",
+            "100G ms",
+            "bound"
+        );
+    }
+    for (model, shapes, direct) in &models {
+        let grad_bytes = 4 * models::params(shapes);
+        for (hook, spec, r) in specs {
+            let spec: HookSpec = spec.parse().expect("spec");
+            let (t, ops) = measure(shapes, &spec, *direct, steps);
+            let sent: usize = ops.iter().map(LinkOp::bytes).sum();
+            let ratio = grad_bytes as f64 / sent.max(1) as f64;
+            let hook_ms = t.as_secs_f64() * 1e3;
+            let at = |gbit: f64| {
+                let link = Link::gbit(gbit, LATENCY);
+                hook_ms
+                    + ops
+                        .iter()
+                        .map(|&op| link.cost(RANKS, op).as_secs_f64() * 1e3)
+                        .sum::<f64>()
+            };
+            let bound = if r > 0 {
+                Some(hook_ms / (7.0 * grad_bytes as f64 / bw * 1e3))
+            } else {
+                None
+            };
+            if a.json {
+                println!(
+                    "{{\"bench\":\"ddp-hooks/hooks\",\"hook\":\"{hook}\",\"model\":\"{model}\",\"rank\":{r},\"ranks\":{RANKS},\"hook_ms\":{hook_ms:.3},\"bytes_sent\":{sent},\"compression_ratio\":{ratio:.2},\"step_ms_1gbit\":{:.3},\"step_ms_10gbit\":{:.3},\"step_ms_100gbit\":{:.3},\"link\":\"accounted\"{}}}",
+                    at(1.0),
+                    at(10.0),
+                    at(100.0),
+                    bound.map(|b| format!(",\"bound_ratio\":{b:.3}")).unwrap_or_default()
+                );
+            } else {
+                println!(
+                    "{:<13} {:<10} {:>4} {:>9.2} {:>12} {:>7.1}x {:>11.1} {:>11.1} {:>11.2} {:>7}",
+                    model,
+                    hook,
+                    if r > 0 { r.to_string() } else { "-".into() },
+                    hook_ms,
+                    sent,
+                    ratio,
+                    at(1.0),
+                    at(10.0),
+                    at(100.0),
+                    bound.map(|b| format!("{b:.2}x")).unwrap_or_default()
+                );
+            }
+        }
+    }
+}
+
+/// One micro-step's forward and backward pass of 4 x Linear(1024, 1024) on a batch of
+/// 32, writing each weight's gradient into the reducer (biases: column sums).
+fn forward_backward<
+    R: std::ops::DerefMut<Target = Reducer<CpuBackend, Box<dyn CommHook<CpuBackend>>>>,
+>(
+    model: &mut R,
+    weights: &[Vec<f32>],
+    x0: &[f32],
+) {
+    let (b, d) = (32usize, 1024usize);
+    let mm = |m: usize,
+              n: usize,
+              k: usize,
+              dst: &mut [f32],
+              a: &[f32],
+              a_t: bool,
+              w: &[f32],
+              w_t: bool,
+              acc: bool| {
+        // dst (m x n, row-major) (+)= op(a) (m x k) * op(w) (k x n).
+        let (a_cs, a_rs) = if a_t {
+            (m as isize, 1)
+        } else {
+            (1, k as isize)
+        };
+        let (w_cs, w_rs) = if w_t {
+            (k as isize, 1)
+        } else {
+            (1, n as isize)
+        };
+        // SAFETY: every operand covers the extents its strides describe; dst does not
+        // alias the inputs.
+        unsafe {
+            gemm::gemm(
+                m,
+                n,
+                k,
+                dst.as_mut_ptr(),
+                1,
+                n as isize,
+                acc,
+                a.as_ptr(),
+                a_cs,
+                a_rs,
+                w.as_ptr(),
+                w_cs,
+                w_rs,
+                if acc { 1.0 } else { 0.0 },
+                1.0,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            )
+        }
+    };
+    let mut acts = vec![x0.to_vec()];
+    for w in weights {
+        let mut y = vec![0.0f32; b * d];
+        mm(
+            b,
+            d,
+            d,
+            &mut y,
+            acts.last().expect("input"),
+            false,
+            w,
+            true,
+            false,
+        );
+        acts.push(y);
+    }
+    let mut delta = acts.last().expect("output").clone();
+    for l in (0..weights.len()).rev() {
+        {
+            let gw = model.grad_mut(2 * l).expect("grad");
+            mm(d, d, b, gw, &delta, true, &acts[l], false, true);
+        }
+        {
+            let gb = model.grad_mut(2 * l + 1).expect("grad");
+            for row in delta.chunks(d) {
+                gb.iter_mut().zip(row).for_each(|(g, x)| *g += x);
+            }
+        }
+        model.mark_ready(2 * l + 1).expect("ready");
+        model.mark_ready(2 * l).expect("ready");
+        let mut prev = vec![0.0f32; b * d];
+        mm(b, d, d, &mut prev, &delta, false, &weights[l], false, false);
+        delta = prev;
+    }
+}
+
+fn accum_suite(a: &Args) {
+    let k = 4;
+    let groups = if a.quick { 2 } else { 4 };
+    let shapes = models::linear4();
+    if !a.json {
+        println!("k = {k} micro-steps of 4 x Linear(1024, 1024), batch 32, {RANKS} ranks; link time accounted");
+        println!(
+            "{:>10} {:>15} {:>20} {:>8}",
+            "link", "accumulate ms", "sync every step ms", "speedup"
+        );
+    }
+    for gbit in [1.0, 10.0] {
+        let mut result = Vec::new();
+        for sync_every in [false, true] {
+            let out = run_local(RANKS, |g| {
+                let linked = Linked::new(g, Link::gbit(gbit, LATENCY), Charge::Account);
+                let log = linked.log_handle();
+                let be = Arc::new(CpuBackend::new().with_threads(1).expect("threads"));
+                let hook = HookSpec::AllReduce
+                    .build(be.clone(), Arc::new(linked) as Arc<dyn ProcessGroup>)
+                    .expect("hook");
+                let mut reducer =
+                    Reducer::new(be, &shapes, hook, ReducerConfig::default()).expect("reducer");
+                let weights: Vec<Vec<f32>> = synthetic(&shapes, 7)
+                    .into_iter()
+                    .step_by(2)
+                    .map(|w| w.iter().map(|x| x * 0.03).collect())
+                    .collect();
+                let x0 = synthetic(&[vec![32, 1024]], 9).remove(0);
+                let mut acc = Accumulator::new(k).expect("k");
+                let mut times = Vec::new();
+                for _ in 0..groups {
+                    log.lock().expect("log").clear();
+                    let t = Instant::now();
+                    for (step, _) in acc.epoch(0..k) {
+                        let mut model = step.apply(&mut reducer);
+                        if sync_every {
+                            model.set_sync(true);
+                        }
+                        forward_backward(&mut model, &weights, &x0);
+                        model.finish().expect("finish");
+                        drop(model);
+                        step.zero_grad(|| reducer.zero_grad().expect("zero"));
+                    }
+                    let link = Link::gbit(gbit, LATENCY);
+                    let comm: Duration = log
+                        .lock()
+                        .expect("log")
+                        .iter()
+                        .map(|&op| link.cost(RANKS, op))
+                        .sum();
+                    times.push(t.elapsed() + comm);
+                }
+                median(times[1..].to_vec())
+            })
+            .expect("ranks");
+            result.push(
+                out.into_iter()
+                    .map(|r| r.expect("rank"))
+                    .max()
+                    .unwrap_or_default()
+                    .as_secs_f64()
+                    * 1e3,
+            );
+        }
+        let (acc_ms, every_ms) = (result[0], result[1]);
+        if a.json {
+            println!(
+                "{{\"bench\":\"ddp-hooks/accum\",\"link_gbit\":{gbit},\"k\":{k},\"ranks\":{RANKS},\"accumulate_ms\":{acc_ms:.3},\"sync_every_step_ms\":{every_ms:.3},\"speedup\":{:.3},\"link\":\"accounted\"}}",
+                every_ms / acc_ms
+            );
+        } else {
+            println!(
+                "{:>8}G {:>15.1} {:>20.1} {:>7.2}x",
+                gbit,
+                acc_ms,
+                every_ms,
+                every_ms / acc_ms
+            );
+        }
+    }
+}
+
+fn main() {
+    let argv: Vec<String> = std::env::args().collect();
+    let has = |s: &str| argv.iter().any(|a| a == s);
+    let (hooks, accum) = match (has("hooks"), has("accum")) {
+        (false, false) => (true, true),
+        other => other,
+    };
+    let a = Args {
+        quick: has("--quick"),
+        json: has("--json"),
+        hooks,
+        accum,
+    };
+    if a.hooks {
+        hooks_suite(&a);
+    }
+    if a.accum {
+        accum_suite(&a);
+    }
+}
