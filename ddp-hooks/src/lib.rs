@@ -32,8 +32,9 @@
 //!
 //! Hooks can be chosen by name: [`HookSpec`] parses `powersgd:rank=2,start_iter=10`.
 //!
-//! **Status (issue 4):** the hooks, `PowerSgd` (per layer), the registry and the reducer
-//! are here; the batched PowerSGD hook is not yet.
+//! **Status (issue 4):** every hook above, `PowerSgd` (per layer), `BatchedPowerSgd`, the
+//! registry and the reducer are here; fp16/bf16 wrappers around other hooks and CUDA
+//! buffers through NCCL are not yet.
 #![deny(missing_docs)]
 
 mod bucket;
@@ -48,6 +49,6 @@ pub use bucket::{GradBucket, Layout, ParamSlot};
 pub use comm::{CommBackend, CommElement};
 pub use error::{Error, Result};
 pub use hooks::{AllReduce, CommHook, Compress, HalfFormat, Noop};
-pub use powersgd::{PowerSgd, PowerSgdConfig, PowerSgdState};
+pub use powersgd::{BatchedPowerSgd, PowerSgd, PowerSgdConfig, PowerSgdState};
 pub use reducer::{Reducer, ReducerConfig};
 pub use registry::HookSpec;

@@ -3,7 +3,8 @@
 //! [`HookSpec`], which builds the hook.
 
 use crate::{
-    AllReduce, CommBackend, CommHook, Compress, Error, Noop, PowerSgd, PowerSgdConfig, Result,
+    AllReduce, BatchedPowerSgd, CommBackend, CommHook, Compress, Error, Noop, PowerSgd,
+    PowerSgdConfig, Result,
 };
 use collectives::ProcessGroup;
 use half::{bf16, f16};
@@ -23,9 +24,11 @@ pub enum HookSpec {
     Noop,
     /// PowerSGD per layer.
     PowerSgd(PowerSgdConfig),
+    /// PowerSGD on the whole bucket as one square matrix.
+    BatchedPowerSgd(PowerSgdConfig),
 }
 
-const NAMES: &str = "allreduce, fp16, bf16, noop, powersgd";
+const NAMES: &str = "allreduce, fp16, bf16, noop, powersgd, batched_powersgd";
 const POWERSGD_KEYS: &str = "rank, start_iter, min_compression_rate, error_feedback, warm_start, epsilon, seed, stats_every, batch_same_shape";
 
 impl FromStr for HookSpec {
@@ -55,7 +58,7 @@ impl FromStr for HookSpec {
             "fp16" | "fp16_compress" => simple(HookSpec::Fp16),
             "bf16" | "bf16_compress" => simple(HookSpec::Bf16),
             "noop" => simple(HookSpec::Noop),
-            "powersgd" | "power_sgd" => {
+            "powersgd" | "power_sgd" | "batched_powersgd" | "batched_power_sgd" => {
                 let mut c = PowerSgdConfig::default();
                 for kv in opts
                     .unwrap_or("")
@@ -105,7 +108,11 @@ impl FromStr for HookSpec {
                     }
                 }
                 c.validate().map_err(|e| err(e.to_string()))?;
-                Ok(HookSpec::PowerSgd(c))
+                Ok(if name.to_ascii_lowercase().starts_with("batched") {
+                    HookSpec::BatchedPowerSgd(c)
+                } else {
+                    HookSpec::PowerSgd(c)
+                })
             }
             other => Err(err(format!("unknown hook `{other}`; known: {NAMES}"))),
         }
@@ -125,6 +132,9 @@ impl HookSpec {
             HookSpec::Bf16 => Box::new(Compress::<B, bf16>::new(backend, group)),
             HookSpec::Noop => Box::new(Noop::<B>::new()),
             HookSpec::PowerSgd(c) => Box::new(PowerSgd::new(backend, group, c.clone())?),
+            HookSpec::BatchedPowerSgd(c) => {
+                Box::new(BatchedPowerSgd::new(backend, group, c.clone())?)
+            }
         })
     }
 }

@@ -412,3 +412,64 @@ fn a_bucket_whose_length_changes_is_an_error() {
         );
     }
 }
+
+#[test]
+fn batched_powersgd_compresses_a_non_square_bucket_and_loses_nothing() {
+    use ddp_hooks::BatchedPowerSgd;
+    let layout = Arc::new(Layout::packed(&[vec![20, 50]])); // 1000 elements: side 32
+    let grad = |r: usize, s: usize| random(1000, (r * 31 + s) as u64);
+    let steps = 8;
+    for ranks in [2, 4] {
+        let out = run_local(ranks, |g| {
+            let rank = g.rank();
+            let be = Arc::new(CpuBackend::new().with_threads(1).unwrap());
+            let mut hook = BatchedPowerSgd::new(be, Arc::new(g), config(1, 2)).unwrap();
+            let outs: Vec<Vec<f32>> = (0..steps)
+                .map(|s| {
+                    hook.run(GradBucket::new(0, 1, grad(rank, s), layout.clone()).unwrap())
+                        .wait()
+                        .unwrap()
+                })
+                .collect();
+            (outs, hook.save().unwrap(), hook.compression_stats())
+        })
+        .unwrap();
+        let out: Vec<_> = out.into_iter().map(|r| r.unwrap()).collect();
+        // Stats as PyTorch counts them: 1000 before, 2 * 32 * 1 after, per compressed step.
+        assert_eq!(out[0].2, (1000.0 / 64.0, 6000, 384));
+        let mut lhs = vec![0.0f64; 1000];
+        for s in 0..steps {
+            for (r, (outs, _, _)) in out.iter().enumerate() {
+                assert_eq!(outs[s], out[0].0[s], "rank {r} differs at step {s}");
+            }
+            for (i, x) in out[0].0[s].iter().enumerate() {
+                lhs[i] += *x as f64;
+            }
+        }
+        for (_, state, _) in &out {
+            assert_eq!(
+                state.buckets[&0].error.len(),
+                32 * 32,
+                "the error covers the padded matrix"
+            );
+            for (i, e) in state.buckets[&0].error[..1000].iter().enumerate() {
+                lhs[i] += *e as f64 / ranks as f64;
+            }
+        }
+        let mut rhs = vec![0.0f64; 1000];
+        for s in 0..steps {
+            for (i, x) in mean_of(ranks, s, &grad).iter().enumerate() {
+                rhs[i] += x;
+            }
+        }
+        let diff: Vec<f64> = lhs.iter().zip(&rhs).map(|(a, b)| a - b).collect();
+        assert!(
+            norm(&diff) <= 1e-4 * norm(&rhs),
+            "{ranks} ranks: {} vs {}",
+            norm(&diff),
+            norm(&rhs)
+        );
+        // Compressed steps are approximations, not the mean.
+        assert!(rel_err(&out[0].0[5], &mean_of(ranks, 5, &grad)) > 0.1);
+    }
+}

@@ -16,11 +16,13 @@
 //! covers compressed tensors only (uncompressed ones are exact and carry no error), and a
 //! zero column never becomes NaN.
 
+mod batched;
 mod config;
 mod hook;
 mod plan;
 mod state;
 
+pub use batched::BatchedPowerSgd;
 pub use config::PowerSgdConfig;
 pub use hook::PowerSgd;
 pub use state::PowerSgdState;
