@@ -48,3 +48,33 @@ impl CommBackend for CpuBackend {
         pg.all_reduce(T::wrap(buf), op).then(|r| T::unwrap(r?))
     }
 }
+
+#[cfg(feature = "cuda")]
+impl CommBackend for lowrank::CudaBackend {
+    /// Stages the device buffer through host memory: download, reduce over the group,
+    /// upload into the same device buffer on its stream.
+    fn all_reduce<T: CommElement>(
+        &self,
+        pg: &dyn ProcessGroup,
+        buf: cudarc::driver::CudaSlice<T>,
+        op: ReduceOp,
+    ) -> Work<cudarc::driver::CudaSlice<T>> {
+        let backend =
+            |e: cudarc::driver::DriverError| collectives::Error::Backend(format!("CUDA: {e:?}"));
+        let stream = buf.stream().clone();
+        let host = match stream
+            .clone_dtoh(&buf)
+            .and_then(|h| stream.synchronize().map(|_| h))
+        {
+            Ok(h) => h,
+            Err(e) => return Work::ready(Err(backend(e))),
+        };
+        pg.all_reduce(T::wrap(host), op).then(move |r| {
+            let host = T::unwrap(r?)?;
+            let mut buf = buf;
+            stream.memcpy_htod(&host, &mut buf).map_err(backend)?;
+            stream.synchronize().map_err(backend)?;
+            Ok(buf)
+        })
+    }
+}

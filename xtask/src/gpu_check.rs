@@ -15,6 +15,7 @@ use std::process::Stdio;
 const WANTED: &[(&str, &str, &str)] = &[
     ("test", "primitives", "lowrank-primitives-test"),
     ("bench", "cuda", "lowrank-cuda-bench"),
+    ("test", "cuda", "ddp-hooks-cuda-test"),
 ];
 
 const RUN_SH: &str = include_str!("gpu_check_run.sh");
@@ -67,10 +68,16 @@ fn build() -> Result<Vec<(String, String, PathBuf)>, Failure> {
         "--release",
         "-p",
         "lowrank",
+        "-p",
+        "ddp-hooks",
         "--features",
+        "lowrank/cuda,ddp-hooks/cuda",
+        "--test",
+        "primitives",
+        "--test",
         "cuda",
-        "--tests",
-        "--benches",
+        "--bench",
+        "cuda",
         "--message-format=json-render-diagnostics",
     ])
     .stderr(Stdio::inherit())
