@@ -114,3 +114,23 @@ pub(crate) fn check_epsilon(eps: f32) -> Result<()> {
 pub(crate) fn zero_column_tolerance(n: usize) -> f32 {
     (8.0 * n as f32 * f32::EPSILON).min(1.0 / 128.0)
 }
+
+/// `range` resolved against a buffer of `len` elements, or [`Error::OutOfBounds`]: the
+/// rule every backend's `view` and `view_mut` follow.
+pub(crate) fn resolve(range: impl std::ops::RangeBounds<usize>, len: usize) -> Result<std::ops::Range<usize>> {
+    use std::ops::Bound;
+    let start = match range.start_bound() {
+        Bound::Included(&s) => s,
+        Bound::Excluded(&s) => s.saturating_add(1),
+        Bound::Unbounded => 0,
+    };
+    let end = match range.end_bound() {
+        Bound::Included(&e) => e.saturating_add(1),
+        Bound::Excluded(&e) => e,
+        Bound::Unbounded => len,
+    };
+    if start > end || end > len {
+        return Err(Error::OutOfBounds { start, end, len });
+    }
+    Ok(start..end)
+}

@@ -9,13 +9,13 @@ mod kernels;
 mod simd;
 
 use crate::backend::Backend;
-use crate::dims::{check_epsilon, same_len};
+use crate::dims::{check_epsilon, resolve, same_len};
 use crate::{Dims, Element, Error, NormalRng, Result};
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use kernels::Mat;
 use std::any::TypeId;
-use std::ops::{Bound, Range, RangeBounds};
+use std::ops::{Range, RangeBounds};
 
 /// Below this many bytes of streamed data an operation runs on the calling thread: a
 /// thread start costs more than the work.
@@ -239,23 +239,6 @@ fn split(len: usize, parts: usize, i: usize, align: usize) -> Range<usize> {
     let at = |k: usize| ((len * k / parts).next_multiple_of(align)).min(len);
     let end = if i + 1 == parts { len } else { at(i + 1) };
     at(i).min(end)..end
-}
-
-fn resolve(range: impl RangeBounds<usize>, len: usize) -> Result<Range<usize>> {
-    let start = match range.start_bound() {
-        Bound::Included(&s) => s,
-        Bound::Excluded(&s) => s.saturating_add(1),
-        Bound::Unbounded => 0,
-    };
-    let end = match range.end_bound() {
-        Bound::Included(&e) => e.saturating_add(1),
-        Bound::Excluded(&e) => e,
-        Bound::Unbounded => len,
-    };
-    if start > end || end > len {
-        return Err(Error::OutOfBounds { start, end, len });
-    }
-    Ok(start..end)
 }
 
 /// Reinterprets a slice of one `Element` type as another when they are the same type.

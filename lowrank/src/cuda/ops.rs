@@ -7,11 +7,11 @@ use super::kernels::{
     PQT_ERROR_THREADS,
 };
 use crate::backend::{Backend, ViewLen};
-use crate::dims::{check_epsilon, same_len};
+use crate::dims::{check_epsilon, resolve, same_len};
 use crate::{Dims, Element, Error, NormalRng, Result};
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 use std::any::TypeId;
-use std::ops::{Bound, Range, RangeBounds};
+use std::ops::RangeBounds;
 
 impl<T> ViewLen for CudaView<'_, T> {
     fn len(&self) -> usize {
@@ -23,25 +23,6 @@ impl<T> ViewLen for CudaViewMut<'_, T> {
     fn len(&self) -> usize {
         CudaViewMut::len(self)
     }
-}
-
-/// `range` resolved against a buffer of `len` elements, or [`Error::OutOfBounds`] (the CPU
-/// backend's rule).
-fn resolve(range: impl RangeBounds<usize>, len: usize) -> Result<Range<usize>> {
-    let start = match range.start_bound() {
-        Bound::Included(&s) => s,
-        Bound::Excluded(&s) => s.saturating_add(1),
-        Bound::Unbounded => 0,
-    };
-    let end = match range.end_bound() {
-        Bound::Included(&e) => e.saturating_add(1),
-        Bound::Excluded(&e) => e,
-        Bound::Unbounded => len,
-    };
-    if start > end || end > len {
-        return Err(Error::OutOfBounds { start, end, len });
-    }
-    Ok(start..end)
 }
 
 impl CudaBackend {
