@@ -8,11 +8,12 @@
 //! Error feedback covers the padded matrix, as in PyTorch (so the pad carries error).
 //! Without warm start the factor buffers are kept and `Q` is re-drawn each step.
 
+use super::progress::Progress;
 use super::state::SavedBucket;
 use super::{PowerSgdConfig, PowerSgdState};
 use crate::{CommBackend, CommHook, Error, GradBucket, Result};
 use collectives::{ProcessGroup, ReduceOp, Work};
-use lowrank::{Backend, Dims, NormalRng};
+use lowrank::{Backend, Dims};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -27,12 +28,7 @@ struct Memory<B: Backend> {
 }
 
 struct Inner<B: Backend> {
-    config: PowerSgdConfig,
-    iter: u64,
-    total_before: u64,
-    total_after: u64,
-    next_stats_report: u64,
-    rng: NormalRng,
+    progress: Progress,
     memory: BTreeMap<usize, Memory<B>>,
 }
 
@@ -76,17 +72,11 @@ impl<B: CommBackend> BatchedPowerSgd<B> {
         config: PowerSgdConfig,
     ) -> Result<Self> {
         config.validate()?;
-        let rng = NormalRng::new(config.random_seed);
         Ok(BatchedPowerSgd {
             backend,
             group,
             inner: Arc::new(Mutex::new(Inner {
-                config,
-                iter: 0,
-                total_before: 0,
-                total_after: 0,
-                next_stats_report: 0,
-                rng,
+                progress: Progress::new(config),
                 memory: BTreeMap::new(),
             })),
         })
@@ -94,19 +84,13 @@ impl<B: CommBackend> BatchedPowerSgd<B> {
 
     /// Synchronised steps seen so far.
     pub fn iteration(&self) -> u64 {
-        lock(&self.inner).iter
+        lock(&self.inner).progress.iter
     }
 
     /// `(rate, before, after)` as PyTorch counts them for the batched hook: the bucket
     /// length before, `2 · side · rank` (the unclamped rank) after.
     pub fn compression_stats(&self) -> (f64, u64, u64) {
-        let g = lock(&self.inner);
-        let rate = if g.total_after > 0 {
-            g.total_before as f64 / g.total_after as f64
-        } else {
-            0.0
-        };
-        (rate, g.total_before, g.total_after)
+        lock(&self.inner).progress.compression_stats()
     }
 
     /// The whole state except the process group (same format as [`super::PowerSgd`]'s).
@@ -139,15 +123,7 @@ impl<B: CommBackend> BatchedPowerSgd<B> {
                 },
             );
         }
-        Ok(PowerSgdState {
-            config: g.config.clone(),
-            iter: g.iter,
-            total_before: g.total_before,
-            total_after: g.total_after,
-            next_stats_report: g.next_stats_report,
-            rng: g.rng.clone(),
-            buckets,
-        })
+        Ok(g.progress.to_state(buckets))
     }
 
     fn start(&self, bucket: GradBucket<B>) -> Result<Work<B::Buffer<f32>>> {
@@ -157,24 +133,15 @@ impl<B: CommBackend> BatchedPowerSgd<B> {
         let len = B::buffer_len(&x);
         let mut guard = lock(&self.inner);
         let g = &mut *guard;
-        let cfg = g.config.clone();
-        let bump = |g: &mut Inner<B>| {
-            if is_last {
-                g.iter += 1;
-            }
-        };
-        if g.iter < cfg.start_powersgd_iter {
-            bump(g);
+        let cfg = g.progress.config.clone();
+        if g.progress.vanilla() {
+            g.progress.maybe_increase_iter(is_last);
             return Ok(be.all_reduce(&*group, x, ReduceOp::Avg));
         }
         let (side, r) = (side_of(len), cfg.matrix_approximation_rank);
         let dims = Dims::new(1, side, side, r)?;
-        g.total_before += len as u64;
-        g.total_after += (2 * side * r) as u64;
-        if is_last && g.iter >= g.next_stats_report {
-            tracing::info!("Compression stats: iter {}, total before compression {}, total after compression {}", g.iter, g.total_before, g.total_after);
-            g.next_stats_report = g.iter + cfg.compression_stats_logging_frequency;
-        }
+        g.progress
+            .record(len as u64, (2 * side * r) as u64, is_last);
         if let Some(m) = g.memory.get(&index) {
             if m.len != len {
                 return Err(Error::Bucket {
@@ -205,7 +172,7 @@ impl<B: CommBackend> BatchedPowerSgd<B> {
         be.copy(B::view(&x, ..)?, B::view_mut(&mut xp, ..len)?)?;
         be.zero(B::view_mut(&mut xp, len..)?)?;
         if randomize {
-            be.fill_normal(&mut g.rng, B::view_mut(q, ..)?)?;
+            be.fill_normal(&mut g.progress.rng, B::view_mut(q, ..)?)?;
         }
         // PyTorch orthogonalises Q here without epsilon.
         be.orthogonalize(1, side, r, B::view_mut(q, ..)?, 0.0)?;
@@ -254,7 +221,7 @@ impl<B: CommBackend> BatchedPowerSgd<B> {
             let (q, mut xp) = r?;
             let mut x = x;
             let mut g = lock(&inner2);
-            let ef = g.config.use_error_feedback;
+            let ef = g.progress.config.use_error_feedback;
             let m = g.memory.get_mut(&index).ok_or_else(|| in_flight(index))?;
             let p = m.p.as_ref().ok_or_else(|| in_flight(index))?;
             let finish = |xp: &mut B::Buffer<f32>,
@@ -281,9 +248,7 @@ impl<B: CommBackend> BatchedPowerSgd<B> {
             finish(&mut xp, &mut x, m.error.as_mut()).map_err(Error::from)?;
             m.q = Some(q);
             m.padded = Some(xp);
-            if is_last {
-                g.iter += 1;
-            }
+            g.progress.maybe_increase_iter(is_last);
             Ok(x)
         }))
     }
@@ -292,9 +257,10 @@ impl<B: CommBackend> BatchedPowerSgd<B> {
 impl<B: CommBackend> CommHook<B> for BatchedPowerSgd<B> {
     fn name(&self) -> String {
         let g = lock(&self.inner);
+        let c = &g.progress.config;
         format!(
             "batched_powersgd:rank={},start_iter={}",
-            g.config.matrix_approximation_rank, g.config.start_powersgd_iter
+            c.matrix_approximation_rank, c.start_powersgd_iter
         )
     }
 

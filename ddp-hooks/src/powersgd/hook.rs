@@ -1,11 +1,12 @@
 //! The per-layer PowerSGD hook.
 
 use super::plan::Plan;
+use super::progress::Progress;
 use super::state::SavedBucket;
 use super::{PowerSgdConfig, PowerSgdState};
 use crate::{CommBackend, CommHook, Error, GradBucket, Result};
 use collectives::{ProcessGroup, ReduceOp, Work};
-use lowrank::{Backend, NormalRng};
+use lowrank::Backend;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -17,27 +18,10 @@ struct Factors<B: Backend> {
 }
 
 struct Inner<B: Backend> {
-    config: PowerSgdConfig,
-    iter: u64,
-    total_before: u64,
-    total_after: u64,
-    next_stats_report: u64,
-    rng: NormalRng,
+    progress: Progress,
     /// Error feedback per bucket: (bucket length, error of its compressed tensors).
     errors: BTreeMap<usize, (usize, B::Buffer<f32>)>,
     factors: BTreeMap<usize, Factors<B>>,
-}
-
-impl<B: Backend> Inner<B> {
-    /// PyTorch's `maybe_increase_iter`: one step per last bucket.
-    fn maybe_increase_iter(&mut self, is_last: bool) {
-        if is_last {
-            self.iter += 1;
-            if self.iter == self.config.start_powersgd_iter {
-                tracing::info!("Start to apply PowerSGD after {} iterations.", self.iter);
-            }
-        }
-    }
 }
 
 /// The PowerSGD hook: owns its state (a [`PowerSgdState`] when saved) and reduces every
@@ -71,17 +55,11 @@ impl<B: CommBackend> PowerSgd<B> {
     ) -> Result<Self> {
         config.validate()?;
         tracing::info!(?config, "PowerSGD hook");
-        let rng = NormalRng::new(config.random_seed);
         Ok(PowerSgd {
             backend,
             group,
             inner: Arc::new(Mutex::new(Inner {
-                config,
-                iter: 0,
-                total_before: 0,
-                total_after: 0,
-                next_stats_report: 0,
-                rng,
+                progress: Progress::new(config),
                 errors: BTreeMap::new(),
                 factors: BTreeMap::new(),
             })),
@@ -90,25 +68,19 @@ impl<B: CommBackend> PowerSgd<B> {
 
     /// The hyperparameters.
     pub fn config(&self) -> PowerSgdConfig {
-        lock(&self.inner).config.clone()
+        lock(&self.inner).progress.config.clone()
     }
 
     /// Synchronised steps seen so far (PyTorch's `state.iter`).
     pub fn iteration(&self) -> u64 {
-        lock(&self.inner).iter
+        lock(&self.inner).progress.iter
     }
 
     /// `(rate, before, after)`: elements before and after compression over all
     /// compressed steps, and their ratio (0 before the first compressed step), as
     /// PyTorch's `compression_stats()`.
     pub fn compression_stats(&self) -> (f64, u64, u64) {
-        let g = lock(&self.inner);
-        let rate = if g.total_after > 0 {
-            g.total_before as f64 / g.total_after as f64
-        } else {
-            0.0
-        };
-        (rate, g.total_before, g.total_after)
+        lock(&self.inner).progress.compression_stats()
     }
 
     /// The whole state except the process group, on the host.
@@ -146,15 +118,7 @@ impl<B: CommBackend> PowerSgd<B> {
             entry.p = p;
             entry.q = q;
         }
-        Ok(PowerSgdState {
-            config: g.config.clone(),
-            iter: g.iter,
-            total_before: g.total_before,
-            total_after: g.total_after,
-            next_stats_report: g.next_stats_report,
-            rng: g.rng.clone(),
-            buckets,
-        })
+        Ok(g.progress.to_state(buckets))
     }
 
     /// A hook that continues from `state` over `group` (which may differ from the group
@@ -164,14 +128,10 @@ impl<B: CommBackend> PowerSgd<B> {
         group: Arc<dyn ProcessGroup>,
         state: PowerSgdState,
     ) -> Result<Self> {
-        let hook = PowerSgd::new(backend, group, state.config)?;
+        let hook = PowerSgd::new(backend, group, state.config.clone())?;
         {
             let mut g = lock(&hook.inner);
-            g.iter = state.iter;
-            g.total_before = state.total_before;
-            g.total_after = state.total_after;
-            g.next_stats_report = state.next_stats_report;
-            g.rng = state.rng;
+            g.progress = Progress::from_state(&state);
             for (index, saved) in state.buckets {
                 if !saved.error.is_empty() {
                     let e = hook.backend.upload(&saved.error)?;
@@ -204,11 +164,11 @@ impl<B: CommBackend> PowerSgd<B> {
         let mut x = bucket.into_buffer();
         let mut guard = lock(&self.inner);
         let g = &mut *guard;
-        if g.iter < g.config.start_powersgd_iter {
-            g.maybe_increase_iter(is_last);
+        if g.progress.vanilla() {
+            g.progress.maybe_increase_iter(is_last);
             return Ok(be.all_reduce(&*group, x, ReduceOp::Avg));
         }
-        let cfg = g.config.clone();
+        let cfg = g.progress.config.clone();
         let plan = Arc::new(Plan::new(
             &layout,
             cfg.matrix_approximation_rank,
@@ -216,18 +176,7 @@ impl<B: CommBackend> PowerSgd<B> {
         ));
         check_memory(g, index, &plan)?;
 
-        g.total_before += plan.before;
-        g.total_after += plan.after;
-        if is_last && g.iter >= g.next_stats_report {
-            let rate = g.total_before as f64 / g.total_after.max(1) as f64;
-            tracing::info!(
-                "Compression stats: iter {}, total before compression {}, total after compression {}, rate {rate}",
-                g.iter,
-                g.total_before,
-                g.total_after
-            );
-            g.next_stats_report = g.iter + cfg.compression_stats_logging_frequency;
-        }
+        g.progress.record(plan.before, plan.after, is_last);
 
         // The uncompressed tensors go first, so their all-reduce overlaps the products.
         let mut u = be.alloc::<f32>(plan.u_len)?;
@@ -268,7 +217,7 @@ impl<B: CommBackend> PowerSgd<B> {
         let mut p = factors.p.take().ok_or_else(|| in_flight(index))?;
         let q = factors.q.as_mut().ok_or_else(|| in_flight(index))?;
         if randomize {
-            be.fill_normal(&mut g.rng, B::view_mut(q, ..)?)?;
+            be.fill_normal(&mut g.progress.rng, B::view_mut(q, ..)?)?;
         }
         for mat in &plan.compressed {
             let qs = mat.q_off..mat.q_off + mat.m * mat.r;
@@ -398,7 +347,7 @@ fn decompress<B: CommBackend>(
 ) -> Result<()> {
     let mut guard = lock(inner);
     let g = &mut *guard;
-    let ef = g.config.use_error_feedback;
+    let ef = g.progress.config.use_error_feedback;
     let factors = g.factors.get_mut(&index).ok_or_else(|| in_flight(index))?;
     let p = factors.p.as_ref().ok_or_else(|| in_flight(index))?;
     for mat in &plan.compressed {
@@ -426,10 +375,10 @@ fn decompress<B: CommBackend>(
         at += len;
     }
     factors.q = Some(q);
-    if !g.config.warm_start {
+    if !g.progress.config.warm_start {
         g.factors.remove(&index);
     }
-    g.maybe_increase_iter(is_last);
+    g.progress.maybe_increase_iter(is_last);
     Ok(())
 }
 

@@ -20,6 +20,7 @@ mod batched;
 mod config;
 mod hook;
 mod plan;
+mod progress;
 mod state;
 
 pub use batched::BatchedPowerSgd;
