@@ -33,8 +33,8 @@
 //! Hooks can be chosen by name: [`HookSpec`] parses `powersgd:rank=2,start_iter=10`.
 //!
 //! **Status (issue 4):** every hook above, `PowerSgd` (per layer), `BatchedPowerSgd`, the
-//! registry and the reducer are here; fp16/bf16 wrappers around other hooks and CUDA
-//! buffers through NCCL are not yet.
+//! registry, the fp16/bf16 wrappers ([`HalfWire`]) and the reducer are here; CUDA
+//! buffers go through the process group staged via host memory until NCCL takes them.
 #![deny(missing_docs)]
 
 mod bucket;
@@ -44,6 +44,7 @@ mod hooks;
 pub mod powersgd;
 mod reducer;
 mod registry;
+mod wire;
 
 pub use bucket::{GradBucket, Layout, ParamSlot};
 pub use comm::{CommBackend, CommElement};
@@ -52,3 +53,4 @@ pub use hooks::{AllReduce, CommHook, Compress, HalfFormat, Noop};
 pub use powersgd::{BatchedPowerSgd, PowerSgd, PowerSgdConfig, PowerSgdState};
 pub use reducer::{Reducer, ReducerConfig};
 pub use registry::HookSpec;
+pub use wire::{HalfWire, WireFormat};

@@ -3,7 +3,7 @@
 //! [`HookSpec`], which builds the hook.
 
 use crate::{
-    AllReduce, BatchedPowerSgd, CommBackend, CommHook, Compress, Error, Noop, PowerSgd,
+    AllReduce, BatchedPowerSgd, CommBackend, CommHook, Compress, Error, HalfWire, Noop, PowerSgd,
     PowerSgdConfig, Result,
 };
 use collectives::ProcessGroup;
@@ -26,6 +26,11 @@ pub enum HookSpec {
     PowerSgd(PowerSgdConfig),
     /// PowerSGD on the whole bucket as one square matrix.
     BatchedPowerSgd(PowerSgdConfig),
+    /// Another hook whose transfers go as f16 (`fp16+powersgd:...`, PyTorch's
+    /// `fp16_compress_wrapper`).
+    Fp16Wrapped(Box<HookSpec>),
+    /// Another hook whose transfers go as bf16 (`bf16+...`).
+    Bf16Wrapped(Box<HookSpec>),
 }
 
 const NAMES: &str = "allreduce, fp16, bf16, noop, powersgd, batched_powersgd";
@@ -34,7 +39,8 @@ const POWERSGD_KEYS: &str = "rank, start_iter, min_compression_rate, error_feedb
 impl FromStr for HookSpec {
     type Err = Error;
 
-    /// Parses `name` or `name:key=value,key=value`. PowerSGD keys: `rank`,
+    /// Parses `name`, `name:key=value,key=value`, or `fp16+<spec>` / `bf16+<spec>` for a
+    /// hook whose transfers go in 16 bits. PowerSGD keys: `rank`,
     /// `start_iter`, `min_compression_rate`, `error_feedback`, `warm_start`, `epsilon`,
     /// `seed`, `stats_every`, `batch_same_shape`; unset keys keep PyTorch's defaults (as
     /// in `DDPCommHookType`, `start_iter` defaults to 1000).
@@ -43,6 +49,14 @@ impl FromStr for HookSpec {
             spec: spec.to_string(),
             why,
         };
+        if let Some((wrap, inner)) = spec.trim().split_once('+') {
+            let inner = Box::new(inner.parse::<HookSpec>().map_err(|e| err(e.to_string()))?);
+            return match wrap.trim().to_ascii_lowercase().as_str() {
+                "fp16" => Ok(HookSpec::Fp16Wrapped(inner)),
+                "bf16" => Ok(HookSpec::Bf16Wrapped(inner)),
+                other => Err(err(format!("unknown wrapper `{other}`; known: fp16, bf16"))),
+            };
+        }
         let (name, opts) = match spec.trim().split_once(':') {
             Some((n, o)) => (n.trim(), Some(o)),
             None => (spec.trim(), None),
@@ -135,6 +149,12 @@ impl HookSpec {
             HookSpec::BatchedPowerSgd(c) => {
                 Box::new(BatchedPowerSgd::new(backend, group, c.clone())?)
             }
+            HookSpec::Fp16Wrapped(inner) => {
+                inner.build(backend, Arc::new(HalfWire::<f16>::new(group)))?
+            }
+            HookSpec::Bf16Wrapped(inner) => {
+                inner.build(backend, Arc::new(HalfWire::<bf16>::new(group)))?
+            }
         })
     }
 }
@@ -182,6 +202,7 @@ mod tests {
             ("powersgd:ranks=2", "unknown PowerSGD option `ranks`"),
             ("powersgd:rank=0", "matrix_approximation_rank = 0"),
             ("powersgd:start_iter=1", "start_powerSGD_iter"),
+            ("fp8+allreduce", "unknown wrapper `fp8`"),
         ] {
             let e = spec.parse::<HookSpec>().unwrap_err().to_string();
             assert!(e.contains(says), "{spec}: {e}");

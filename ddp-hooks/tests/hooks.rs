@@ -91,3 +91,74 @@ fn a_bucket_must_match_its_layout() {
     assert!(GradBucket::<CpuBackend>::new(0, 1, vec![0.0; 5], layout.clone()).is_err());
     assert!(GradBucket::<CpuBackend>::new(1, 1, vec![0.0; 4], layout).is_err());
 }
+
+#[test]
+fn half_wire_wrappers_send_16_bits_and_stay_close() {
+    use collectives::link::{Charge, Link, LinkOp, Linked};
+    use ddp_hooks::HookSpec;
+    use std::time::Duration;
+    let layout = Arc::new(Layout::packed(&[vec![64, 48]]));
+    let gs: Vec<Vec<f32>> = (0..2).map(|r| grad(r, layout.len())).collect();
+    let big: Vec<f64> = (0..layout.len())
+        .map(|i| gs.iter().map(|g| g[i].abs() as f64).fold(0.0, f64::max))
+        .collect();
+    for (spec, bytes, ulp) in [
+        ("fp16+allreduce", 2, 2f64.powi(-10)),
+        ("bf16+allreduce", 2, 2f64.powi(-7)),
+        ("allreduce", 4, 1e-6),
+    ] {
+        let spec: HookSpec = spec.parse().unwrap();
+        let out = run_local(2, |g| {
+            let rank = g.rank();
+            let linked = Linked::new(g, Link::gbit(1.0, Duration::ZERO), Charge::Account);
+            let log = linked.log_handle();
+            let mut hook = spec
+                .build(Arc::new(CpuBackend::new()), Arc::new(linked))
+                .unwrap();
+            let b = GradBucket::new(0, 1, grad(rank, layout.len()), layout.clone()).unwrap();
+            let out = hook.run(b).wait().unwrap();
+            let ops = log.lock().unwrap().clone();
+            (out, ops)
+        })
+        .unwrap();
+        let want = mean(2, layout.len());
+        for r in out {
+            let (o, ops) = r.unwrap();
+            assert_eq!(
+                ops,
+                vec![LinkOp::AllReduce(bytes * layout.len())],
+                "{spec:?}"
+            );
+            for ((g, w), b) in o.iter().zip(&want).zip(&big) {
+                assert!(
+                    (*g as f64 - w).abs() <= ulp * (b + 0.5 * w.abs()) + 1e-7,
+                    "{spec:?}: {g} vs {w}"
+                );
+            }
+        }
+    }
+    // PowerSGD under the wrapper: its P and Q travel as f16.
+    let spec: HookSpec = "fp16+powersgd:rank=1,start_iter=2".parse().unwrap();
+    let out = run_local(2, |g| {
+        let rank = g.rank();
+        let linked = Linked::new(g, Link::gbit(1.0, Duration::ZERO), Charge::Account);
+        let log = linked.log_handle();
+        let mut hook = spec
+            .build(Arc::new(CpuBackend::new()), Arc::new(linked))
+            .unwrap();
+        for s in 0..3 {
+            let b = GradBucket::new(0, 1, grad(rank + s, layout.len()), layout.clone()).unwrap();
+            hook.run(b).wait().unwrap();
+        }
+        let ops = log.lock().unwrap().clone();
+        ops
+    })
+    .unwrap();
+    let ops = out.into_iter().next().unwrap().unwrap();
+    // Two vanilla steps of the whole bucket in f16, then P (64 x 1) and Q (48 x 1).
+    assert_eq!(
+        &ops[2..],
+        &[LinkOp::AllReduce(2 * 64), LinkOp::AllReduce(2 * 48)],
+        "{ops:?}"
+    );
+}

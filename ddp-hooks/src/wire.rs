@@ -1,0 +1,165 @@
+//! Half-precision transfer for any hook: PyTorch's `fp16_compress_wrapper` and
+//! `bf16_compress_wrapper`.
+//!
+//! PyTorch's wrappers run the inner hook entirely in 16-bit (for PowerSGD: its products,
+//! Gram-Schmidt, error and factors). Here the wrapper is a process group instead:
+//! [`HalfWire`] sends every `f32` buffer of the inner hook as `f16`/`bf16` and widens the
+//! result, so the inner hook computes in `f32` and only the transfer is narrowed — the
+//! same bytes on the wire, without 16-bit rounding in the compression arithmetic.
+//! `AllReduce` over a `HalfWire` group is exactly the `fp16`/`bf16` hook.
+
+use crate::hooks::HalfFormat;
+use collectives::{Buffer, ProcessGroup, ReduceOp, Result, Work};
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
+use std::marker::PhantomData;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Narrows `f32` to the format's `Buffer` and back.
+pub trait WireFormat: HalfFormat {
+    /// `f32` values rounded to this format.
+    fn narrow(v: &[f32]) -> Buffer;
+    /// The values of a buffer of this format, widened into `out`.
+    fn widen(b: &Buffer, out: &mut [f32]) -> Result<()>;
+}
+
+impl WireFormat for f16 {
+    fn narrow(v: &[f32]) -> Buffer {
+        let mut h = vec![f16::ZERO; v.len()];
+        h.convert_from_f32_slice(v);
+        Buffer::F16(h)
+    }
+    fn widen(b: &Buffer, out: &mut [f32]) -> Result<()> {
+        match b {
+            Buffer::F16(h) if h.len() == out.len() => {
+                h.convert_to_f32_slice(out);
+                Ok(())
+            }
+            other => Err(collectives::Error::Backend(format!(
+                "expected {} f16 values, got {:?}",
+                out.len(),
+                other.dtype()
+            ))),
+        }
+    }
+}
+
+impl WireFormat for bf16 {
+    fn narrow(v: &[f32]) -> Buffer {
+        let mut h = vec![bf16::ZERO; v.len()];
+        h.convert_from_f32_slice(v);
+        Buffer::BF16(h)
+    }
+    fn widen(b: &Buffer, out: &mut [f32]) -> Result<()> {
+        match b {
+            Buffer::BF16(h) if h.len() == out.len() => {
+                h.convert_to_f32_slice(out);
+                Ok(())
+            }
+            other => Err(collectives::Error::Backend(format!(
+                "expected {} bf16 values, got {:?}",
+                out.len(),
+                other.dtype()
+            ))),
+        }
+    }
+}
+
+/// A process group that sends `f32` buffers as 16-bit values (other types unchanged).
+pub struct HalfWire<H> {
+    inner: Arc<dyn ProcessGroup>,
+    _format: PhantomData<fn() -> H>,
+}
+
+impl<H: WireFormat> HalfWire<H> {
+    /// Wraps `inner`.
+    pub fn new(inner: Arc<dyn ProcessGroup>) -> Self {
+        HalfWire {
+            inner,
+            _format: PhantomData,
+        }
+    }
+
+    /// Narrows an `f32` buffer for the wire; returns it with the original to widen into.
+    fn narrow(buf: Buffer) -> (Buffer, Option<Vec<f32>>) {
+        match buf {
+            Buffer::F32(v) => (H::narrow(&v), Some(v)),
+            other => (other, None),
+        }
+    }
+
+    fn widen(result: Result<Buffer>, original: Option<Vec<f32>>) -> Result<Buffer> {
+        let b = result?;
+        match original {
+            Some(mut v) => {
+                H::widen(&b, &mut v)?;
+                Ok(Buffer::F32(v))
+            }
+            None => Ok(b),
+        }
+    }
+}
+
+impl<H: WireFormat> ProcessGroup for HalfWire<H> {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn size(&self) -> usize {
+        self.inner.size()
+    }
+    fn backend(&self) -> &'static str {
+        self.inner.backend()
+    }
+    fn timeout(&self) -> Duration {
+        self.inner.timeout()
+    }
+    fn all_reduce(&self, buf: Buffer, op: ReduceOp) -> Work<Buffer> {
+        let (wire, original) = Self::narrow(buf);
+        self.inner
+            .all_reduce(wire, op)
+            .then(move |r| Self::widen(r, original))
+    }
+    fn all_reduce_coalesced(&self, bufs: Vec<Buffer>, op: ReduceOp) -> Work<Vec<Buffer>> {
+        let (wire, originals): (Vec<_>, Vec<_>) = bufs.into_iter().map(Self::narrow).unzip();
+        self.inner.all_reduce_coalesced(wire, op).then(move |r| {
+            r?.into_iter()
+                .zip(originals)
+                .map(|(b, o)| Self::widen(Ok(b), o))
+                .collect()
+        })
+    }
+    fn broadcast(&self, buf: Buffer, root: usize) -> Work<Buffer> {
+        let (wire, original) = Self::narrow(buf);
+        self.inner
+            .broadcast(wire, root)
+            .then(move |r| Self::widen(r, original))
+    }
+    fn all_gather(&self, buf: Buffer) -> Work<Vec<Buffer>> {
+        let (wire, original) = Self::narrow(buf);
+        let len = original.as_ref().map(Vec::len);
+        self.inner.all_gather(wire).then(move |r| {
+            r?.into_iter()
+                .map(|b| Self::widen(Ok(b), len.map(|n| vec![0.0; n])))
+                .collect()
+        })
+    }
+    fn reduce_scatter(&self, buf: Buffer, op: ReduceOp) -> Work<Buffer> {
+        let (wire, original) = Self::narrow(buf);
+        let chunk = original
+            .as_ref()
+            .map(|v| vec![0.0; v.len() / self.size().max(1)]);
+        self.inner
+            .reduce_scatter(wire, op)
+            .then(move |r| Self::widen(r, chunk))
+    }
+    fn barrier(&self) -> Work<()> {
+        self.inner.barrier()
+    }
+    fn new_group(&self, ranks: &[usize]) -> Result<Option<Box<dyn ProcessGroup>>> {
+        Ok(self
+            .inner
+            .new_group(ranks)?
+            .map(|g| Box::new(HalfWire::<H>::new(Arc::from(g))) as Box<dyn ProcessGroup>))
+    }
+}
