@@ -18,8 +18,12 @@
 //! assert!(out.into_iter().all(|r| r.unwrap().unwrap() == Buffer::F32(vec![1.0])));
 //! ```
 //!
-//! **Status (issue 3):** threads, rendezvous, launcher and link model are here; the NCCL
-//! and MPI backends and staging of CUDA buffers are not yet.
+//! - [`nccl::NcclGroup`] (feature `cuda`): NCCL through `cudarc`, on a progress thread
+//!   that owns the communicator; host buffers are staged, device buffers (`CudaSlice`) go
+//!   direct. It compiles everywhere; see its module docs for what has run on which GPU.
+//!
+//! **Status (issue 3):** threads, rendezvous, launcher, link model and NCCL are here; the
+//! MPI backend is in progress.
 #![deny(missing_docs)]
 
 mod buffer;

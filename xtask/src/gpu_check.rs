@@ -16,6 +16,7 @@ const WANTED: &[(&str, &str, &str)] = &[
     ("test", "primitives", "lowrank-primitives-test"),
     ("bench", "cuda", "lowrank-cuda-bench"),
     ("test", "cuda", "ddp-hooks-cuda-test"),
+    ("test", "nccl", "collectives-nccl-test"),
 ];
 
 const RUN_SH: &str = include_str!("gpu_check_run.sh");
@@ -70,8 +71,12 @@ fn build() -> Result<Vec<(String, String, PathBuf)>, Failure> {
         "lowrank",
         "-p",
         "ddp-hooks",
+        "-p",
+        "collectives",
         "--features",
-        "lowrank/cuda,ddp-hooks/cuda",
+        "lowrank/cuda,ddp-hooks/cuda,collectives/cuda",
+        "--test",
+        "nccl",
         "--test",
         "primitives",
         "--test",

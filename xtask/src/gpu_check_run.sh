@@ -55,9 +55,12 @@ tests_rc=${PIPESTATUS[0]}
 "$here/ddp-hooks-cuda-test" --nocapture --test-threads 1 2>&1 | tee -a "$log" "$out/hooks.log"
 hooks_rc=${PIPESTATUS[0]}
 [ "$hooks_rc" -eq 0 ] || status=1
+"$here/collectives-nccl-test" --nocapture --test-threads 1 2>&1 | tee -a "$log" "$out/nccl.log"
+nccl_rc=${PIPESTATUS[0]}
+[ "$nccl_rc" -eq 0 ] || status=1
 "$here/lowrank-cuda-bench" 2>&1 | tee -a "$log" "$out/bench.log"
 bench_rc=${PIPESTATUS[0]}
 [ "$bench_rc" -eq 0 ] || status=1
 
-say "summary: lowrank tests $( [ "$tests_rc" -eq 0 ] && echo passed || echo FAILED ) ($(grep -c ': ok$' "$out/tests.log") CUDA checks ok, $(grep -c 'skipped' "$out/tests.log") skipped); ddp-hooks CUDA test $( [ "$hooks_rc" -eq 0 ] && echo passed || echo FAILED ) ($(grep -c 'skipped' "$out/hooks.log") skipped); bench $( [ "$bench_rc" -eq 0 ] && echo ran || echo FAILED )"
+say "summary: lowrank tests $( [ "$tests_rc" -eq 0 ] && echo passed || echo FAILED ) ($(grep -c ': ok$' "$out/tests.log") CUDA checks ok, $(grep -c 'skipped' "$out/tests.log") skipped); ddp-hooks CUDA test $( [ "$hooks_rc" -eq 0 ] && echo passed || echo FAILED ) ($(grep -c 'skipped' "$out/hooks.log") skipped); NCCL tests $( [ "$nccl_rc" -eq 0 ] && echo passed || echo FAILED ) ($(grep -c 'skipped' "$out/nccl.log") skipped); bench $( [ "$bench_rc" -eq 0 ] && echo ran || echo FAILED )"
 exit $status

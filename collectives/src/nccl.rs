@@ -1,1 +1,0 @@
-//! The NCCL backend (feature `cuda`): placeholder until written.
