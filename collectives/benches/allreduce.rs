@@ -68,7 +68,9 @@ fn allreduce_time(ranks: usize, bytes: usize, reps: usize) -> f64 {
         median(times)
     })
     .expect("ranks");
-    out.into_iter().map(|r| r.expect("rank").as_secs_f64()).fold(0.0, f64::max)
+    out.into_iter()
+        .map(|r| r.expect("rank").as_secs_f64())
+        .fold(0.0, f64::max)
 }
 
 fn main() {
@@ -84,7 +86,14 @@ fn main() {
     if !json {
         println!(
             "{:<8} {:>5} {:>10} {:>10} {:>12} {:>12} {:>12} {:>9}",
-            "backend", "ranks", "bytes", "time", "algbw GB/s", "busbw GB/s", "memcpy GB/s", "fraction"
+            "backend",
+            "ranks",
+            "bytes",
+            "time",
+            "algbw GB/s",
+            "busbw GB/s",
+            "memcpy GB/s",
+            "fraction"
         );
     }
     for ranks in [2, 4] {

@@ -23,7 +23,9 @@ fn main() -> collectives::Result<()> {
         if group.rank() == 2 {
             panic!("rank 2 ran out of memory");
         }
-        group.all_reduce(Buffer::F32(vec![1.0; 8]), ReduceOp::Sum).wait()
+        group
+            .all_reduce(Buffer::F32(vec![1.0; 8]), ReduceOp::Sum)
+            .wait()
     })?;
     for (rank, r) in results.into_iter().enumerate() {
         match r {

@@ -22,8 +22,10 @@
 //!   that owns the communicator; host buffers are staged, device buffers (`CudaSlice`) go
 //!   direct. It compiles everywhere; see its module docs for what has run on which GPU.
 //!
-//! **Status (issue 3):** threads, rendezvous, launcher, link model and NCCL are here; the
-//! MPI backend is in progress.
+//! - [`mpi::MpiGroup`] (feature `mpi`): MPI through the `mpi` crate (Open MPI), one
+//!   progress thread per process owning every communicator, non-blocking collectives
+//!   polled against the timeout. Open MPI 4 has no fault tolerance: a dead rank aborts the
+//!   whole job.
 #![deny(missing_docs)]
 
 mod buffer;

@@ -33,7 +33,9 @@ impl Link {
     }
 
     fn time(&self, bytes: f64, messages: f64) -> Duration {
-        Duration::from_secs_f64((bytes / self.bytes_per_s + messages * self.latency.as_secs_f64()).max(0.0))
+        Duration::from_secs_f64(
+            (bytes / self.bytes_per_s + messages * self.latency.as_secs_f64()).max(0.0),
+        )
     }
 
     /// Ring all-reduce of `bytes` per rank on `n` ranks:
@@ -118,7 +120,10 @@ impl LinkOp {
     /// Payload bytes this rank sends into the operation.
     pub fn bytes(&self) -> usize {
         match *self {
-            LinkOp::AllReduce(b) | LinkOp::AllGather(b) | LinkOp::ReduceScatter(b) | LinkOp::Broadcast(b) => b,
+            LinkOp::AllReduce(b)
+            | LinkOp::AllGather(b)
+            | LinkOp::ReduceScatter(b)
+            | LinkOp::Broadcast(b) => b,
             LinkOp::Barrier => 0,
         }
     }
@@ -176,7 +181,8 @@ impl<G: ProcessGroup> Linked<G> {
     fn charge<T: Send + 'static>(&self, work: Work<T>, op: LinkOp) -> Work<T> {
         let cost = self.link.cost(self.inner.size(), op);
         self.log.lock().unwrap_or_else(|p| p.into_inner()).push(op);
-        self.charged_ns.fetch_add(cost.as_nanos() as u64, Ordering::Relaxed);
+        self.charged_ns
+            .fetch_add(cost.as_nanos() as u64, Ordering::Relaxed);
         match self.charge {
             Charge::Account => work,
             Charge::Sleep => work.then(move |r| {
@@ -301,7 +307,10 @@ mod tests {
         let out = run_local(2, |g| {
             let g = Linked::new(g, link, Charge::Sleep);
             let t = std::time::Instant::now();
-            let b = g.all_reduce(Buffer::F32(vec![1.0; 25_000]), ReduceOp::Sum).wait().unwrap();
+            let b = g
+                .all_reduce(Buffer::F32(vec![1.0; 25_000]), ReduceOp::Sum)
+                .wait()
+                .unwrap();
             let took = t.elapsed();
             (b, took, g.charged(), g.take_log())
         })
@@ -311,7 +320,10 @@ mod tests {
             assert_eq!(b, Buffer::F32(vec![2.0; 25_000]));
             // 100 kB over 1 Gbit/s: 0.8 ms + 0.1 ms latency.
             assert_eq!(charged, link.all_reduce(2, 100_000));
-            assert!(took >= charged, "sleep mode waits for the link: {took:?} < {charged:?}");
+            assert!(
+                took >= charged,
+                "sleep mode waits for the link: {took:?} < {charged:?}"
+            );
             assert_eq!(log, vec![LinkOp::AllReduce(100_000)]);
         }
     }

@@ -13,7 +13,11 @@ use std::time::{Duration, Instant};
 type Continuation<T> = Box<dyn FnOnce(Result<T>) + Send>;
 
 /// Both results of a [`Work::zip`] as they arrive, and the completer of the pair.
-type ZipSlot<T, U> = (Option<Result<T>>, Option<Result<U>>, Option<Completer<(T, U)>>);
+type ZipSlot<T, U> = (
+    Option<Result<T>>,
+    Option<Result<U>>,
+    Option<Completer<(T, U)>>,
+);
 
 enum State<T> {
     Pending(Option<Continuation<T>>),
@@ -151,7 +155,10 @@ impl<T: Send + 'static> Work<T> {
     /// Chains an operation that itself returns work (for example, issuing the next
     /// collective of a pipeline from a continuation, which must not block the progress
     /// thread that will run it). The result completes when the inner work does.
-    pub fn and_then<U: Send + 'static>(self, f: impl FnOnce(T) -> Work<U> + Send + 'static) -> Work<U> {
+    pub fn and_then<U: Send + 'static>(
+        self,
+        f: impl FnOnce(T) -> Work<U> + Send + 'static,
+    ) -> Work<U> {
         let (outer, completer) = Work::pending();
         drop(self.then(move |r| {
             match r {

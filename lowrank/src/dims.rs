@@ -117,7 +117,10 @@ pub(crate) fn zero_column_tolerance(n: usize) -> f32 {
 
 /// `range` resolved against a buffer of `len` elements, or [`Error::OutOfBounds`]: the
 /// rule every backend's `view` and `view_mut` follow.
-pub(crate) fn resolve(range: impl std::ops::RangeBounds<usize>, len: usize) -> Result<std::ops::Range<usize>> {
+pub(crate) fn resolve(
+    range: impl std::ops::RangeBounds<usize>,
+    len: usize,
+) -> Result<std::ops::Range<usize>> {
     use std::ops::Bound;
     let start = match range.start_bound() {
         Bound::Included(&s) => s,

@@ -2,6 +2,7 @@
 //! optional suite that cannot.
 
 use crate::{cargo, on_path, run_status, Failure};
+use std::process::{Command, Stdio};
 
 /// A suite that needs system software this machine may lack.
 struct Optional {
@@ -10,13 +11,85 @@ struct Optional {
     needs: &'static [&'static str],
     /// Debian packages that provide them.
     packages: &'static str,
-    /// The `cargo` arguments that run it.
+    /// The `cargo` arguments that run its plain tests.
     cargo_args: &'static [&'static str],
+    /// What runs after them, for tests that are not a plain `cargo` command.
+    then: Option<fn() -> Result<(), Failure>>,
 }
 
-/// The optional suites. The MPI backend of `collectives` (issue 3) will add its
-/// `mpirun -np 2` suite here.
-const OPTIONAL: &[Optional] = &[];
+/// The optional suites.
+const OPTIONAL: &[Optional] = &[Optional {
+    name: "the MPI backend of collectives (mpirun -np 2)",
+    needs: &["mpirun", "mpicc"],
+    packages: "libopenmpi-dev openmpi-bin libclang-dev",
+    // The backend's unit tests, which need no `mpirun`.
+    cargo_args: &[
+        "test",
+        "-p",
+        "collectives",
+        "--features",
+        "mpi",
+        "--lib",
+        "--",
+        "mpi::",
+    ],
+    then: Some(mpi_suite),
+}];
+
+/// Compiles the MPI backend's doc example, builds `collectives/tests/mpi.rs` (one process
+/// per rank, `harness = false`) and runs it on two processes under `mpirun`.
+fn mpi_suite() -> Result<(), Failure> {
+    run_status(cargo(&[
+        "test",
+        "-p",
+        "collectives",
+        "--features",
+        "mpi",
+        "--doc",
+        "--",
+        "mpi",
+    ]))?;
+    let exe = test_executable(
+        &["-p", "collectives", "--features", "mpi", "--test", "mpi"],
+        "mpi",
+    )?;
+    let mut cmd = Command::new("mpirun");
+    // `--timeout` bounds the whole job (its checks take seconds); `--oversubscribe`
+    // allows two ranks on one core.
+    cmd.args(["-np", "2", "--oversubscribe", "--timeout", "600"])
+        .arg(exe)
+        // Open MPI refuses to run as root (CI containers) without both of these.
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        // Containers often forbid the cross-process memory attach of the shared-memory
+        // transport's single-copy path (`process_vm_readv`); copying through the shared
+        // segment works everywhere.
+        .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none");
+    run_status(cmd)
+}
+
+/// Builds a test target without running it (`cargo test --no-run`) and returns its
+/// executable, read from Cargo's JSON messages.
+fn test_executable(args: &[&str], target: &str) -> Result<std::path::PathBuf, Failure> {
+    let mut all = vec!["test", "--no-run", "--message-format=json"];
+    all.extend_from_slice(args);
+    let mut cmd = cargo(&all);
+    cmd.stdout(Stdio::piped()).stderr(Stdio::inherit());
+    eprintln!("xtask: running {cmd:?}");
+    let out = cmd
+        .output()
+        .map_err(|e| Failure(format!("could not start {cmd:?}: {e}")))?;
+    if !out.status.success() {
+        return Err(Failure(format!("{cmd:?} failed with {}", out.status)));
+    }
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter(|m| m["reason"] == "compiler-artifact" && m["profile"]["test"] == true)
+        .filter(|m| m["target"]["name"] == target)
+        .find_map(|m| m["executable"].as_str().map(std::path::PathBuf::from))
+        .ok_or_else(|| Failure(format!("{cmd:?} named no executable for test `{target}`")))
+}
 
 pub fn run(args: &[String]) -> Result<(), Failure> {
     if let Some(a) = args.first() {
@@ -37,10 +110,36 @@ pub fn run(args: &[String]) -> Result<(), Failure> {
         "cuda",
         "--nocapture",
     ]))?;
+    // The same for PowerSGD on CUDA buckets and for the NCCL backend.
+    run_status(cargo(&[
+        "test",
+        "-p",
+        "ddp-hooks",
+        "--features",
+        "cuda",
+        "--test",
+        "cuda",
+        "--",
+        "--nocapture",
+    ]))?;
+    run_status(cargo(&[
+        "test",
+        "-p",
+        "collectives",
+        "--features",
+        "cuda",
+        "--test",
+        "nccl",
+        "--",
+        "--nocapture",
+    ]))?;
     let mut skipped = Vec::new();
     for suite in OPTIONAL {
         if suite.needs.iter().all(|p| on_path(p)) {
             run_status(cargo(suite.cargo_args))?;
+            if let Some(then) = suite.then {
+                then()?;
+            }
         } else {
             skipped.push(suite);
         }

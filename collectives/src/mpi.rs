@@ -1,1 +1,0 @@
-//! The MPI backend (feature `mpi`): placeholder until written.

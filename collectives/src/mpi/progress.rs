@@ -1,0 +1,701 @@
+//! The progress thread: the one thread of the process that calls MPI.
+//!
+//! It initialises MPI, owns every communicator, starts each operation as a non-blocking
+//! MPI collective in the order it was issued, tests the requests in flight until they
+//! complete or their deadline passes, completes the work handles (so continuations run
+//! here), and finalises MPI when the last group handle is gone.
+//!
+//! Each communicator has a twin (`ctrl`, a duplicate) that carries only descriptors:
+//! the debug mode's check before an operation and the agreement before a `new_group`.
+//! An operation with a check is started on the main communicator only once its check has
+//! passed and every earlier operation of that communicator has been started, so both
+//! communicators see their collectives in the same order on every rank, as MPI requires.
+
+use super::debug::{self, Desc, WORDS};
+use super::raw::{self, Request};
+use crate::{Completer, Error, Result};
+use mpi::environment::Universe;
+use mpi::topology::{Color, Communicator, SimpleCommunicator};
+use mpi::Threading;
+use std::any::Any;
+use std::collections::{HashMap, VecDeque};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, TryRecvError};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// A communicator of the progress thread, named by the group handles.
+pub(super) type CommId = usize;
+
+/// `MPI_COMM_WORLD`'s id.
+pub(super) const WORLD: CommId = 0;
+
+/// How often abandoned operations are tested for completion.
+const GRAVEYARD_POLL: Duration = Duration::from_millis(10);
+
+/// The longest shutdown waits for abandoned operations to complete.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+/// Starts a collective on a communicator and returns what it left in flight; given an
+/// error instead, fails the operation's work without communicating.
+pub(super) type Start = Box<dyn FnOnce(Result<&SimpleCommunicator>) -> Option<Running> + Send>;
+
+/// What a group handle asks of the progress thread.
+pub(super) enum Job {
+    /// Run an operation.
+    Op(Op),
+    /// A group handle was dropped: free its communicator once its operations are started.
+    Free(CommId),
+}
+
+/// One operation, as issued.
+pub(super) struct Op {
+    /// The communicator.
+    pub comm: CommId,
+    /// What every rank must issue at this position.
+    pub desc: Desc,
+    /// Whether to compare descriptors across ranks first (debug mode).
+    pub check: bool,
+    /// The bound on the whole operation, from the moment the progress thread takes it.
+    pub timeout: Duration,
+    /// What to do.
+    pub action: Action,
+}
+
+/// The work of an [`Op`].
+pub(super) enum Action {
+    /// A non-blocking collective.
+    Collective(Start),
+    /// Split the communicator: the ranks listed (in that order) get a new one. Always
+    /// preceded by a descriptor check, so the blocking `MPI_Comm_split` starts only once
+    /// every rank has agreed to it.
+    Split {
+        ranks: Vec<usize>,
+        done: Completer<Option<Joined>>,
+    },
+}
+
+/// This rank's place in a new communicator.
+pub(super) struct Joined {
+    pub comm: CommId,
+    pub rank: usize,
+    pub size: usize,
+}
+
+impl Action {
+    fn fail(self, e: Error) {
+        match self {
+            Action::Collective(start) => drop(start(Err(e))),
+            Action::Split { done, .. } => done.complete(Err(e)),
+        }
+    }
+}
+
+/// Completes an operation's work from its buffers (or an error).
+type Finish = Box<dyn FnOnce(Result<Box<dyn Any>>)>;
+
+/// A collective whose MPI requests are in flight, with the buffers they use.
+pub(super) struct Running {
+    requests: Vec<Request>,
+    /// An error from starting it after some requests had started.
+    error: Option<Error>,
+    /// The buffers MPI reads and writes: kept apart from `finish` so that they can outlive
+    /// the work when the operation is abandoned.
+    bufs: Box<dyn Any>,
+    /// Completes the work from the buffers, or with the error.
+    finish: Finish,
+    what: String,
+}
+
+/// A collective on prepared buffers: `start` issues its requests (pushing each as soon
+/// as it has started), `finish` turns the buffers into the work's value once MPI is done
+/// with them. The buffers stay alive until every request has completed, or forever.
+pub(super) fn collective<B, T>(
+    done: Completer<T>,
+    bufs: B,
+    start: impl FnOnce(&SimpleCommunicator, &mut B, &mut Vec<Request>) -> Result<()> + Send + 'static,
+    finish: impl FnOnce(B) -> Result<T> + Send + 'static,
+) -> Start
+where
+    B: Send + 'static,
+    T: Send + 'static,
+{
+    Box::new(move |comm| {
+        let comm = match comm {
+            Ok(comm) => comm,
+            Err(e) => {
+                done.complete(Err(e));
+                return None;
+            }
+        };
+        let mut bufs = bufs;
+        let mut requests = Vec::new();
+        let error = start(comm, &mut bufs, &mut requests).err();
+        if requests.is_empty() {
+            done.complete(match error {
+                Some(e) => Err(e),
+                None => finish(bufs),
+            });
+            return None;
+        }
+        Some(Running {
+            requests,
+            error,
+            bufs: Box::new(bufs),
+            finish: Box::new(move |r: Result<Box<dyn Any>>| {
+                let value = r.and_then(|b| {
+                    b.downcast::<B>()
+                        .map_err(|_| {
+                            Error::Backend("internal: an operation lost its buffers".into())
+                        })
+                        .and_then(|b| finish(*b))
+                });
+                done.complete(value);
+            }),
+            what: String::new(),
+        })
+    })
+}
+
+/// The handle side of the progress thread, shared by every group of the process.
+pub(super) struct Runtime {
+    jobs: Option<mpsc::Sender<Job>>,
+    worker: Option<JoinHandle<()>>,
+    /// This process's rank in `MPI_COMM_WORLD`.
+    pub rank: usize,
+    /// The number of processes.
+    pub size: usize,
+    /// How long dropping the last handle waits for the progress thread to finish.
+    join_timeout: Duration,
+}
+
+impl Runtime {
+    /// Starts the progress thread, which initialises MPI; waits for that up to `timeout`.
+    pub(super) fn start(timeout: Duration) -> Result<Runtime> {
+        let (jobs, rx) = mpsc::channel();
+        let (ready_tx, ready) = mpsc::sync_channel(1);
+        let worker = std::thread::Builder::new()
+            .name("collectives-mpi".into())
+            .spawn(move || progress_thread(rx, ready_tx))
+            .map_err(|e| Error::io("starting the MPI progress thread", e))?;
+        match ready.recv_timeout(timeout) {
+            Ok(Ok((rank, size))) => Ok(Runtime {
+                jobs: Some(jobs),
+                worker: Some(worker),
+                rank,
+                size,
+                join_timeout: timeout,
+            }),
+            Ok(Err(e)) => {
+                // The thread has nothing left to do; it ends at once.
+                let _ = worker.join();
+                Err(e)
+            }
+            // The thread is stuck in MPI_Init; it is left behind.
+            Err(_) => Err(Error::Timeout {
+                what: "MPI initialisation".into(),
+                after: timeout,
+                missing: Vec::new(),
+            }),
+        }
+    }
+
+    /// Hands a job to the progress thread; if it has stopped, the job's work fails.
+    pub(super) fn submit(&self, job: Job) {
+        let unsent = match &self.jobs {
+            Some(tx) => tx.send(job).err().map(|e| e.0),
+            None => Some(job),
+        };
+        if let Some(Job::Op(op)) = unsent {
+            op.action
+                .fail(Error::Backend("the MPI progress thread has stopped".into()));
+        }
+    }
+}
+
+impl Drop for Runtime {
+    fn drop(&mut self) {
+        // Closing the channel lets the progress thread finish what was issued (each
+        // operation within its timeout), then finalise MPI and end.
+        drop(self.jobs.take());
+        let Some(worker) = self.worker.take() else {
+            return;
+        };
+        if worker.thread().id() == std::thread::current().id() {
+            // Dropped by a continuation on the progress thread itself: it ends on its own.
+            return;
+        }
+        let deadline = Instant::now() + self.join_timeout;
+        while !worker.is_finished() {
+            if Instant::now() >= deadline {
+                tracing::warn!(
+                    "the MPI progress thread did not finish within {:?}; leaving it behind",
+                    self.join_timeout
+                );
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let _ = worker.join();
+    }
+}
+
+fn progress_thread(rx: Receiver<Job>, ready: mpsc::SyncSender<Result<(usize, usize)>>) {
+    // Only this thread calls MPI, so `Serialized` (or `Funneled`: this thread is the one
+    // that initialises MPI, hence its main thread) is all that is needed.
+    let Some((universe, threading)) = mpi::initialize_with_threading(Threading::Serialized) else {
+        let _ = ready.send(Err(Error::Unsupported(
+            "MPI is already initialised in this process: MPI can be initialised once per \
+             process, so create one MpiGroup (MpiGroup::init) and keep it, or its subgroups, \
+             for the whole run"
+                .into(),
+        )));
+        return;
+    };
+    if threading < Threading::Funneled {
+        let _ = ready.send(Err(Error::Unsupported(format!(
+            "this MPI library provides only {threading:?} thread support; the MPI backend \
+             needs Funneled or better"
+        ))));
+        return;
+    }
+    let world = universe.world();
+    if let Err(e) = raw::errors_return(&world) {
+        let _ = ready.send(Err(e));
+        return;
+    }
+    let (rank, size) = (world.rank() as usize, world.size() as usize);
+    let mut engine = Engine::new(world);
+    if ready.send(Ok((rank, size))).is_err() {
+        // `start` gave up waiting; nobody will ever send a job.
+        engine.shutdown(universe);
+        return;
+    }
+    engine.run(&rx);
+    engine.shutdown(universe);
+}
+
+/// A communicator and the operations not yet started on it.
+struct Comm {
+    main: SimpleCommunicator,
+    ctrl: SimpleCommunicator,
+    rank: usize,
+    /// Why the communicator can no longer be used, after an operation was abandoned.
+    broken: Option<Error>,
+    /// Operations not yet started on `main`, in issue order.
+    queue: VecDeque<Waiting>,
+    /// Checked operations so far (the number in the debug mode's messages).
+    seq: u64,
+    /// The handle is gone: free the communicator once the queue is empty.
+    freed: bool,
+}
+
+impl Comm {
+    fn new(main: SimpleCommunicator) -> Comm {
+        let ctrl = main.duplicate();
+        Comm {
+            rank: main.rank() as usize,
+            main,
+            ctrl,
+            broken: None,
+            queue: VecDeque::new(),
+            seq: 0,
+            freed: false,
+        }
+    }
+
+    /// Marks the communicator unusable and fails its waiting operations.
+    fn break_with(&mut self, why: &Error, graveyard: &mut Graveyard) {
+        let broken = Error::Backend(format!(
+            "the MPI communicator is unusable after an earlier failure ({why}); MPI cannot \
+             cancel a collective, so later ones would pair with the abandoned one"
+        ));
+        for w in self.queue.drain(..) {
+            if let Some(check) = w.check {
+                graveyard.bury(vec![check.request], Box::new(check.bufs), w.op.timeout);
+            }
+            w.op.action.fail(broken.clone());
+        }
+        self.broken.get_or_insert(broken);
+    }
+}
+
+/// An operation waiting to start, perhaps with its descriptor check in flight.
+struct Waiting {
+    op: Op,
+    deadline: Instant,
+    check: Option<Check>,
+}
+
+/// A descriptor exchange in flight: this rank's descriptor and room for every rank's.
+struct Check {
+    request: Request,
+    bufs: (Vec<u64>, Vec<u64>),
+}
+
+/// Abandoned operations whose buffers MPI may still use: kept until their requests
+/// complete (or forever).
+struct Graveyard {
+    graves: Vec<Grave>,
+    last_poll: Instant,
+}
+
+struct Grave {
+    requests: Vec<Request>,
+    bufs: Box<dyn Any>,
+    /// How long shutdown waits for it.
+    deadline: Instant,
+}
+
+impl Graveyard {
+    fn bury(&mut self, requests: Vec<Request>, bufs: Box<dyn Any>, grace: Duration) {
+        self.graves.push(Grave {
+            requests,
+            bufs,
+            deadline: Instant::now() + grace.min(SHUTDOWN_GRACE),
+        });
+    }
+
+    /// Tests the abandoned requests; frees the buffers of those that completed.
+    fn poll(&mut self) {
+        self.last_poll = Instant::now();
+        self.graves.retain_mut(|g| {
+            // An error ends a request as surely as completion does.
+            g.requests.retain_mut(|r| matches!(r.test(), Ok(false)));
+            !g.requests.is_empty()
+        });
+    }
+}
+
+struct Engine {
+    comms: HashMap<CommId, Comm>,
+    next_id: CommId,
+    running: Vec<(Running, Instant, CommId, Duration)>,
+    graveyard: Graveyard,
+}
+
+impl Engine {
+    fn new(world: SimpleCommunicator) -> Engine {
+        let mut comms = HashMap::new();
+        comms.insert(WORLD, Comm::new(world));
+        Engine {
+            comms,
+            next_id: WORLD + 1,
+            running: Vec::new(),
+            graveyard: Graveyard {
+                graves: Vec::new(),
+                last_poll: Instant::now(),
+            },
+        }
+    }
+
+    fn idle(&self) -> bool {
+        self.running.is_empty() && self.comms.values().all(|c| c.queue.is_empty())
+    }
+
+    /// Runs jobs until the channel is closed and everything issued has finished.
+    fn run(&mut self, rx: &Receiver<Job>) {
+        let mut open = true;
+        let mut backoff = Backoff::default();
+        while open || !self.idle() {
+            let mut progressed = false;
+            if open && self.idle() {
+                // Nothing to test: sleep until a job comes (waking now and then while
+                // abandoned operations may still complete).
+                let job = if self.graveyard.graves.is_empty() {
+                    rx.recv().map_err(|_| RecvTimeoutError::Disconnected)
+                } else {
+                    rx.recv_timeout(GRAVEYARD_POLL)
+                };
+                match job {
+                    Ok(job) => {
+                        self.accept(job);
+                        progressed = true;
+                    }
+                    Err(RecvTimeoutError::Timeout) => {}
+                    Err(RecvTimeoutError::Disconnected) => open = false,
+                }
+            }
+            while open {
+                match rx.try_recv() {
+                    Ok(job) => {
+                        self.accept(job);
+                        progressed = true;
+                    }
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) => open = false,
+                }
+            }
+            progressed |= self.poll();
+            if !self.graveyard.graves.is_empty()
+                && self.graveyard.last_poll.elapsed() >= GRAVEYARD_POLL
+            {
+                self.graveyard.poll();
+            }
+            backoff.pause(progressed);
+        }
+    }
+
+    fn accept(&mut self, job: Job) {
+        match job {
+            Job::Free(id) => {
+                if let Some(comm) = self.comms.get_mut(&id) {
+                    comm.freed = true;
+                }
+                self.collect_freed();
+            }
+            Job::Op(op) => {
+                let Some(comm) = self.comms.get_mut(&op.comm) else {
+                    op.action.fail(Error::Backend(format!(
+                        "unknown MPI communicator {}",
+                        op.comm
+                    )));
+                    return;
+                };
+                if let Some(e) = &comm.broken {
+                    op.action.fail(e.clone());
+                    return;
+                }
+                let deadline = Instant::now() + op.timeout;
+                let check = if op.check {
+                    comm.seq += 1;
+                    let mine = op.desc.encode(comm.seq).to_vec();
+                    let all = vec![0u64; WORDS * comm.main.size() as usize];
+                    let mut bufs = (mine, all);
+                    // SAFETY: the two vectors move into the `Check` with the request (their
+                    // heap storage stays put) and are kept until it completes, or buried.
+                    match unsafe { raw::iallgather(&comm.ctrl, &bufs.0, &mut bufs.1) } {
+                        Ok(request) => Some(Check { request, bufs }),
+                        Err(e) => {
+                            comm.break_with(&e, &mut self.graveyard);
+                            op.action.fail(e);
+                            return;
+                        }
+                    }
+                } else {
+                    None
+                };
+                comm.queue.push_back(Waiting {
+                    op,
+                    deadline,
+                    check,
+                });
+            }
+        }
+    }
+
+    /// Starts what can start, tests what runs; whether anything happened.
+    fn poll(&mut self) -> bool {
+        let mut progressed = false;
+        if self.comms.values().any(|c| !c.queue.is_empty()) {
+            let ids: Vec<CommId> = self.comms.keys().copied().collect();
+            for id in ids {
+                progressed |= self.advance(id);
+            }
+        }
+        let now = Instant::now();
+        let mut i = 0;
+        while i < self.running.len() {
+            let (run, deadline, _, _) = &mut self.running[i];
+            let mut error = run.error.take();
+            run.requests.retain_mut(|r| match r.test() {
+                Ok(done) => !done,
+                Err(e) => {
+                    error.get_or_insert(e);
+                    false
+                }
+            });
+            run.error = error;
+            if run.requests.is_empty() {
+                let (run, ..) = self.running.swap_remove(i);
+                let result = match run.error {
+                    Some(e) => Err(e),
+                    None => Ok(run.bufs),
+                };
+                guarded(&run.what, || (run.finish)(result));
+                progressed = true;
+            } else if now >= *deadline {
+                let (run, _, comm, timeout) = self.running.swap_remove(i);
+                let e = Error::Timeout {
+                    what: run.what.clone(),
+                    after: timeout,
+                    missing: Vec::new(),
+                };
+                if let Some(c) = self.comms.get_mut(&comm) {
+                    c.break_with(&e, &mut self.graveyard);
+                }
+                self.graveyard.bury(run.requests, run.bufs, timeout);
+                guarded(&run.what, || (run.finish)(Err(e)));
+                progressed = true;
+            } else {
+                i += 1;
+            }
+        }
+        self.collect_freed();
+        progressed
+    }
+
+    /// Starts the operations at the front of a communicator's queue that may start.
+    fn advance(&mut self, id: CommId) -> bool {
+        let mut progressed = false;
+        loop {
+            let Some(comm) = self.comms.get_mut(&id) else {
+                return progressed;
+            };
+            let Some(front) = comm.queue.front_mut() else {
+                return progressed;
+            };
+            if let Some(check) = &mut front.check {
+                match check.request.test() {
+                    Ok(true) => {}
+                    Ok(false) if Instant::now() < front.deadline => return progressed,
+                    Ok(false) => {
+                        let e = Error::Timeout {
+                            what: format!("MPI {} (descriptor check)", front.op.desc),
+                            after: front.op.timeout,
+                            missing: Vec::new(),
+                        };
+                        if let Some(w) = comm.queue.pop_front() {
+                            if let Some(check) = w.check {
+                                let bufs = Box::new(check.bufs);
+                                self.graveyard.bury(vec![check.request], bufs, w.op.timeout);
+                            }
+                            w.op.action.fail(e.clone());
+                        }
+                        comm.break_with(&e, &mut self.graveyard);
+                        return true;
+                    }
+                    Err(e) => {
+                        comm.break_with(&e, &mut self.graveyard);
+                        return true;
+                    }
+                }
+            }
+            progressed = true;
+            let Some(w) = comm.queue.pop_front() else {
+                return progressed;
+            };
+            if let Some(check) = &w.check {
+                if let Err(e) = debug::compare(&check.bufs.1) {
+                    // Every rank sees the same descriptors, so every rank skips this one.
+                    w.op.action.fail(e);
+                    continue;
+                }
+            }
+            let what = format!("MPI {}", w.op.desc);
+            match w.op.action {
+                Action::Collective(start) => {
+                    let started = guarded(&what, || start(Ok(&comm.main)));
+                    if let Some(Some(mut run)) = started {
+                        run.what = what;
+                        self.running.push((run, w.deadline, id, w.op.timeout));
+                    }
+                }
+                Action::Split { ranks, done } => {
+                    let joined = self.split(id, &ranks);
+                    done.complete(joined);
+                }
+            }
+        }
+    }
+
+    /// `MPI_Comm_split` of communicator `id` for `ranks` (every rank has agreed to it).
+    fn split(&mut self, id: CommId, ranks: &[usize]) -> Result<Option<Joined>> {
+        let parent = self
+            .comms
+            .get(&id)
+            .ok_or_else(|| Error::Backend(format!("unknown MPI communicator {id}")))?;
+        let index = ranks.iter().position(|&r| r == parent.rank);
+        let color = match index {
+            Some(_) => Color::with_value(0),
+            None => Color::undefined(),
+        };
+        let key = raw::count(index.unwrap_or(0))?;
+        match (index, parent.main.split_by_color_with_key(color, key)) {
+            (Some(rank), Some(main)) => {
+                raw::errors_return(&main)?;
+                let size = main.size() as usize;
+                let comm = self.next_id;
+                self.next_id += 1;
+                self.comms.insert(comm, Comm::new(main));
+                Ok(Some(Joined { comm, rank, size }))
+            }
+            (None, None) => Ok(None),
+            _ => Err(Error::Backend(
+                "MPI_Comm_split disagreed with the list of ranks".into(),
+            )),
+        }
+    }
+
+    /// Frees the communicators whose handles are gone and whose queues are empty
+    /// (operations still running on them complete normally: MPI defers the free).
+    fn collect_freed(&mut self) {
+        self.comms.retain(|_, c| !(c.freed && c.queue.is_empty()));
+    }
+
+    /// Frees the communicators and finalises MPI, unless abandoned operations are still
+    /// pending: finalising would wait for peers that may never come, so then MPI is left
+    /// as it is (and `mpirun` reports a process that exited without finalising).
+    fn shutdown(mut self, universe: Universe) {
+        self.comms.clear();
+        loop {
+            self.graveyard.poll();
+            let now = Instant::now();
+            if self.graveyard.graves.iter().all(|g| now >= g.deadline) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        if self.graveyard.graves.is_empty() {
+            drop(universe);
+        } else {
+            tracing::warn!(
+                "{} abandoned MPI operation(s) never completed; not finalising MPI",
+                self.graveyard.graves.len()
+            );
+            // MPI may still write into these buffers.
+            for g in self.graveyard.graves {
+                std::mem::forget(g.bufs);
+            }
+            std::mem::forget(universe);
+        }
+    }
+}
+
+/// Runs `f` (which completes work, so runs continuations), containing a panic in one so
+/// that it cannot take down the progress thread of every other operation.
+fn guarded<R>(what: &str, f: impl FnOnce() -> R) -> Option<R> {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(r) => Some(r),
+        Err(_) => {
+            tracing::error!("a continuation of {what} panicked");
+            None
+        }
+    }
+}
+
+/// Waiting between tests of requests in flight: MPI progresses only inside MPI calls,
+/// so test eagerly (yielding the core) for a moment, then sleep longer the longer
+/// nothing happens, up to a millisecond.
+#[derive(Default)]
+struct Backoff {
+    idle_since: Option<Instant>,
+}
+
+impl Backoff {
+    const SPIN: Duration = Duration::from_millis(1);
+    const MAX_SLEEP: Duration = Duration::from_millis(1);
+
+    fn pause(&mut self, progressed: bool) {
+        if progressed {
+            self.idle_since = None;
+            return;
+        }
+        let idle = self.idle_since.get_or_insert_with(Instant::now).elapsed();
+        if idle < Self::SPIN {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep((idle / 32).min(Self::MAX_SLEEP));
+        }
+    }
+}

@@ -1,0 +1,224 @@
+//! The result layer over `mpi::ffi`: non-blocking collectives on raw buffers, each
+//! returning a [`Request`] or the MPI error as an [`Error`].
+//!
+//! The `mpi` crate's safe requests tie buffers to a scope and abort the process if a
+//! request is dropped unfinished, which cannot express "give up after the timeout". Here a
+//! request is a plain handle the progress thread tests; whoever starts one keeps its
+//! buffers alive until it completes (or forever, if it never does).
+
+use crate::{Error, Result};
+use mpi::collective::SystemOperation;
+use mpi::datatype::Equivalence;
+use mpi::ffi;
+use mpi::raw::AsRaw;
+use mpi::topology::SimpleCommunicator;
+use std::os::raw::{c_char, c_int, c_void};
+
+/// A started non-blocking operation. Not `Send` (it holds an MPI handle): it lives on the
+/// progress thread, the only thread that calls MPI.
+pub(super) struct Request(ffi::MPI_Request);
+
+impl Request {
+    /// Whether the operation has completed. A completed request is freed by MPI, and
+    /// testing it again answers `true`.
+    pub(super) fn test(&mut self) -> Result<bool> {
+        if self.0 == request_null() {
+            return Ok(true);
+        }
+        let mut flag: c_int = 0;
+        // SAFETY: `self.0` is a live request handle (MPI sets it to MPI_REQUEST_NULL when
+        // it completes, which the check above catches); the status is ignored.
+        let code = unsafe { ffi::MPI_Test(&mut self.0, &mut flag, ffi::RSMPI_STATUS_IGNORE) };
+        check(code, "MPI_Test")?;
+        Ok(flag != 0)
+    }
+}
+
+fn request_null() -> ffi::MPI_Request {
+    // SAFETY: reading an immutable handle constant that MPI defines.
+    unsafe { ffi::RSMPI_REQUEST_NULL }
+}
+
+/// An MPI count from a length: MPI counts are C `int`s.
+pub(super) fn count(len: usize) -> Result<c_int> {
+    c_int::try_from(len).map_err(|_| {
+        Error::InvalidArgument(format!(
+            "MPI counts are 32-bit: {len} elements exceed {}; split the buffer",
+            c_int::MAX
+        ))
+    })
+}
+
+/// `Ok` for `MPI_SUCCESS`, else the error with MPI's own message.
+pub(super) fn check(code: c_int, what: &str) -> Result<()> {
+    if code == ffi::MPI_SUCCESS as c_int {
+        return Ok(());
+    }
+    let mut text = [0 as c_char; ffi::MPI_MAX_ERROR_STRING as usize + 1];
+    let mut len: c_int = 0;
+    // SAFETY: the buffer holds MPI_MAX_ERROR_STRING characters, as MPI_Error_string needs.
+    let ok = unsafe { ffi::MPI_Error_string(code, text.as_mut_ptr(), &mut len) };
+    let message = if ok == ffi::MPI_SUCCESS as c_int {
+        let bytes: Vec<u8> = text[..len.clamp(0, text.len() as c_int) as usize]
+            .iter()
+            .map(|&c| c as u8)
+            .collect();
+        String::from_utf8_lossy(&bytes).into_owned()
+    } else {
+        "unknown error".into()
+    };
+    Err(Error::Backend(format!(
+        "{what} failed: MPI error {code}: {message}"
+    )))
+}
+
+/// Makes MPI report errors on `comm` as return codes instead of aborting the job.
+pub(super) fn errors_return(comm: &SimpleCommunicator) -> Result<()> {
+    // SAFETY: `comm` is a live communicator and MPI_ERRORS_RETURN a predefined handler.
+    let code = unsafe { ffi::MPI_Comm_set_errhandler(comm.as_raw(), ffi::RSMPI_ERRORS_RETURN) };
+    check(code, "MPI_Comm_set_errhandler")
+}
+
+/// A reduction operator of MPI.
+pub(super) fn op_sum() -> ffi::MPI_Op {
+    SystemOperation::sum().as_raw()
+}
+
+/// `MPI_MAX`.
+pub(super) fn op_max() -> ffi::MPI_Op {
+    SystemOperation::max().as_raw()
+}
+
+/// `MPI_MIN`.
+pub(super) fn op_min() -> ffi::MPI_Op {
+    SystemOperation::min().as_raw()
+}
+
+fn datatype<T: Equivalence>() -> ffi::MPI_Datatype {
+    T::equivalent_datatype().as_raw()
+}
+
+fn start(what: &str, f: impl FnOnce(*mut ffi::MPI_Request) -> c_int) -> Result<Request> {
+    let mut request = request_null();
+    check(f(&mut request), what)?;
+    Ok(Request(request))
+}
+
+/// Starts `MPI_Iallreduce` of `send` into `recv` (equal lengths).
+///
+/// # Safety
+/// Both buffers must stay allocated, `send` unwritten and `recv` untouched, until the
+/// request completes.
+pub(super) unsafe fn iallreduce<T: Equivalence>(
+    comm: &SimpleCommunicator,
+    send: &[T],
+    recv: &mut [T],
+    op: ffi::MPI_Op,
+) -> Result<Request> {
+    debug_assert_eq!(send.len(), recv.len());
+    let n = count(send.len())?;
+    start("MPI_Iallreduce", |req| {
+        // SAFETY: valid pointers for `n` elements of `T`'s datatype; their lifetime is the
+        // caller's promise.
+        unsafe {
+            ffi::MPI_Iallreduce(
+                send.as_ptr().cast::<c_void>(),
+                recv.as_mut_ptr().cast::<c_void>(),
+                n,
+                datatype::<T>(),
+                op,
+                comm.as_raw(),
+                req,
+            )
+        }
+    })
+}
+
+/// Starts `MPI_Ibcast` of `buf` from `root`.
+///
+/// # Safety
+/// `buf` must stay allocated and untouched until the request completes.
+pub(super) unsafe fn ibcast<T: Equivalence>(
+    comm: &SimpleCommunicator,
+    buf: &mut [T],
+    root: usize,
+) -> Result<Request> {
+    let n = count(buf.len())?;
+    let root = count(root)?;
+    start("MPI_Ibcast", |req| {
+        // SAFETY: as in `iallreduce`.
+        unsafe {
+            ffi::MPI_Ibcast(
+                buf.as_mut_ptr().cast::<c_void>(),
+                n,
+                datatype::<T>(),
+                root,
+                comm.as_raw(),
+                req,
+            )
+        }
+    })
+}
+
+/// Starts `MPI_Iallgather` of `send` into `recv` (`send.len()` times the group size).
+///
+/// # Safety
+/// As [`iallreduce`].
+pub(super) unsafe fn iallgather<T: Equivalence>(
+    comm: &SimpleCommunicator,
+    send: &[T],
+    recv: &mut [T],
+) -> Result<Request> {
+    let n = count(send.len())?;
+    start("MPI_Iallgather", |req| {
+        // SAFETY: as in `iallreduce`; `recv` holds `n` elements per rank.
+        unsafe {
+            ffi::MPI_Iallgather(
+                send.as_ptr().cast::<c_void>(),
+                n,
+                datatype::<T>(),
+                recv.as_mut_ptr().cast::<c_void>(),
+                n,
+                datatype::<T>(),
+                comm.as_raw(),
+                req,
+            )
+        }
+    })
+}
+
+/// Starts `MPI_Ireduce_scatter_block`: `send` holds one block of `recv.len()` elements
+/// per rank; this rank's block of the reduction lands in `recv`.
+///
+/// # Safety
+/// As [`iallreduce`].
+pub(super) unsafe fn ireduce_scatter_block<T: Equivalence>(
+    comm: &SimpleCommunicator,
+    send: &[T],
+    recv: &mut [T],
+    op: ffi::MPI_Op,
+) -> Result<Request> {
+    let n = count(recv.len())?;
+    start("MPI_Ireduce_scatter_block", |req| {
+        // SAFETY: as in `iallreduce`; `send` holds `n` elements per rank.
+        unsafe {
+            ffi::MPI_Ireduce_scatter_block(
+                send.as_ptr().cast::<c_void>(),
+                recv.as_mut_ptr().cast::<c_void>(),
+                n,
+                datatype::<T>(),
+                op,
+                comm.as_raw(),
+                req,
+            )
+        }
+    })
+}
+
+/// Starts `MPI_Ibarrier`.
+pub(super) fn ibarrier(comm: &SimpleCommunicator) -> Result<Request> {
+    start("MPI_Ibarrier", |req| {
+        // SAFETY: `comm` is live and `req` points to a request slot; no buffers.
+        unsafe { ffi::MPI_Ibarrier(comm.as_raw(), req) }
+    })
+}
