@@ -150,6 +150,25 @@ pub(crate) trait Reducible: Copy + Send + Sync + 'static {
     fn widen_slice(src: &[Self], dst: &mut [Self::Acc]) {
         dst.iter_mut().zip(src).for_each(|(d, s)| *d = s.widen());
     }
+    /// Combines `src` into `acc` element-wise with `op` (`Avg` sums).
+    fn accumulate(acc: &mut [Self::Acc], src: &[Self], op: ReduceOp) {
+        match op {
+            ReduceOp::Sum | ReduceOp::Avg => acc
+                .iter_mut()
+                .zip(src)
+                .for_each(|(a, x)| *a = *a + x.widen()),
+            ReduceOp::Max => acc.iter_mut().zip(src).for_each(|(a, x)| {
+                if x.widen() > *a {
+                    *a = x.widen()
+                }
+            }),
+            ReduceOp::Min => acc.iter_mut().zip(src).for_each(|(a, x)| {
+                if x.widen() < *a {
+                    *a = x.widen()
+                }
+            }),
+        }
+    }
     /// `dst[i] = narrow(src[i])`, vectorised where the format allows.
     fn narrow_slice(src: &[Self::Acc], dst: &mut [Self]) {
         dst.iter_mut()
@@ -203,6 +222,15 @@ impl Reducible for f16 {
         use half::slice::HalfFloatSliceExt;
         dst.convert_from_f32_slice(src);
     }
+    fn accumulate(acc: &mut [f32], src: &[Self], op: ReduceOp) {
+        // Widen a block with SIMD conversions, then combine in f32.
+        let mut wide = [0.0f32; 256];
+        for (a, s) in acc.chunks_mut(256).zip(src.chunks(256)) {
+            let w = &mut wide[..s.len()];
+            Self::widen_slice(s, w);
+            f32::accumulate(a, w, op);
+        }
+    }
 }
 
 impl Reducible for bf16 {
@@ -223,5 +251,14 @@ impl Reducible for bf16 {
     fn narrow_slice(src: &[f32], dst: &mut [Self]) {
         use half::slice::HalfFloatSliceExt;
         dst.convert_from_f32_slice(src);
+    }
+    fn accumulate(acc: &mut [f32], src: &[Self], op: ReduceOp) {
+        // Widen a block with SIMD conversions, then combine in f32.
+        let mut wide = [0.0f32; 256];
+        for (a, s) in acc.chunks_mut(256).zip(src.chunks(256)) {
+            let w = &mut wide[..s.len()];
+            Self::widen_slice(s, w);
+            f32::accumulate(a, w, op);
+        }
     }
 }

@@ -67,8 +67,16 @@ fn lowrank(quick: bool, json: bool) -> Result<(), Failure> {
     Ok(())
 }
 
-/// All-reduce bandwidth of the thread backend against memcpy (nccl-tests definitions).
+/// All-reduce bandwidth of the thread backend against memcpy (nccl-tests definitions),
+/// then of the MPI backend under `mpirun -np 2` where Open MPI is installed.
 fn collectives(quick: bool, json: bool) -> Result<(), Failure> {
+    let mut flags = Vec::new();
+    if quick {
+        flags.push("--quick");
+    }
+    if json {
+        flags.push("--json");
+    }
     let mut args = vec![
         "bench",
         "-q",
@@ -78,13 +86,29 @@ fn collectives(quick: bool, json: bool) -> Result<(), Failure> {
         "allreduce",
         "--",
     ];
-    if quick {
-        args.push("--quick");
+    args.extend(&flags);
+    run_status(cargo(&args))?;
+    if !(crate::on_path("mpirun") && crate::on_path("mpicc")) {
+        eprintln!(
+            "skipped: the MPI all-reduce bench (install libopenmpi-dev openmpi-bin libclang-dev)"
+        );
+        return Ok(());
     }
-    if json {
-        args.push("--json");
-    }
-    run_status(cargo(&args))
+    let exe = crate::built_executable(
+        "bench",
+        &[
+            "-p",
+            "collectives",
+            "--features",
+            "mpi",
+            "--bench",
+            "allreduce_mpi",
+        ],
+        "allreduce_mpi",
+    )?;
+    let mut cmd = crate::mpirun(2);
+    cmd.arg(exe).args(&flags);
+    run_status(cmd)
 }
 
 /// Hook times and link-priced step times (`hooks`), or accumulation against syncing every

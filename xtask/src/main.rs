@@ -96,3 +96,49 @@ pub fn on_path(program: &str) -> bool {
         .map(|paths| std::env::split_paths(&paths).any(|dir| dir.join(program).is_file()))
         .unwrap_or(false)
 }
+
+/// Builds a target without running it (`cargo <subcommand> --no-run`, `subcommand` being
+/// `test` or `bench`) and returns its executable, read from Cargo's JSON messages.
+pub fn built_executable(
+    subcommand: &str,
+    args: &[&str],
+    target: &str,
+) -> Result<std::path::PathBuf, Failure> {
+    let mut all = vec![subcommand, "--no-run", "--message-format=json"];
+    all.extend_from_slice(args);
+    let mut cmd = cargo(&all);
+    cmd.stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::inherit());
+    eprintln!("xtask: running {cmd:?}");
+    let out = cmd
+        .output()
+        .map_err(|e| Failure(format!("could not start {cmd:?}: {e}")))?;
+    if !out.status.success() {
+        return Err(Failure(format!("{cmd:?} failed with {}", out.status)));
+    }
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter(|m| m["reason"] == "compiler-artifact" && m["profile"]["test"] == true)
+        .filter(|m| m["target"]["name"] == target)
+        .find_map(|m| m["executable"].as_str().map(std::path::PathBuf::from))
+        .ok_or_else(|| Failure(format!("{cmd:?} named no executable for `{target}`")))
+}
+
+/// `mpirun -np <ranks>` with what it needs here: `--oversubscribe` (more ranks than
+/// cores), a bound on the whole job, permission to run as root (CI containers), and
+/// shared-memory copies that work in containers forbidding cross-process attach.
+pub fn mpirun(ranks: usize) -> Command {
+    let mut cmd = Command::new("mpirun");
+    cmd.args([
+        "-np",
+        &ranks.to_string(),
+        "--oversubscribe",
+        "--timeout",
+        "600",
+    ])
+    .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none");
+    cmd
+}

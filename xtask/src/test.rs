@@ -2,7 +2,6 @@
 //! optional suite that cannot.
 
 use crate::{cargo, on_path, run_status, Failure};
-use std::process::{Command, Stdio};
 
 /// A suite that needs system software this machine may lack.
 struct Optional {
@@ -49,46 +48,14 @@ fn mpi_suite() -> Result<(), Failure> {
         "--",
         "mpi",
     ]))?;
-    let exe = test_executable(
+    let exe = crate::built_executable(
+        "test",
         &["-p", "collectives", "--features", "mpi", "--test", "mpi"],
         "mpi",
     )?;
-    let mut cmd = Command::new("mpirun");
-    // `--timeout` bounds the whole job (its checks take seconds); `--oversubscribe`
-    // allows two ranks on one core.
-    cmd.args(["-np", "2", "--oversubscribe", "--timeout", "600"])
-        .arg(exe)
-        // Open MPI refuses to run as root (CI containers) without both of these.
-        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        // Containers often forbid the cross-process memory attach of the shared-memory
-        // transport's single-copy path (`process_vm_readv`); copying through the shared
-        // segment works everywhere.
-        .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none");
+    let mut cmd = crate::mpirun(2);
+    cmd.arg(exe);
     run_status(cmd)
-}
-
-/// Builds a test target without running it (`cargo test --no-run`) and returns its
-/// executable, read from Cargo's JSON messages.
-fn test_executable(args: &[&str], target: &str) -> Result<std::path::PathBuf, Failure> {
-    let mut all = vec!["test", "--no-run", "--message-format=json"];
-    all.extend_from_slice(args);
-    let mut cmd = cargo(&all);
-    cmd.stdout(Stdio::piped()).stderr(Stdio::inherit());
-    eprintln!("xtask: running {cmd:?}");
-    let out = cmd
-        .output()
-        .map_err(|e| Failure(format!("could not start {cmd:?}: {e}")))?;
-    if !out.status.success() {
-        return Err(Failure(format!("{cmd:?} failed with {}", out.status)));
-    }
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
-        .filter(|m| m["reason"] == "compiler-artifact" && m["profile"]["test"] == true)
-        .filter(|m| m["target"]["name"] == target)
-        .find_map(|m| m["executable"].as_str().map(std::path::PathBuf::from))
-        .ok_or_else(|| Failure(format!("{cmd:?} named no executable for test `{target}`")))
 }
 
 pub fn run(args: &[String]) -> Result<(), Failure> {

@@ -54,26 +54,8 @@ unsafe fn reduce_typed<T: Reducible>(
         unsafe {
             let src = |a: Addr| std::slice::from_raw_parts((a as *const T).add(start), len);
             T::widen_slice(src(addrs[0]), acc);
-            let mut wide = [T::Acc::default(); CHUNK];
-            let wide = &mut wide[..len];
             for &peer in &addrs[1..] {
-                T::widen_slice(src(peer), wide);
-                match op {
-                    ReduceOp::Sum | ReduceOp::Avg => acc
-                        .iter_mut()
-                        .zip(wide.iter())
-                        .for_each(|(a, &x)| *a = *a + x),
-                    ReduceOp::Max => acc.iter_mut().zip(wide.iter()).for_each(|(a, &x)| {
-                        if x > *a {
-                            *a = x
-                        }
-                    }),
-                    ReduceOp::Min => acc.iter_mut().zip(wide.iter()).for_each(|(a, &x)| {
-                        if x < *a {
-                            *a = x
-                        }
-                    }),
-                }
+                T::accumulate(acc, src(peer), op);
             }
             if op == ReduceOp::Avg {
                 acc.iter_mut().for_each(|a| *a = *a / n);
