@@ -9,6 +9,7 @@
 //! Without warm start the factor buffers are kept and `Q` is re-drawn each step.
 
 use super::progress::Progress;
+use super::sequence::Sequencer;
 use super::state::SavedBucket;
 use super::{PowerSgdConfig, PowerSgdState};
 use crate::{CommBackend, CommHook, Error, GradBucket, Result};
@@ -38,6 +39,7 @@ pub struct BatchedPowerSgd<B: CommBackend> {
     backend: Arc<B>,
     group: Arc<dyn ProcessGroup>,
     inner: Arc<Mutex<Inner<B>>>,
+    sequence: Sequencer,
 }
 
 fn lock<B: Backend>(m: &Mutex<Inner<B>>) -> MutexGuard<'_, Inner<B>> {
@@ -79,6 +81,7 @@ impl<B: CommBackend> BatchedPowerSgd<B> {
                 progress: Progress::new(config),
                 memory: BTreeMap::new(),
             })),
+            sequence: Sequencer::default(),
         })
     }
 
@@ -136,7 +139,11 @@ impl<B: CommBackend> BatchedPowerSgd<B> {
         let cfg = g.progress.config.clone();
         if g.progress.vanilla() {
             g.progress.maybe_increase_iter(is_last);
-            return Ok(be.all_reduce(&*group, x, ReduceOp::Avg));
+            return Ok(self.sequence.next(move |issued| {
+                let work = be.all_reduce(&*group, x, ReduceOp::Avg);
+                issued.complete(Ok(()));
+                work
+            }));
         }
         let (side, r) = (side_of(len), cfg.matrix_approximation_rank);
         let dims = Dims::new(1, side, side, r)?;
@@ -193,63 +200,68 @@ impl<B: CommBackend> BatchedPowerSgd<B> {
         }
         drop(guard);
         let (be1, inner1, group1) = (be.clone(), self.inner.clone(), group.clone());
-        let chain = be.all_reduce(&*group, p, ReduceOp::Sum).and_then(move |p| {
-            let step = || -> Result<(B::Buffer<f32>, B::Buffer<f32>)> {
-                let mut p = p;
-                let mut g = lock(&inner1);
-                let m = g.memory.get_mut(&index).ok_or_else(|| in_flight(index))?;
-                let mut q = m.q.take().ok_or_else(|| in_flight(index))?;
-                be1.orthogonalize(1, side, r, B::view_mut(&mut p, ..)?, 0.0)?;
-                be1.mtp(
-                    dims,
-                    B::view(&xp, ..)?,
-                    B::view(&p, ..)?,
-                    B::view_mut(&mut q, ..)?,
-                )?;
-                m.p = Some(p);
-                Ok((q, xp))
-            };
-            match step() {
-                Ok((q, xp)) => be1
-                    .all_reduce(&*group1, q, ReduceOp::Avg)
-                    .then(move |q| Ok((q?, xp))),
-                Err(e) => Work::ready(Err(e.into())),
-            }
-        });
         let inner2 = self.inner.clone();
-        Ok(chain.then(move |r| {
-            let (q, mut xp) = r?;
-            let mut x = x;
-            let mut g = lock(&inner2);
-            let ef = g.progress.config.use_error_feedback;
-            let m = g.memory.get_mut(&index).ok_or_else(|| in_flight(index))?;
-            let p = m.p.as_ref().ok_or_else(|| in_flight(index))?;
-            let finish = |xp: &mut B::Buffer<f32>,
-                          x: &mut B::Buffer<f32>,
-                          e: Option<&mut B::Buffer<f32>>|
-             -> lowrank::Result<()> {
-                match e {
-                    Some(e) if ef => be.pqt_error(
+        // Collectives in one order on every rank (see `sequence.rs`).
+        Ok(self.sequence.next(move |issued| {
+            let chain = be.all_reduce(&*group, p, ReduceOp::Sum).and_then(move |p| {
+                let step = || -> Result<(B::Buffer<f32>, B::Buffer<f32>)> {
+                    let mut p = p;
+                    let mut g = lock(&inner1);
+                    let m = g.memory.get_mut(&index).ok_or_else(|| in_flight(index))?;
+                    let mut q = m.q.take().ok_or_else(|| in_flight(index))?;
+                    be1.orthogonalize(1, side, r, B::view_mut(&mut p, ..)?, 0.0)?;
+                    be1.mtp(
                         dims,
-                        B::view(p, ..)?,
-                        B::view(&q, ..)?,
-                        B::view_mut(xp, ..)?,
-                        B::view_mut(e, ..)?,
-                    )?,
-                    _ => be.pqt(
-                        dims,
-                        B::view(p, ..)?,
-                        B::view(&q, ..)?,
-                        B::view_mut(xp, ..)?,
-                    )?,
-                }
-                be.copy(B::view(xp, ..len)?, B::view_mut(x, ..)?)
-            };
-            finish(&mut xp, &mut x, m.error.as_mut()).map_err(Error::from)?;
-            m.q = Some(q);
-            m.padded = Some(xp);
-            g.progress.maybe_increase_iter(is_last);
-            Ok(x)
+                        B::view(&xp, ..)?,
+                        B::view(&p, ..)?,
+                        B::view_mut(&mut q, ..)?,
+                    )?;
+                    m.p = Some(p);
+                    Ok((q, xp))
+                };
+                let work = match step() {
+                    Ok((q, xp)) => be1
+                        .all_reduce(&*group1, q, ReduceOp::Avg)
+                        .then(move |q| Ok((q?, xp))),
+                    Err(e) => Work::ready(Err(e.into())),
+                };
+                issued.complete(Ok(()));
+                work
+            });
+            chain.then(move |r| {
+                let (q, mut xp) = r?;
+                let mut x = x;
+                let mut g = lock(&inner2);
+                let ef = g.progress.config.use_error_feedback;
+                let m = g.memory.get_mut(&index).ok_or_else(|| in_flight(index))?;
+                let p = m.p.as_ref().ok_or_else(|| in_flight(index))?;
+                let finish = |xp: &mut B::Buffer<f32>,
+                              x: &mut B::Buffer<f32>,
+                              e: Option<&mut B::Buffer<f32>>|
+                 -> lowrank::Result<()> {
+                    match e {
+                        Some(e) if ef => be.pqt_error(
+                            dims,
+                            B::view(p, ..)?,
+                            B::view(&q, ..)?,
+                            B::view_mut(xp, ..)?,
+                            B::view_mut(e, ..)?,
+                        )?,
+                        _ => be.pqt(
+                            dims,
+                            B::view(p, ..)?,
+                            B::view(&q, ..)?,
+                            B::view_mut(xp, ..)?,
+                        )?,
+                    }
+                    be.copy(B::view(xp, ..len)?, B::view_mut(x, ..)?)
+                };
+                finish(&mut xp, &mut x, m.error.as_mut()).map_err(Error::from)?;
+                m.q = Some(q);
+                m.padded = Some(xp);
+                g.progress.maybe_increase_iter(is_last);
+                Ok(x)
+            })
         }))
     }
 }

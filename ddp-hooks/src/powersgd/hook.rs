@@ -2,6 +2,7 @@
 
 use super::plan::Plan;
 use super::progress::Progress;
+use super::sequence::Sequencer;
 use super::state::SavedBucket;
 use super::{PowerSgdConfig, PowerSgdState};
 use crate::{CommBackend, CommHook, Error, GradBucket, Result};
@@ -30,6 +31,7 @@ pub struct PowerSgd<B: CommBackend> {
     backend: Arc<B>,
     group: Arc<dyn ProcessGroup>,
     inner: Arc<Mutex<Inner<B>>>,
+    sequence: Sequencer,
 }
 
 fn lock<B: Backend>(inner: &Mutex<Inner<B>>) -> MutexGuard<'_, Inner<B>> {
@@ -63,6 +65,7 @@ impl<B: CommBackend> PowerSgd<B> {
                 errors: BTreeMap::new(),
                 factors: BTreeMap::new(),
             })),
+            sequence: Sequencer::default(),
         })
     }
 
@@ -166,7 +169,11 @@ impl<B: CommBackend> PowerSgd<B> {
         let g = &mut *guard;
         if g.progress.vanilla() {
             g.progress.maybe_increase_iter(is_last);
-            return Ok(be.all_reduce(&*group, x, ReduceOp::Avg));
+            return Ok(self.sequence.next(move |issued| {
+                let work = be.all_reduce(&*group, x, ReduceOp::Avg);
+                issued.complete(Ok(()));
+                work
+            }));
         }
         let cfg = g.progress.config.clone();
         let plan = Arc::new(Plan::new(
@@ -188,12 +195,6 @@ impl<B: CommBackend> PowerSgd<B> {
             )?;
             at += len;
         }
-        let work_u = if plan.u_len > 0 {
-            be.all_reduce(&*group, u, ReduceOp::Avg)
-        } else {
-            Work::ready(Ok(u))
-        };
-
         if cfg.use_error_feedback && !g.errors.contains_key(&index) {
             tracing::info!(
                 "A zero tensor of length {} that represents local error is created.",
@@ -255,24 +256,33 @@ impl<B: CommBackend> PowerSgd<B> {
         }
         drop(guard);
 
-        // P is summed, not averaged: it is orthogonalised next.
-        let work_p = be.all_reduce(&*group, p, ReduceOp::Sum);
-        let (be1, inner1, plan1) = (be.clone(), self.inner.clone(), plan.clone());
+        // Issue this bucket's collectives in the same order on every rank: the
+        // uncompressed tensors first, then P (summed, not averaged: it is orthogonalised
+        // next), then Q from P's continuation.
+        let (inner1, inner2, plan1) = (self.inner.clone(), self.inner.clone(), plan.clone());
         let eps = cfg.orthogonalization_epsilon;
-        let chain =
-            work_p.and_then(
-                move |p| match compute_q(&*be1, &inner1, index, &plan1, eps, p, &x) {
+        Ok(self.sequence.next(move |issued| {
+            let work_u = if plan.u_len > 0 {
+                be.all_reduce(&*group, u, ReduceOp::Avg)
+            } else {
+                Work::ready(Ok(u))
+            };
+            let be1 = be.clone();
+            let chain = be.all_reduce(&*group, p, ReduceOp::Sum).and_then(move |p| {
+                let work = match compute_q(&*be1, &inner1, index, &plan1, eps, p, &x) {
                     Ok(q) => be1
                         .all_reduce(&*group, q, ReduceOp::Avg)
                         .then(move |q| Ok((q?, x))),
                     Err(e) => Work::ready(Err(e.into())),
-                },
-            );
-        let inner2 = self.inner.clone();
-        Ok(chain.zip(work_u).then(move |r| {
-            let ((q, mut x), u) = r?;
-            decompress(&*be, &inner2, index, is_last, &plan, q, &mut x, &u)?;
-            Ok(x)
+                };
+                issued.complete(Ok(()));
+                work
+            });
+            chain.zip(work_u).then(move |r| {
+                let ((q, mut x), u) = r?;
+                decompress(&*be, &inner2, index, is_last, &plan, q, &mut x, &u)?;
+                Ok(x)
+            })
         }))
     }
 }

@@ -21,6 +21,7 @@ mod config;
 mod hook;
 mod plan;
 mod progress;
+mod sequence;
 mod state;
 
 pub use batched::BatchedPowerSgd;
