@@ -310,7 +310,7 @@ fn powersgd_with_many_buckets_in_flight_keeps_ranks_in_step() {
             for step in 0..8 {
                 for p in (0..shapes.len()).rev() {
                     let mut g = NormalRng::new((rank * 100 + step * 10 + p) as u64);
-                    g.fill(&mut reducer.grad_mut(p).unwrap());
+                    g.fill(reducer.grad_mut(p).unwrap());
                     reducer.mark_ready(p).unwrap();
                 }
                 reducer.finish().unwrap();
