@@ -203,62 +203,40 @@ impl Reducible for f64 {
     }
 }
 
-impl Reducible for f16 {
-    type Acc = f32;
-    fn widen(self) -> f32 {
-        self.to_f32()
-    }
-    fn narrow(a: f32) -> f16 {
-        f16::from_f32(a)
-    }
-    fn acc_from_usize(n: usize) -> f32 {
-        n as f32
-    }
-    fn widen_slice(src: &[Self], dst: &mut [f32]) {
-        use half::slice::HalfFloatSliceExt;
-        src.convert_to_f32_slice(dst);
-    }
-    fn narrow_slice(src: &[f32], dst: &mut [Self]) {
-        use half::slice::HalfFloatSliceExt;
-        dst.convert_from_f32_slice(src);
-    }
-    fn accumulate(acc: &mut [f32], src: &[Self], op: ReduceOp) {
-        // Widen a block with SIMD conversions, then combine in f32.
-        let mut wide = [0.0f32; 256];
-        for (a, s) in acc.chunks_mut(256).zip(src.chunks(256)) {
-            let w = &mut wide[..s.len()];
-            Self::widen_slice(s, w);
-            f32::accumulate(a, w, op);
+/// The 16-bit formats: accumulated in `f32`, converted a block at a time with the SIMD
+/// conversions of the `half` crate.
+macro_rules! half_reducible {
+    ($($t:ty),*) => {$(
+        impl Reducible for $t {
+            type Acc = f32;
+            fn widen(self) -> f32 {
+                self.to_f32()
+            }
+            fn narrow(a: f32) -> $t {
+                <$t>::from_f32(a)
+            }
+            fn acc_from_usize(n: usize) -> f32 {
+                n as f32
+            }
+            fn widen_slice(src: &[Self], dst: &mut [f32]) {
+                use half::slice::HalfFloatSliceExt;
+                src.convert_to_f32_slice(dst);
+            }
+            fn narrow_slice(src: &[f32], dst: &mut [Self]) {
+                use half::slice::HalfFloatSliceExt;
+                dst.convert_from_f32_slice(src);
+            }
+            fn accumulate(acc: &mut [f32], src: &[Self], op: ReduceOp) {
+                // Widen a block with SIMD conversions, then combine in f32.
+                let mut wide = [0.0f32; 256];
+                for (a, s) in acc.chunks_mut(256).zip(src.chunks(256)) {
+                    let w = &mut wide[..s.len()];
+                    Self::widen_slice(s, w);
+                    f32::accumulate(a, w, op);
+                }
+            }
         }
-    }
+    )*};
 }
 
-impl Reducible for bf16 {
-    type Acc = f32;
-    fn widen(self) -> f32 {
-        self.to_f32()
-    }
-    fn narrow(a: f32) -> bf16 {
-        bf16::from_f32(a)
-    }
-    fn acc_from_usize(n: usize) -> f32 {
-        n as f32
-    }
-    fn widen_slice(src: &[Self], dst: &mut [f32]) {
-        use half::slice::HalfFloatSliceExt;
-        src.convert_to_f32_slice(dst);
-    }
-    fn narrow_slice(src: &[f32], dst: &mut [Self]) {
-        use half::slice::HalfFloatSliceExt;
-        dst.convert_from_f32_slice(src);
-    }
-    fn accumulate(acc: &mut [f32], src: &[Self], op: ReduceOp) {
-        // Widen a block with SIMD conversions, then combine in f32.
-        let mut wide = [0.0f32; 256];
-        for (a, s) in acc.chunks_mut(256).zip(src.chunks(256)) {
-            let w = &mut wide[..s.len()];
-            Self::widen_slice(s, w);
-            f32::accumulate(a, w, op);
-        }
-    }
-}
+half_reducible!(f16, bf16);

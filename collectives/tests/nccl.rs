@@ -1,4 +1,3 @@
-#![cfg(feature = "cuda")]
 //! The NCCL backend on real GPUs (`--features cuda`).
 //!
 //! At world size 1 (one GPU, where NCCL allows no more): every operation on host and
@@ -13,6 +12,7 @@
 //! passes. Two tests run a copy of this binary as a child process: the missing-library
 //! check (it hides `LD_LIBRARY_PATH`) and the creation timeout (it leaves NCCL's bootstrap
 //! waiting for the absent rank).
+#![cfg(feature = "cuda")]
 
 use collectives::nccl::{self, NcclGroup, NcclId};
 use collectives::store::TcpStore;

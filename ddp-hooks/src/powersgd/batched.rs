@@ -8,7 +8,7 @@
 //! Error feedback covers the padded matrix, as in PyTorch (so the pad carries error).
 //! Without warm start the factor buffers are kept and `Q` is re-drawn each step.
 
-use super::progress::Progress;
+use super::progress::{in_flight, lock, Progress};
 use super::sequence::Sequencer;
 use super::state::SavedBucket;
 use super::{PowerSgdConfig, PowerSgdState};
@@ -16,7 +16,7 @@ use crate::{CommBackend, CommHook, Error, GradBucket, Result};
 use collectives::{ProcessGroup, ReduceOp, Work};
 use lowrank::{Backend, Dims};
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 /// One bucket's memory: the padded matrix, its error, and the factors (`None` while in
 /// a collective).
@@ -40,18 +40,6 @@ pub struct BatchedPowerSgd<B: CommBackend> {
     group: Arc<dyn ProcessGroup>,
     inner: Arc<Mutex<Inner<B>>>,
     sequence: Sequencer,
-}
-
-fn lock<B: Backend>(m: &Mutex<Inner<B>>) -> MutexGuard<'_, Inner<B>> {
-    // Updates complete before the lock is released, so poisoned data is consistent.
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-fn in_flight(index: usize) -> Error {
-    Error::Bucket {
-        index,
-        why: "the previous step of this bucket has not completed".into(),
-    }
 }
 
 /// `side = ceil(sqrt(len))`, exactly.

@@ -1,7 +1,7 @@
 //! The per-layer PowerSGD hook.
 
 use super::plan::Plan;
-use super::progress::Progress;
+use super::progress::{in_flight, lock, Progress};
 use super::sequence::Sequencer;
 use super::state::SavedBucket;
 use super::{PowerSgdConfig, PowerSgdState};
@@ -9,7 +9,7 @@ use crate::{CommBackend, CommHook, Error, GradBucket, Result};
 use collectives::{ProcessGroup, ReduceOp, Work};
 use lowrank::Backend;
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 /// A bucket's warm-start factors; `None` while the factor is in a collective.
 struct Factors<B: Backend> {
@@ -32,20 +32,6 @@ pub struct PowerSgd<B: CommBackend> {
     group: Arc<dyn ProcessGroup>,
     inner: Arc<Mutex<Inner<B>>>,
     sequence: Sequencer,
-}
-
-fn lock<B: Backend>(inner: &Mutex<Inner<B>>) -> MutexGuard<'_, Inner<B>> {
-    // Every update of the state is completed before the lock is released (or the step
-    // fails as a whole), so a poisoned lock holds consistent data.
-    inner.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-fn in_flight(index: usize) -> Error {
-    Error::Bucket {
-        index,
-        why: "the previous step of this bucket has not completed (wait for every hook's work before the next step)"
-            .into(),
-    }
 }
 
 impl<B: CommBackend> PowerSgd<B> {

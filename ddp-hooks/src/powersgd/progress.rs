@@ -3,8 +3,10 @@
 
 use super::state::SavedBucket;
 use super::{PowerSgdConfig, PowerSgdState};
+use crate::Error;
 use lowrank::NormalRng;
 use std::collections::BTreeMap;
+use std::sync::{Mutex, MutexGuard};
 
 pub(super) struct Progress {
     pub config: PowerSgdConfig,
@@ -91,5 +93,19 @@ impl Progress {
             0.0
         };
         (rate, self.total_before, self.total_after)
+    }
+}
+
+/// Locks a hook's state. Every update completes before the lock is released (or the step
+/// fails as a whole), so a lock poisoned by a panicking continuation holds consistent data.
+pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The error for a bucket whose previous step still holds its memory.
+pub(super) fn in_flight(index: usize) -> Error {
+    Error::Bucket {
+        index,
+        why: "the previous step of this bucket has not completed (wait for every hook's work before the next step)".into(),
     }
 }
