@@ -17,6 +17,7 @@ const WANTED: &[(&str, &str, &str)] = &[
     ("bench", "cuda", "lowrank-cuda-bench"),
     ("test", "cuda", "ddp-hooks-cuda-test"),
     ("test", "nccl", "collectives-nccl-test"),
+    ("test", "threads_cuda", "collectives-threads-cuda-test"),
 ];
 
 const RUN_SH: &str = include_str!("gpu_check_run.sh");
@@ -77,6 +78,8 @@ fn build() -> Result<Vec<(String, String, PathBuf)>, Failure> {
         "lowrank/cuda,ddp-hooks/cuda,collectives/cuda",
         "--test",
         "nccl",
+        "--test",
+        "threads_cuda",
         "--test",
         "primitives",
         "--test",

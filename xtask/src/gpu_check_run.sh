@@ -57,6 +57,8 @@ hooks_rc=${PIPESTATUS[0]}
 [ "$hooks_rc" -eq 0 ] || status=1
 "$here/collectives-nccl-test" --nocapture --test-threads 1 2>&1 | tee -a "$log" "$out/nccl.log"
 nccl_rc=${PIPESTATUS[0]}
+"$here/collectives-threads-cuda-test" --nocapture 2>&1 | tee -a "$log" "$out/nccl.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || nccl_rc=1
 [ "$nccl_rc" -eq 0 ] || status=1
 "$here/lowrank-cuda-bench" 2>&1 | tee -a "$log" "$out/bench.log"
 bench_rc=${PIPESTATUS[0]}

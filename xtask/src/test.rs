@@ -97,6 +97,8 @@ pub fn run(args: &[String]) -> Result<(), Failure> {
         "cuda",
         "--test",
         "nccl",
+        "--test",
+        "threads_cuda",
         "--",
         "--nocapture",
     ]))?;

@@ -10,7 +10,13 @@
 //!
 //! Each rank's operations run in order on the rank's own progress thread, which also
 //! runs the continuations of its work handles.
+//!
+//! With the `cuda` feature, [`ThreadGroup::all_reduce_device`] and
+//! [`ThreadGroup::broadcast_device`] take cudarc device buffers, staged through host
+//! memory, so several ranks can share one GPU in tests.
 
+#[cfg(feature = "cuda")]
+mod device;
 mod reduce;
 mod world;
 
