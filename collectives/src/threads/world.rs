@@ -4,6 +4,7 @@
 use crate::{Buffer, DType, Error, ReduceOp, Result};
 use std::collections::HashMap;
 use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -35,6 +36,9 @@ impl fmt::Display for Desc {
     }
 }
 
+/// How long a rank watches for its peers before sleeping (see `World::arrive`).
+const SPIN: Duration = Duration::from_micros(50);
+
 /// A buffer address posted for peers, as an integer so the table is `Send`.
 pub(crate) type Addr = usize;
 
@@ -55,6 +59,10 @@ pub(crate) struct World {
     pub timeout: Duration,
     state: Mutex<State>,
     changed: Condvar,
+    /// The generation, mirrored for lock-free spinning.
+    released: AtomicU64,
+    /// Whether a failure is recorded, mirrored for lock-free spinning.
+    poisoned: AtomicBool,
     /// Subgroups by the index of the `new_group` call that made them.
     pub subgroups: Mutex<HashMap<usize, Subgroup>>,
 }
@@ -72,6 +80,8 @@ impl World {
                 posted: vec![(None, Vec::new()); size],
             }),
             changed: Condvar::new(),
+            released: AtomicU64::new(0),
+            poisoned: AtomicBool::new(false),
             subgroups: Mutex::new(HashMap::new()),
         })
     }
@@ -89,6 +99,7 @@ impl World {
         if st.failure.is_none() {
             st.failure = Some(e);
         }
+        self.poisoned.store(true, Ordering::Release);
         self.changed.notify_all();
     }
 
@@ -109,9 +120,22 @@ impl World {
             st.count = 0;
             st.arrived.iter_mut().for_each(|a| *a = false);
             st.generation += 1;
+            self.released.store(st.generation, Ordering::Release);
             self.changed.notify_all();
             return Ok(st);
         }
+        // Peers usually arrive within microseconds: watch the generation without the lock
+        // for a moment (yielding the core to them) before sleeping on the condition
+        // variable, which costs a wake-up of tens of microseconds.
+        drop(st);
+        let spin_until = Instant::now() + SPIN;
+        while self.released.load(Ordering::Acquire) == generation
+            && !self.poisoned.load(Ordering::Acquire)
+            && Instant::now() < spin_until
+        {
+            std::thread::yield_now();
+        }
+        let mut st = self.lock();
         let deadline = Instant::now() + self.timeout;
         loop {
             let now = Instant::now();
@@ -129,6 +153,7 @@ impl World {
                     missing,
                 };
                 st.failure = Some(e.clone());
+                self.poisoned.store(true, Ordering::Release);
                 self.changed.notify_all();
                 return Err(e);
             }
