@@ -26,10 +26,72 @@ pub(crate) unsafe fn reduce(
     // SAFETY: forwarded caller guarantees.
     unsafe {
         match dtype {
+            DType::F32 if out.is_none() && matches!(op, ReduceOp::Sum | ReduceOp::Avg) => {
+                sum_f32(addrs, range, op)
+            }
             DType::F32 => reduce_typed::<f32>(addrs, range, op, out),
             DType::F16 => reduce_typed::<f16>(addrs, range, op, out),
             DType::BF16 => reduce_typed::<bf16>(addrs, range, op, out),
             DType::F64 => reduce_typed::<f64>(addrs, range, op, out),
+        }
+    }
+}
+
+/// `f32` sums and means written into every rank's buffer, in one pass over small blocks
+/// that stay in registers (the general path stages 4 KiB blocks through an accumulator
+/// array in separate passes, which measured 35% slower at 64 MiB on two ranks). Same
+/// order of additions, so the same bits.
+///
+/// # Safety
+/// As [`reduce`].
+unsafe fn sum_f32(addrs: &[Addr], range: Range<usize>, op: ReduceOp) {
+    if let [a, b] = *addrs {
+        // SAFETY: forwarded caller guarantees.
+        return unsafe { sum_two_f32(a, b, range, op) };
+    }
+    const W: usize = 64;
+    let n = addrs.len() as f32;
+    let mut i = range.start;
+    while i < range.end {
+        let w = W.min(range.end - i);
+        let mut acc = [0.0f32; W];
+        let acc = &mut acc[..w];
+        // SAFETY: the caller guarantees every buffer covers `range` and that nobody else
+        // touches it; each slice below lives only for its statement.
+        unsafe {
+            let at = |a: Addr| (a as *mut f32).add(i);
+            acc.copy_from_slice(std::slice::from_raw_parts(at(addrs[0]), w));
+            for &peer in &addrs[1..] {
+                let xs = std::slice::from_raw_parts(at(peer), w);
+                acc.iter_mut().zip(xs).for_each(|(a, x)| *a += x);
+            }
+            if op == ReduceOp::Avg {
+                acc.iter_mut().for_each(|a| *a /= n);
+            }
+            for &dst in addrs {
+                std::slice::from_raw_parts_mut(at(dst), w).copy_from_slice(acc);
+            }
+        }
+        i += w;
+    }
+}
+
+/// Two ranks (DDP's most common case), one element at a time: `a = b = (a + b) / 2`
+/// for a mean (the same bits as dividing).
+///
+/// # Safety
+/// As [`reduce`]; `a` and `b` are distinct buffers.
+unsafe fn sum_two_f32(a: Addr, b: Addr, range: Range<usize>, op: ReduceOp) {
+    let scale = if op == ReduceOp::Avg { 0.5f32 } else { 1.0 };
+    let len = range.len();
+    // SAFETY: both buffers cover `range`, nobody else touches it, and they are distinct.
+    unsafe {
+        let a = std::slice::from_raw_parts_mut((a as *mut f32).add(range.start), len);
+        let b = std::slice::from_raw_parts_mut((b as *mut f32).add(range.start), len);
+        for (x, y) in a.iter_mut().zip(b.iter_mut()) {
+            let v = (*x + *y) * scale;
+            *x = v;
+            *y = v;
         }
     }
 }
