@@ -54,3 +54,8 @@ pub use powersgd::{BatchedPowerSgd, PowerSgd, PowerSgdConfig, PowerSgdState};
 pub use reducer::{Reducer, ReducerConfig};
 pub use registry::HookSpec;
 pub use wire::{HalfWire, WireFormat};
+
+/// The README's examples, compiled and run as doctests so they cannot rot.
+#[doc = include_str!("../../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
