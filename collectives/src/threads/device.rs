@@ -33,6 +33,24 @@ fn upload<T: DeviceRepr>(host: &[T], buf: &mut CudaSlice<T>) -> Result<()> {
         .map_err(cuda("waiting for a host-to-device copy"))
 }
 
+/// Downloads `buf`, runs `op` on the host copy, and uploads the result into `buf`.
+fn staged<T>(buf: CudaSlice<T>, op: impl FnOnce(Buffer) -> Work<Buffer>) -> Work<CudaSlice<T>>
+where
+    T: DeviceRepr + Send + 'static,
+    Vec<T>: Into<Buffer> + TryFrom<Buffer, Error = Error>,
+{
+    let host = match download(&buf) {
+        Ok(h) => h,
+        Err(e) => return Work::ready(Err(e)),
+    };
+    op(host.into()).then(move |r| {
+        let host = Vec::<T>::try_from(r?)?;
+        let mut buf = buf;
+        upload(&host, &mut buf)?;
+        Ok(buf)
+    })
+}
+
 impl ThreadGroup {
     /// [`all_reduce`](ProcessGroup::all_reduce) of a device buffer: downloaded (waiting
     /// for its stream), reduced like a host buffer, and uploaded into the same buffer.
@@ -41,16 +59,7 @@ impl ThreadGroup {
         T: DeviceRepr + Send + 'static,
         Vec<T>: Into<Buffer> + TryFrom<Buffer, Error = Error>,
     {
-        let host = match download(&buf) {
-            Ok(h) => h,
-            Err(e) => return Work::ready(Err(e)),
-        };
-        self.all_reduce(host.into(), op).then(move |r| {
-            let host = Vec::<T>::try_from(r?)?;
-            let mut buf = buf;
-            upload(&host, &mut buf)?;
-            Ok(buf)
-        })
+        staged(buf, |b| self.all_reduce(b, op))
     }
 
     /// [`broadcast`](ProcessGroup::broadcast) of a device buffer, staged the same way.
@@ -59,15 +68,6 @@ impl ThreadGroup {
         T: DeviceRepr + Send + 'static,
         Vec<T>: Into<Buffer> + TryFrom<Buffer, Error = Error>,
     {
-        let host = match download(&buf) {
-            Ok(h) => h,
-            Err(e) => return Work::ready(Err(e)),
-        };
-        self.broadcast(host.into(), root).then(move |r| {
-            let host = Vec::<T>::try_from(r?)?;
-            let mut buf = buf;
-            upload(&host, &mut buf)?;
-            Ok(buf)
-        })
+        staged(buf, |b| self.broadcast(b, root))
     }
 }
