@@ -25,7 +25,7 @@ fn products(c: &mut Criterion) {
     let be = CpuBackend::new();
     let mut group = c.benchmark_group("lowrank/products");
     for (name, d) in shapes() {
-        let id = |op: &str| BenchmarkId::new(op, format!("{name} r={}", d.r));
+        let id = |op: &str| BenchmarkId::new(op, format!("{name} r={}", d.r()));
         let (m, q, p, e) = (
             random(d.m_len(), 1),
             random(d.q_len(), 2),

@@ -17,8 +17,8 @@ use lowrank::{Backend, CpuBackend, Dims, NormalRng};
 fn compress<B: Backend>(be: &B, d: Dims, steps: usize) -> lowrank::Result<()> {
     // A gradient with a decaying spectrum: sum of rank-1 terms of weight 2^-k, plus noise.
     let mut rng = NormalRng::new(42);
-    let mut u = vec![0.0f32; d.n * 8];
-    let mut v = vec![0.0f32; d.m * 8];
+    let mut u = vec![0.0f32; d.n() * 8];
+    let mut v = vec![0.0f32; d.m() * 8];
     rng.fill(&mut u);
     rng.fill(&mut v);
     let mut g_host = vec![0.0f32; d.m_len()];
@@ -28,9 +28,9 @@ fn compress<B: Backend>(be: &B, d: Dims, steps: usize) -> lowrank::Result<()> {
     }
     for k in 0..8 {
         let w = 0.5f32.powi(k as i32);
-        for i in 0..d.n {
-            for j in 0..d.m {
-                g_host[i * d.m + j] += w * u[k * d.n + i] * v[k * d.m + j];
+        for i in 0..d.n() {
+            for j in 0..d.m() {
+                g_host[i * d.m() + j] += w * u[k * d.n() + i] * v[k * d.m() + j];
             }
         }
     }
@@ -48,14 +48,14 @@ fn compress<B: Backend>(be: &B, d: Dims, steps: usize) -> lowrank::Result<()> {
     );
     for step in 0..steps {
         let mut x = be.upload(&g_host)?;
-        be.orthogonalize(d.batch, d.m, d.r, B::view_mut(&mut q, ..)?, 0.0)?; // warm start
+        be.orthogonalize(d.batch(), d.m(), d.r(), B::view_mut(&mut q, ..)?, 0.0)?; // warm start
         be.mq(
             d,
             B::view(&x, ..)?,
             B::view(&q, ..)?,
             B::view_mut(&mut p, ..)?,
         )?;
-        be.orthogonalize(d.batch, d.n, d.r, B::view_mut(&mut p, ..)?, 0.0)?;
+        be.orthogonalize(d.batch(), d.n(), d.r(), B::view_mut(&mut p, ..)?, 0.0)?;
         be.mtp(
             d,
             B::view(&x, ..)?,

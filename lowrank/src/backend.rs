@@ -116,16 +116,25 @@ pub trait Backend: Send + Sync {
         e: Self::ViewMut<'_, f32>,
     ) -> Result<()>;
 
-    /// Modified Gram-Schmidt on the `r` columns of each of `batch` column-major `n x r`
-    /// factors, in place.
+    /// Gram-Schmidt on the `r` columns of each of `batch` column-major `n x r` factors,
+    /// in place, orthogonal to working precision.
     ///
-    /// Each column `c` is normalised as PyTorch's `_orthogonalize` does (`c / ‖c‖` when
-    /// `eps == 0`, else `c / (‖c‖ + eps)`), then projected out of the later columns. A
-    /// column whose norm after projection is at most `8 · n · ε_f32` times its norm before
-    /// any projection (or exactly zero) is set to zero and stays zero, so zero input never
-    /// gives NaN and `r > n` is handled (the surplus columns become zero). The threshold
-    /// is capped at 1/128 for very long columns (`n` above about 8000), where `8 · n · ε`
-    /// would otherwise approach 1.
+    /// - **Two passes** of modified Gram-Schmidt ("twice is enough"): one pass loses
+    ///   orthogonality in proportion to the condition number; two keep `max |PᵀP − I|`
+    ///   within a few `ε_f32` for full-rank inputs of condition number up to about `10^5`.
+    /// - **Normalisation as PyTorch's `_orthogonalize`:** each column is `c / ‖c‖` when
+    ///   `eps == 0`, else `c / (‖c‖ + eps)` (its length shrunk by `‖c‖ / (‖c‖ + eps)`,
+    ///   with `‖c‖` its norm after projection).
+    /// - **Zero-column rule:** a column whose residual after projection, over both passes,
+    ///   is at most `8 · ε_f32` of its norm (it depends on the earlier columns up to
+    ///   rounding), or that is zero, is set to zero and stays zero: zero input never gives
+    ///   NaN and `r > n` is handled (the surplus columns become zero).
+    /// - **No overflow or underflow:** norms are computed on columns rescaled by a power of
+    ///   two (exact) when their sum of squares would overflow or underflow, so finite
+    ///   columns near `f32::MAX` or near the smallest normal are handled.
+    /// - **Non-finite input propagates:** a NaN or infinity anywhere in a matrix makes
+    ///   every element of that matrix NaN (so a loss scaler or a NaN check downstream sees
+    ///   it); other matrices of the batch are unaffected.
     fn orthogonalize(
         &self,
         batch: usize,

@@ -55,13 +55,13 @@ fn vm<B: Backend>(b: &mut B::Buffer<f32>) -> B::ViewMut<'_, f32> {
 // Naive references in f64. Factors are column-major: P[k * n + i], Q[k * m + j].
 fn ref_mq(d: Dims, m: &[f32], q: &[f32]) -> Vec<f64> {
     let mut p = vec![0.0; d.p_len()];
-    for b in 0..d.batch {
-        for k in 0..d.r {
-            for i in 0..d.n {
-                p[b * d.n * d.r + k * d.n + i] = (0..d.m)
+    for b in 0..d.batch() {
+        for k in 0..d.r() {
+            for i in 0..d.n() {
+                p[b * d.n() * d.r() + k * d.n() + i] = (0..d.m())
                     .map(|j| {
-                        m[b * d.n * d.m + i * d.m + j] as f64
-                            * q[b * d.m * d.r + k * d.m + j] as f64
+                        m[b * d.n() * d.m() + i * d.m() + j] as f64
+                            * q[b * d.m() * d.r() + k * d.m() + j] as f64
                     })
                     .sum();
             }
@@ -72,13 +72,13 @@ fn ref_mq(d: Dims, m: &[f32], q: &[f32]) -> Vec<f64> {
 
 fn ref_mtp(d: Dims, m: &[f32], p: &[f32]) -> Vec<f64> {
     let mut q = vec![0.0; d.q_len()];
-    for b in 0..d.batch {
-        for k in 0..d.r {
-            for j in 0..d.m {
-                q[b * d.m * d.r + k * d.m + j] = (0..d.n)
+    for b in 0..d.batch() {
+        for k in 0..d.r() {
+            for j in 0..d.m() {
+                q[b * d.m() * d.r() + k * d.m() + j] = (0..d.n())
                     .map(|i| {
-                        m[b * d.n * d.m + i * d.m + j] as f64
-                            * p[b * d.n * d.r + k * d.n + i] as f64
+                        m[b * d.n() * d.m() + i * d.m() + j] as f64
+                            * p[b * d.n() * d.r() + k * d.n() + i] as f64
                     })
                     .sum();
             }
@@ -89,13 +89,13 @@ fn ref_mtp(d: Dims, m: &[f32], p: &[f32]) -> Vec<f64> {
 
 fn ref_pqt(d: Dims, p: &[f32], q: &[f32]) -> Vec<f64> {
     let mut m = vec![0.0; d.m_len()];
-    for b in 0..d.batch {
-        for i in 0..d.n {
-            for j in 0..d.m {
-                m[b * d.n * d.m + i * d.m + j] = (0..d.r)
+    for b in 0..d.batch() {
+        for i in 0..d.n() {
+            for j in 0..d.m() {
+                m[b * d.n() * d.m() + i * d.m() + j] = (0..d.r())
                     .map(|k| {
-                        p[b * d.n * d.r + k * d.n + i] as f64
-                            * q[b * d.m * d.r + k * d.m + j] as f64
+                        p[b * d.n() * d.r() + k * d.n() + i] as f64
+                            * q[b * d.m() * d.r() + k * d.m() + j] as f64
                     })
                     .sum();
             }
@@ -234,6 +234,132 @@ fn orth<B: Backend>(be: &B, batch: usize, n: usize, r: usize, x: &[f32], eps: f3
     be.orthogonalize(batch, n, r, vm::<B>(&mut buf), eps)
         .unwrap();
     back(be, &buf)
+}
+
+/// Orthonormal columns in f64: Gram-Schmidt twice on `r` random columns of `n`.
+fn orthonormal_f64(n: usize, r: usize, seed: u64) -> Vec<Vec<f64>> {
+    let x = random(n * r, seed);
+    let mut cols: Vec<Vec<f64>> = columns(&x, n)
+        .iter()
+        .map(|c| c.iter().map(|&v| v as f64).collect())
+        .collect();
+    for _pass in 0..2 {
+        for i in 0..r {
+            for j in 0..i {
+                let d: f64 = cols[i].iter().zip(&cols[j]).map(|(a, b)| a * b).sum();
+                let cj = cols[j].clone();
+                cols[i].iter_mut().zip(&cj).for_each(|(a, b)| *a -= d * b);
+            }
+            let norm = cols[i].iter().map(|a| a * a).sum::<f64>().sqrt();
+            cols[i].iter_mut().for_each(|a| *a /= norm);
+        }
+    }
+    cols
+}
+
+/// A column-major `n x r` f32 matrix `U diag(s) Vᵀ` with singular values from 1 down to
+/// `1 / cond` (geometric): a full-rank input of condition number `cond`.
+fn conditioned(n: usize, r: usize, cond: f64, seed: u64) -> Vec<f32> {
+    let u = orthonormal_f64(n, r, seed);
+    let v = orthonormal_f64(r, r, seed + 1);
+    let s: Vec<f64> = (0..r)
+        .map(|k| cond.powf(-(k as f64) / (r.max(2) - 1) as f64))
+        .collect();
+    let mut x = vec![0.0f32; n * r];
+    for j in 0..r {
+        for i in 0..n {
+            let val: f64 = (0..r).map(|k| u[k][i] * s[k] * v[k][j]).sum();
+            x[j * n + i] = val as f32;
+        }
+    }
+    x
+}
+
+/// max |PᵀP − I|, evaluated in f64.
+fn orthogonality_error(p: &[f32], n: usize, r: usize) -> f64 {
+    let g = gram(p, n, r);
+    let mut worst = 0.0f64;
+    for (a, row) in g.iter().enumerate() {
+        for (c, &val) in row.iter().enumerate() {
+            worst = worst.max((val - if a == c { 1.0 } else { 0.0 }).abs());
+        }
+    }
+    worst
+}
+
+/// Regression (issue 8 item 10, issue 14): orthogonality to f32 precision for ill-
+/// conditioned full-rank input (one modified Gram-Schmidt pass gave 3.7e-5 at condition
+/// 1.8e3 and 2.2e-4 at 6.5e3); norms that neither overflow nor underflow; non-finite
+/// input propagates as NaN instead of being zeroed.
+fn check_orthogonalize_precision<B: Backend>(be: &B) {
+    for &(n, r, cond) in &[
+        (64, 64, 1.8e3),
+        (64, 64, 6.5e3),
+        (64, 64, 1e5),
+        (1000, 8, 1e5),
+        (4096, 4, 1e5),
+        (4096, 16, 1e5),
+    ] {
+        let x = conditioned(n, r, cond, n as u64 + r as u64);
+        let y = orth(be, 1, n, r, &x, 0.0);
+        let err = orthogonality_error(&y, n, r);
+        assert!(
+            err <= 2e-6,
+            "{}: max |PᵀP - I| = {err:e} for n={n} r={r} cond={cond:e}",
+            be.name()
+        );
+    }
+    // Finite columns near the top of f32's range: a naive sum of squares overflows and
+    // the column was zeroed. The result equals that of the same column scaled down.
+    let n = 300;
+    let base = random(n * 3, 21);
+    let huge: Vec<f32> = base.iter().map(|v| v * 2e19).collect();
+    let tiny: Vec<f32> = base.iter().map(|v| v * 1e-30).collect();
+    let want = orth(be, 1, n, 3, &base, 0.0);
+    for (what, x) in [("huge", &huge), ("tiny", &tiny)] {
+        let got = orth(be, 1, n, 3, x, 0.0);
+        let diff = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        assert!(
+            diff < 1e-5,
+            "{}: {what} columns differ from unit-scale ones by {diff}",
+            be.name()
+        );
+    }
+    // Epsilon is scaled with a rescaled column: `c / (‖c‖ + eps)` as for the original.
+    let got = orth(be, 1, n, 1, &tiny[..n], 1e-8);
+    let norm = tiny[..n]
+        .iter()
+        .map(|&v| (v as f64).powi(2))
+        .sum::<f64>()
+        .sqrt();
+    let want_len = norm / (norm + 1e-8);
+    let got_len = got.iter().map(|&v| (v as f64).powi(2)).sum::<f64>().sqrt();
+    assert!(
+        (got_len - want_len).abs() < 1e-6 * want_len.max(1e-30) + 1e-30,
+        "{}: eps on a tiny column: length {got_len:e}, want {want_len:e}",
+        be.name()
+    );
+    // Non-finite input: every column of that matrix is NaN; other matrices unaffected.
+    for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+        let (n, r) = (40, 3);
+        let mut x = random(2 * n * r, 5);
+        x[n * r + n + 7] = bad; // matrix 1, column 1
+        let y = orth(be, 2, n, r, &x, 0.0);
+        assert!(
+            y[n * r..].iter().all(|v| v.is_nan()),
+            "{}: {bad} in the input must make the whole matrix NaN",
+            be.name()
+        );
+        assert!(
+            y[..n * r].iter().all(|v| v.is_finite()),
+            "{}: a NaN in one matrix leaked into another",
+            be.name()
+        );
+    }
 }
 
 fn check_orthogonalize<B: Backend>(be: &B) {
@@ -566,6 +692,7 @@ macro_rules! cpu_tests {
 cpu_tests!(
     check_products,
     check_orthogonalize,
+    check_orthogonalize_precision,
     check_elementwise,
     check_fill_normal,
     check_bad_input,

@@ -176,28 +176,28 @@ impl CpuBackend {
 
     /// How many pieces to cut each matrix of a batch into, so that all threads have work.
     fn parts_per_matrix(&self, d: &Dims, extent: usize, align: usize) -> usize {
-        if d.batch == 0 || d.batch >= self.threads || d.m_len() * 4 < PARALLEL_MIN_BYTES {
+        if d.batch() == 0 || d.batch() >= self.threads || d.m_len() * 4 < PARALLEL_MIN_BYTES {
             return 1;
         }
-        let wanted = self.threads.div_ceil(d.batch);
+        let wanted = self.threads.div_ceil(d.batch());
         wanted.min(extent.div_ceil(align)).max(1)
     }
 
     /// Runs `f(matrix, rows)` over every matrix, its rows cut into pieces for the threads.
     fn over_rows(&self, d: &Dims, mat: Mat, f: impl Fn(&Mat, Range<usize>) + Sync) {
-        let parts = self.parts_per_matrix(d, d.n, 4);
-        self.parallel(d.batch * parts, d.m_len() * 4, |t| {
+        let parts = self.parts_per_matrix(d, d.n(), 4);
+        self.parallel(d.batch() * parts, d.m_len() * 4, |t| {
             let (b, part) = (t / parts, t % parts);
-            f(&mat.at(d, b), split(d.n, parts, part, 4));
+            f(&mat.at(d, b), split(d.n(), parts, part, 4));
         });
     }
 
     /// Runs `f(matrix, cols)` over every matrix, its columns cut into pieces for the threads.
     fn over_cols(&self, d: &Dims, mat: Mat, f: impl Fn(&Mat, Range<usize>) + Sync) {
-        let parts = self.parts_per_matrix(d, d.m, 16);
-        self.parallel(d.batch * parts, d.m_len() * 4, |t| {
+        let parts = self.parts_per_matrix(d, d.m(), 16);
+        self.parallel(d.batch() * parts, d.m_len() * 4, |t| {
             let (b, part) = (t / parts, t % parts);
-            f(&mat.at(d, b), split(d.m, parts, part, 16));
+            f(&mat.at(d, b), split(d.m(), parts, part, 16));
         });
     }
 

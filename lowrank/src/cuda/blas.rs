@@ -46,13 +46,13 @@ impl BlasDims {
         let int = |v: usize| i32::try_from(v).map_err(|_| overflow());
         let long = |v: usize| i64::try_from(v).map_err(|_| overflow());
         Ok(BlasDims {
-            batch: int(d.batch)?,
-            n: int(d.n)?,
-            m: int(d.m)?,
-            r: int(d.r)?,
-            m_stride: long(d.n * d.m)?,
-            p_stride: long(d.n * d.r)?,
-            q_stride: long(d.m * d.r)?,
+            batch: int(d.batch())?,
+            n: int(d.n())?,
+            m: int(d.m())?,
+            r: int(d.r())?,
+            m_stride: long(d.n() * d.m())?,
+            p_stride: long(d.n() * d.r())?,
+            q_stride: long(d.m() * d.r())?,
         })
     }
 }
@@ -97,7 +97,7 @@ impl CudaBackend {
         if d.p_len() == 0 {
             return Ok(());
         }
-        if d.m == 0 {
+        if d.m() == 0 {
             return self.zero_f32(p);
         }
         let b = BlasDims::new(d)?;
@@ -122,7 +122,7 @@ impl CudaBackend {
         if d.q_len() == 0 {
             return Ok(());
         }
-        if d.n == 0 {
+        if d.n() == 0 {
             return self.zero_f32(q);
         }
         let b = BlasDims::new(d)?;

@@ -199,9 +199,9 @@ impl Backend for CudaBackend {
         if d.m_len() == 0 {
             return Ok(());
         }
-        let tiles = d.batch * d.n.div_ceil(PQT_ERROR_ROWS) * d.m.div_ceil(PQT_ERROR_COLS);
+        let tiles = d.batch() * d.n().div_ceil(PQT_ERROR_ROWS) * d.m().div_ceil(PQT_ERROR_COLS);
         let cfg = self.launch_config(tiles, PQT_ERROR_THREADS);
-        let (batch, n, cols, r) = (d.batch as u64, d.n as u64, d.m as u64, d.r as u32);
+        let (batch, n, cols, r) = (d.batch() as u64, d.n() as u64, d.m() as u64, d.r() as u32);
         let mut launch = self.stream.launch_builder(&self.kernels.pqt_error);
         launch.arg(&p).arg(&q).arg(&mut m).arg(&mut e);
         launch.arg(&batch).arg(&n).arg(&cols).arg(&r);
