@@ -1,7 +1,81 @@
-//! GPipe pipeline parallelism: micro-batches, partitions on worker threads or devices,
-//! checkpointing (`always`, `except_last`, `never`), deferred batch norm and balancing.
+//! GPipe pipeline parallelism without autograd: layers with explicit backward passes, split
+//! into partitions that each run on a worker thread, mini-batches split into micro-batches,
+//! schedules as data (GPipe and 1F1B), and checkpointing with exact recomputation.
 //!
-//! **Status: placeholder.** The pipeline crates follow the data-parallel path in later
-//! issues; this crate exports nothing yet. It will be generic over a tensor trait and use
-//! `skip` for skip connections.
+//! - [`Tensor`]: what the pipeline needs from a tensor (split, concatenate, size, add,
+//!   move). [`CpuTensor`] implements it on `ndarray`.
+//! - [`Layer`]: `forward` returns the output and what `backward` needs ([`Saved`]);
+//!   `backward` returns the input gradient and accumulates parameter gradients. Layers for
+//!   tests and examples: [`Linear`], [`ReLU`], [`Dropout`], [`BatchNorm`].
+//! - [`Context`]: per call, train/eval, the step, the layer's global index, the micro-batch
+//!   and a counter-based random [`Stream`] keyed by (seed, step, layer, sample): dropout
+//!   masks do not depend on the chunking, and recomputation reproduces them bit for bit.
+//! - [`Schedule`]: per worker, an ordered list of [`Action`]s, validated before it runs;
+//!   [`Schedule::gpipe`] and [`Schedule::one_f_one_b`] generate them.
+//! - [`Pipe`]: the partitions, the micro-batching, the checkpoint mode; `forward` /
+//!   `backward`, or `step` with a per-micro-batch loss.
+//!
+//! A two-partition pipe, checked against the same layers run as one model:
+//!
+//! ```
+//! use pipe::{Batch, CpuTensor, Layer, Linear, Pipe, ReLU, ScheduleKind};
+//!
+//! # fn main() -> Result<(), pipe::Error> {
+//! let model = || -> Vec<Box<dyn Layer<CpuTensor>>> {
+//!     vec![Box::new(Linear::new(4, 8, 1)), Box::new(ReLU), Box::new(Linear::new(8, 2, 2))]
+//! };
+//! let mut pipe = Pipe::builder(model(), &[2, 1]) // partition 0: Linear, ReLU; 1: Linear
+//!     .chunks(4)
+//!     .schedule(ScheduleKind::OneFOneB)
+//!     .build()?;
+//! let x = CpuTensor::from_shape_vec(&[8, 4], (0..32).map(|v| v as f32 / 32.0).collect())?;
+//! // Loss: the sum of the outputs, so each output gradient is all ones.
+//! let step = pipe.step(Batch::single(x.clone()), |_mb, out| {
+//!     let y = out.tensor(0)?;
+//!     Ok((y.array().sum(), Batch::single(CpuTensor::ones(y.shape()))))
+//! })?;
+//! assert_eq!(step.losses.len(), 4); // one per micro-batch
+//!
+//! // The same layers as one unpipelined model on the whole batch.
+//! let mut whole = Pipe::builder(model(), &[3]).build()?;
+//! let y = whole.forward(Batch::single(x))?.into_single()?;
+//! let diff = step.output.into_single()?.max_abs_diff(&y).unwrap_or(f32::MAX);
+//! assert!(diff <= 1e-6 * y.max_abs());
+//! # Ok(()) }
+//! ```
+//!
+//! Why explicit backward passes: Rust has no autograd to hook checkpointing and
+//! cross-partition ordering into, so torchgpipe's fork/join tricks become data: a schedule
+//! says which backward runs when, and a checkpointed micro-batch keeps its input and re-runs
+//! `forward` with the same [`Context`]. Skip connections across partitions and deferred
+//! batch norm build on this engine in later work.
 #![deny(missing_docs)]
+
+mod checkpoint;
+mod cpu;
+mod error;
+mod executor;
+mod layer;
+mod layers;
+mod microbatch;
+mod pin;
+mod pipe;
+mod record;
+mod rng;
+mod schedule;
+mod tensor;
+mod worker;
+
+pub use crate::checkpoint::Checkpoint;
+pub use crate::cpu::CpuTensor;
+pub use crate::error::{BoxError, Error, Site, Task};
+pub use crate::executor::Memory;
+pub use crate::layer::{Context, Layer, Param, ParamMut, Phase, Saved};
+pub use crate::layers::{BatchNorm, Dropout, Linear, ReLU};
+pub use crate::microbatch::{Batch, Item, MicroBatch};
+pub use crate::pipe::{Pipe, PipeBuilder, StepOutput, DEFAULT_TIMEOUT};
+pub use crate::record::{Record, Span, SpanKind};
+pub use crate::rng::{SampleStream, Stream};
+pub use crate::schedule::{clock_cycles, Action, Schedule, ScheduleKind, Work};
+pub use crate::tensor::{Device, Tensor};
+pub use ndarray;

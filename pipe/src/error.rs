@@ -1,0 +1,372 @@
+//! The crate's one error type, and [`Site`]: where in a run a failure happened.
+
+use std::fmt;
+use std::time::Duration;
+
+use crate::schedule::Action;
+use crate::tensor::Device;
+
+/// An error from outside this crate, such as a user layer's own failure type.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// What a worker was doing when a run failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Task {
+    /// A layer's forward pass.
+    Forward,
+    /// A checkpointed micro-batch's forward pass, re-run before its backward pass.
+    Recompute,
+    /// A layer's backward pass.
+    Backward,
+    /// The loss function given to [`Pipe::step`](crate::Pipe::step).
+    Loss,
+    /// The callback given to [`Pipe::on_gradients_final`](crate::Pipe::on_gradients_final).
+    GradientsFinal,
+}
+
+impl fmt::Display for Task {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Task::Forward => "forward",
+            Task::Recompute => "recompute",
+            Task::Backward => "backward",
+            Task::Loss => "loss",
+            Task::GradientsFinal => "gradients-final callback",
+        })
+    }
+}
+
+/// Where a run failed: the partition, the layer (when a layer failed), the micro-batch and
+/// the task. Displayed as `partition 1, layer 3 (Linear), micro-batch 3, forward`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Site {
+    /// The partition (stage) index.
+    pub partition: usize,
+    /// The layer's global index (its position in the sequence the pipe was built from) and
+    /// its [`name`](crate::Layer::name); `None` for the loss and the callbacks.
+    pub layer: Option<(usize, String)>,
+    /// The micro-batch index; `None` for a callback that covers all micro-batches.
+    pub micro_batch: Option<usize>,
+    /// What was running.
+    pub task: Task,
+}
+
+impl fmt::Display for Site {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "partition {}", self.partition)?;
+        if let Some((index, name)) = &self.layer {
+            write!(f, ", layer {index} ({name})")?;
+        }
+        if let Some(i) = self.micro_batch {
+            write!(f, ", micro-batch {i}")?;
+        }
+        write!(f, ", {}", self.task)
+    }
+}
+
+/// Everything that can go wrong building or running a [`Pipe`](crate::Pipe), a
+/// [`Schedule`](crate::Schedule), a tensor operation or a layer.
+///
+/// Construction errors carry torchgpipe's messages (with the bad value appended); run
+/// errors name the [`Site`] of the failure.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The balance does not add up to the number of layers.
+    #[error(
+        "layers and sum of balance have different length (layers: {layers}, sum of balance: {sum})"
+    )]
+    BalanceLength {
+        /// The number of layers.
+        layers: usize,
+        /// The sum of the balance.
+        sum: usize,
+    },
+    /// A partition of the balance is empty.
+    #[error("all balance numbers must be positive integer (balance: {balance:?})")]
+    BalanceNotPositive {
+        /// The balance as given.
+        balance: Vec<usize>,
+    },
+    /// Fewer devices than partitions.
+    #[error(
+        "too few devices to hold given partitions (devices: {devices}, partitions: {partitions})"
+    )]
+    TooFewDevices {
+        /// The number of devices given.
+        devices: usize,
+        /// The number of partitions.
+        partitions: usize,
+    },
+    /// `chunks` was 0.
+    #[error("number of chunks must be positive integer (got {0})")]
+    Chunks(usize),
+    /// A checkpoint mode string that is none of the three.
+    #[error("checkpoint is not one of 'always', 'except_last', or 'never' (got {0:?})")]
+    CheckpointMode(String),
+    /// A schedule name that is none of the generators.
+    #[error("schedule is not one of 'gpipe' or '1f1b' (got {0:?})")]
+    ScheduleName(String),
+    /// The timeout between workers must be positive.
+    #[error("the timeout between workers must be positive")]
+    ZeroTimeout,
+    /// A dropout probability outside `[0, 1)`.
+    #[error("dropout probability must be in [0, 1) (got {0})")]
+    Probability(f32),
+
+    /// A schedule for no stage or no micro-batch.
+    #[error("a schedule needs at least one stage and one micro-batch (stages: {stages}, micro-batches: {micro_batches})")]
+    ScheduleEmpty {
+        /// Stages asked for.
+        stages: usize,
+        /// Micro-batches asked for.
+        micro_batches: usize,
+    },
+    /// An action names a stage or micro-batch the schedule does not have.
+    #[error("{action} is out of range (stages: {stages}, micro-batches: {micro_batches})")]
+    ActionOutOfRange {
+        /// The action.
+        action: Action,
+        /// The schedule's stages.
+        stages: usize,
+        /// The schedule's micro-batches.
+        micro_batches: usize,
+    },
+    /// A stage's actions are spread over two workers; a stage's layers live on one.
+    #[error(
+        "stage {stage} has actions on workers {first} and {second}; a stage lives on one worker"
+    )]
+    StageSplit {
+        /// The stage.
+        stage: usize,
+        /// One worker.
+        first: usize,
+        /// Another worker.
+        second: usize,
+    },
+    /// An action listed twice.
+    #[error("the schedule lists {action} twice")]
+    DuplicateAction {
+        /// The action.
+        action: Action,
+    },
+    /// An action the schedule must contain but does not.
+    #[error("the schedule is missing {action}")]
+    MissingAction {
+        /// The missing action.
+        action: Action,
+    },
+    /// A backward action listed before the forward action it needs.
+    #[error("worker {worker} runs {action} before its forward")]
+    BackwardBeforeForward {
+        /// The worker.
+        worker: usize,
+        /// The backward action.
+        action: Action,
+    },
+    /// The workers' lists wait on each other in a cycle: the schedule would hang.
+    #[error("the schedule cannot run: these actions wait on each other: {}", list_actions(.waiting))]
+    Deadlock {
+        /// Each stuck worker with the action at the head of its list.
+        waiting: Vec<(usize, Action)>,
+    },
+    /// A schedule whose shape does not fit the run.
+    #[error("the schedule is for {schedule_stages} stages and {schedule_micro_batches} micro-batches, the run has {stages} and {micro_batches} (and needs forward and backward actions)")]
+    ScheduleMismatch {
+        /// Stages in the schedule.
+        schedule_stages: usize,
+        /// Micro-batches in the schedule.
+        schedule_micro_batches: usize,
+        /// Stages of the pipe.
+        stages: usize,
+        /// Micro-batches of the run.
+        micro_batches: usize,
+    },
+
+    /// A batch with nothing to split along the batch dimension.
+    #[error("inputs do not have any tensors to split along the batch dimension")]
+    NoTensor,
+    /// A batch of zero samples.
+    #[error("a batch of zero samples cannot be split into micro-batches")]
+    EmptyBatch,
+    /// Chunked tensors of different lengths along the batch dimension.
+    #[error("chunked tensors have different batch lengths ({first} and {second})")]
+    BatchLengthMismatch {
+        /// The first tensor's length.
+        first: usize,
+        /// A later tensor's length.
+        second: usize,
+    },
+    /// Micro-batch outputs whose items differ in kind or number.
+    #[error(
+        "types of micro-batch outputs do not match at position {position}: {first} and {second}"
+    )]
+    OutputMismatch {
+        /// The tuple position.
+        position: usize,
+        /// The kind in the first micro-batch.
+        first: &'static str,
+        /// The kind in a later micro-batch.
+        second: &'static str,
+    },
+    /// A batch with the wrong number of items.
+    #[error("expected {expected} item(s), got {got}")]
+    Arity {
+        /// Items expected.
+        expected: usize,
+        /// Items given.
+        got: usize,
+    },
+    /// A tuple item that is not the kind needed.
+    #[error("item {position} is {got}, expected a chunked tensor")]
+    NotATensor {
+        /// The tuple position.
+        position: usize,
+        /// What it is.
+        got: &'static str,
+    },
+    /// A tensor whose shape does not fit an operation.
+    #[error("{op}: shape {got:?} does not fit {expected:?}")]
+    Shape {
+        /// The operation.
+        op: &'static str,
+        /// The shape needed (a 0 stands for any length).
+        expected: Vec<usize>,
+        /// The shape given.
+        got: Vec<usize>,
+    },
+    /// Split sizes that do not add up to the batch length.
+    #[error("split sizes {sizes:?} do not add up to the batch length {len}")]
+    SplitSizes {
+        /// The sizes.
+        sizes: Vec<usize>,
+        /// The batch length.
+        len: usize,
+    },
+    /// Concatenating nothing.
+    #[error("nothing to concatenate")]
+    NothingToConcat,
+    /// A tensor type that cannot live on a device.
+    #[error("{tensor} cannot move to {device}")]
+    Device {
+        /// The tensor type.
+        tensor: &'static str,
+        /// The device.
+        device: Device,
+    },
+
+    /// A layer, the loss or a callback returned an error during a run.
+    #[error("{site}: {source}")]
+    Failed {
+        /// Where.
+        site: Site,
+        /// The error it returned.
+        #[source]
+        source: Box<Error>,
+    },
+    /// A layer, the loss or a callback panicked during a run. The pipe is poisoned.
+    #[error("{site}: panicked: {message}")]
+    Panicked {
+        /// Where.
+        site: Site,
+        /// The panic message.
+        message: String,
+    },
+    /// A worker waited longer than the pipe's timeout for another worker.
+    #[error(
+        "partition {partition} waited {timeout:?} (the pipe's timeout) for the input of {action}"
+    )]
+    Timeout {
+        /// The waiting partition.
+        partition: usize,
+        /// The action whose input never came.
+        action: Action,
+        /// The timeout.
+        timeout: Duration,
+    },
+    /// A worker thread panicked outside any layer: a bug in this crate.
+    #[error("worker {worker} panicked outside any layer: {message}")]
+    WorkerPanicked {
+        /// The worker.
+        worker: usize,
+        /// The panic message.
+        message: String,
+    },
+    /// A worker thread could not be started.
+    #[error("could not start worker {worker}: {source}")]
+    Spawn {
+        /// The worker.
+        worker: usize,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A worker thread could not be pinned to its core.
+    #[error("could not pin a worker to cpu core {core}: {source}")]
+    Pin {
+        /// The core.
+        core: usize,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The pipe is poisoned: an earlier run panicked inside a layer, which may have left
+    /// that layer half-updated.
+    #[error("the pipe is poisoned by a panic{}; its layers may be inconsistent (Pipe::clear_poison to use it anyway)", at_site(.site))]
+    Poisoned {
+        /// Where the panic happened, if it was inside a layer, the loss or a callback.
+        site: Option<Site>,
+    },
+    /// `backward` without a pending training `forward`.
+    #[error("backward needs a pending training forward (none since the last backward, or the pipe is in eval mode)")]
+    NoPendingForward,
+    /// An output gradient whose batch length differs from the pending forward's.
+    #[error("the output gradient has {got} samples, the pending forward produced {expected}")]
+    GradientLength {
+        /// Samples in the pending forward.
+        expected: usize,
+        /// Samples in the gradient.
+        got: usize,
+    },
+    /// `step` in eval mode.
+    #[error("step trains: call Pipe::train first, or Pipe::forward to evaluate")]
+    NotTraining,
+    /// A user layer's own error (see [`Error::custom`]).
+    #[error(transparent)]
+    Custom(BoxError),
+}
+
+impl Error {
+    /// Wraps a user layer's own error.
+    pub fn custom(error: impl Into<BoxError>) -> Self {
+        Error::Custom(error.into())
+    }
+
+    /// Where a run failed, for [`Error::Failed`] and [`Error::Panicked`].
+    pub fn site(&self) -> Option<&Site> {
+        match self {
+            Error::Failed { site, .. } | Error::Panicked { site, .. } => Some(site),
+            _ => None,
+        }
+    }
+
+    /// Whether this error poisons the pipe that returned it (a panic inside a layer, the
+    /// loss or a callback, or in a worker).
+    pub fn poisons(&self) -> bool {
+        matches!(self, Error::Panicked { .. } | Error::WorkerPanicked { .. })
+    }
+}
+
+fn at_site(site: &Option<Site>) -> String {
+    site.as_ref()
+        .map(|s| format!(" at {s}"))
+        .unwrap_or_default()
+}
+
+fn list_actions(waiting: &[(usize, Action)]) -> String {
+    waiting
+        .iter()
+        .map(|(w, a)| format!("worker {w} at {a}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}

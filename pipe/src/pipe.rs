@@ -1,0 +1,625 @@
+//! [`Pipe`]: a sequence of layers split into partitions, each on its own worker, run over
+//! micro-batches by a schedule.
+
+use std::time::{Duration, Instant};
+
+use crate::checkpoint::{Checkpoint, Kept};
+use crate::error::{Error, Site};
+use crate::executor::{execute, FinalHook, LossFn, Memory, Outcome, StageSlot};
+use crate::layer::Layer;
+use crate::microbatch::{Batch, MicroBatch};
+use crate::record::Record;
+use crate::schedule::{Action, Schedule, ScheduleKind, Work};
+use crate::tensor::{Device, Tensor};
+
+/// The default bound on every wait between workers.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Builds a [`Pipe`]; see [`Pipe::builder`].
+pub struct PipeBuilder<T: Tensor> {
+    layers: Vec<Box<dyn Layer<T>>>,
+    balance: Vec<usize>,
+    devices: Option<Vec<Device>>,
+    chunks: usize,
+    checkpoint: Checkpoint,
+    schedule: ScheduleKind,
+    timeout: Duration,
+    seed: u64,
+    record: bool,
+}
+
+impl<T: Tensor> PipeBuilder<T> {
+    /// One device per partition (more are dropped; fewer is an error). Default: unpinned
+    /// [`Device::Cpu`] for each.
+    pub fn devices(mut self, devices: Vec<Device>) -> Self {
+        self.devices = Some(devices);
+        self
+    }
+
+    /// Micro-batches per mini-batch (at most; a smaller batch gets one per sample).
+    /// Default 1.
+    pub fn chunks(mut self, chunks: usize) -> Self {
+        self.chunks = chunks;
+        self
+    }
+
+    /// The checkpoint mode. Default [`Checkpoint::ExceptLast`].
+    pub fn checkpoint(mut self, checkpoint: Checkpoint) -> Self {
+        self.checkpoint = checkpoint;
+        self
+    }
+
+    /// The schedule [`Pipe::step`] runs. Default [`ScheduleKind::GPipe`].
+    pub fn schedule(mut self, schedule: ScheduleKind) -> Self {
+        self.schedule = schedule;
+        self
+    }
+
+    /// The bound on every wait between workers. Default [`DEFAULT_TIMEOUT`].
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// The seed of the layers' random streams. Default 0.
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.seed = seed;
+        self
+    }
+
+    /// Whether to record spans of every run (see [`Pipe::take_record`]). Default off.
+    pub fn record(mut self, record: bool) -> Self {
+        self.record = record;
+        self
+    }
+
+    /// Checks the arguments, in torchgpipe's order, and splits the layers.
+    pub fn build(self) -> Result<Pipe<T>, Error> {
+        if self.chunks == 0 {
+            return Err(Error::Chunks(self.chunks));
+        }
+        let sum: usize = self.balance.iter().sum();
+        if sum != self.layers.len() {
+            return Err(Error::BalanceLength {
+                layers: self.layers.len(),
+                sum,
+            });
+        }
+        if self.balance.contains(&0) {
+            return Err(Error::BalanceNotPositive {
+                balance: self.balance,
+            });
+        }
+        let n = self.balance.len();
+        let mut devices = self.devices.unwrap_or_else(|| vec![Device::Cpu; n]);
+        if devices.len() < n {
+            return Err(Error::TooFewDevices {
+                devices: devices.len(),
+                partitions: n,
+            });
+        }
+        devices.truncate(n);
+        if self.timeout.is_zero() {
+            return Err(Error::ZeroTimeout);
+        }
+        let mut layers = self.layers.into_iter();
+        let mut first_layer = Vec::with_capacity(n);
+        let mut partitions = Vec::with_capacity(n);
+        let mut next = 0;
+        for &size in &self.balance {
+            first_layer.push(next);
+            partitions.push(layers.by_ref().take(size).collect());
+            next += size;
+        }
+        Ok(Pipe {
+            partitions,
+            first_layer,
+            devices,
+            chunks: self.chunks,
+            checkpoint: self.checkpoint,
+            schedule: self.schedule,
+            timeout: self.timeout,
+            seed: self.seed,
+            step: 0,
+            train: true,
+            pending: None,
+            poison: None,
+            memory: vec![Memory::default(); n],
+            record: self.record.then(|| Record::new(Instant::now(), n)),
+            recording: self.record,
+            on_final: None,
+        })
+    }
+}
+
+/// What [`Pipe::step`] returns.
+#[derive(Debug)]
+pub struct StepOutput<T, L> {
+    /// The outputs of all micro-batches, gathered.
+    pub output: Batch<T>,
+    /// The gradient with respect to the input, gathered (no-chunk items summed).
+    pub input_grad: Batch<T>,
+    /// Each micro-batch's loss, in micro-batch order.
+    pub losses: Vec<L>,
+}
+
+/// A training forward whose backward has not run yet.
+struct Pending<T> {
+    plan: Vec<MicroBatch>,
+    kept: Vec<Vec<Option<Kept<T>>>>,
+    batch_len: usize,
+}
+
+/// A pipeline: layers split into partitions by a balance, each partition on a worker
+/// thread (optionally pinned to a core), mini-batches split into micro-batches, run by a
+/// schedule, with checkpointing.
+///
+/// - [`forward`](Pipe::forward) then [`backward`](Pipe::backward) run GPipe's schedule
+///   split at its middle: all forwards, then all backwards in reverse micro-batch order.
+/// - [`step`](Pipe::step) runs a whole training step with the configured schedule: the loss
+///   function gets each micro-batch's output as soon as its forward ends, so 1F1B can start
+///   backward passes before all forwards have run.
+/// - In eval mode ([`eval`](Pipe::eval)) nothing is kept and nothing is checkpointed.
+///
+/// Parameter gradients accumulate in the layers across steps until
+/// [`zero_grad`](Pipe::zero_grad).
+///
+/// A failed run returns an error naming the partition, layer and micro-batch, discards the
+/// run's state, and leaves the pipe usable (parameter gradients may hold part of the
+/// step: zero them). A panic in a layer, the loss or a callback also **poisons** the pipe:
+/// later runs return [`Error::Poisoned`] until [`clear_poison`](Pipe::clear_poison).
+pub struct Pipe<T: Tensor> {
+    partitions: Vec<Vec<Box<dyn Layer<T>>>>,
+    first_layer: Vec<usize>,
+    devices: Vec<Device>,
+    chunks: usize,
+    checkpoint: Checkpoint,
+    schedule: ScheduleKind,
+    timeout: Duration,
+    seed: u64,
+    step: u64,
+    train: bool,
+    pending: Option<Pending<T>>,
+    poison: Option<Option<Site>>,
+    memory: Vec<Memory>,
+    record: Option<Record>,
+    recording: bool,
+    on_final: Option<Box<FinalHook<T>>>,
+}
+
+impl<T: Tensor> Pipe<T> {
+    /// Starts building a pipe of `layers` split into partitions of `balance[j]` consecutive
+    /// layers each.
+    pub fn builder(layers: Vec<Box<dyn Layer<T>>>, balance: &[usize]) -> PipeBuilder<T> {
+        PipeBuilder {
+            layers,
+            balance: balance.to_vec(),
+            devices: None,
+            chunks: 1,
+            checkpoint: Checkpoint::default(),
+            schedule: ScheduleKind::default(),
+            timeout: DEFAULT_TIMEOUT,
+            seed: 0,
+            record: false,
+        }
+    }
+
+    /// Runs the forward pass of `input` and returns the gathered output. In training mode
+    /// the micro-batches' state is kept for [`backward`](Pipe::backward) (a previous pending
+    /// forward is discarded).
+    pub fn forward(&mut self, input: Batch<T>) -> Result<Batch<T>, Error> {
+        self.check_poison()?;
+        self.discard_pending();
+        let n = self.partitions.len();
+        if n == 0 {
+            return Ok(input);
+        }
+        let batch_len = input.batch_len()?;
+        let (plan, parts) = input.scatter(self.chunks)?;
+        let inputs = self.on_device(parts, 0)?;
+        let schedule = Schedule::gpipe_forward(plan.len(), n)?;
+        let outcome = self.run(&schedule, &plan, inputs, Vec::new(), None, None)?;
+        let output = Batch::gather(complete(outcome.outputs, n - 1, Work::Forward)?)?;
+        if self.train {
+            self.pending = Some(Pending {
+                plan,
+                kept: outcome.kept,
+                batch_len,
+            });
+        }
+        Ok(output)
+    }
+
+    /// Runs the backward pass of the pending training forward from the gradient of its
+    /// output, and returns the gradient of its input. Parameter gradients accumulate in the
+    /// layers.
+    pub fn backward(&mut self, grad_output: Batch<T>) -> Result<Batch<T>, Error> {
+        self.check_poison()?;
+        let n = self.partitions.len();
+        if n == 0 {
+            return Ok(grad_output);
+        }
+        let pending = self.pending.take().ok_or(Error::NoPendingForward)?;
+        let got = match grad_output.batch_len() {
+            Ok(got) => got,
+            Err(e) => {
+                self.pending = Some(pending);
+                return Err(e);
+            }
+        };
+        if got != pending.batch_len {
+            let expected = pending.batch_len;
+            self.pending = Some(pending);
+            return Err(Error::GradientLength { expected, got });
+        }
+        let Pending { plan, kept, .. } = pending;
+        let grads = self.on_device(grad_output.split_as(&plan)?, n - 1)?;
+        let schedule = Schedule::gpipe_backward(plan.len(), n)?;
+        let outcome = self.run(&schedule, &plan, Vec::new(), grads, Some(kept), None)?;
+        self.step += 1;
+        Batch::gather_gradients(complete(outcome.input_grads, 0, Work::Backward)?)
+    }
+
+    /// Runs a whole training step with the configured schedule. `loss` gets each
+    /// micro-batch's place in the batch and its output as soon as that micro-batch's forward
+    /// ends, on the last partition's worker, and returns its loss and the output's gradient.
+    pub fn step<L, F>(&mut self, input: Batch<T>, loss: F) -> Result<StepOutput<T, L>, Error>
+    where
+        L: Send,
+        F: FnMut(MicroBatch, &Batch<T>) -> Result<(L, Batch<T>), Error> + Send,
+    {
+        let m = self.micro_batches(input.batch_len()?)?.len();
+        let schedule = self.schedule.generate(m, self.partitions.len().max(1))?;
+        self.step_with(&schedule, input, loss)
+    }
+
+    /// [`step`](Pipe::step) with a schedule of your own: it must have forward and backward
+    /// actions for this pipe's partitions and the batch's micro-batches (see
+    /// [`micro_batches`](Pipe::micro_batches)).
+    pub fn step_with<L, F>(
+        &mut self,
+        schedule: &Schedule,
+        input: Batch<T>,
+        mut loss: F,
+    ) -> Result<StepOutput<T, L>, Error>
+    where
+        L: Send,
+        F: FnMut(MicroBatch, &Batch<T>) -> Result<(L, Batch<T>), Error> + Send,
+    {
+        self.check_poison()?;
+        if !self.train {
+            return Err(Error::NotTraining);
+        }
+        self.discard_pending();
+        let n = self.partitions.len();
+        let (plan, parts) = input.scatter(self.chunks)?;
+        let m = plan.len();
+        if n == 0 {
+            return step_without_layers(plan, parts, loss);
+        }
+        if schedule.stages() != n
+            || schedule.micro_batches() != m
+            || !schedule.has_forward()
+            || !schedule.has_backward()
+        {
+            return Err(Error::ScheduleMismatch {
+                schedule_stages: schedule.stages(),
+                schedule_micro_batches: schedule.micro_batches(),
+                stages: n,
+                micro_batches: m,
+            });
+        }
+        let inputs = self.on_device(parts, 0)?;
+        let mut losses: Vec<Option<L>> = (0..m).map(|_| None).collect();
+        let mut per_micro_batch = |mb: MicroBatch, output: &Batch<T>| -> Result<Batch<T>, Error> {
+            let (value, grad) = loss(mb, output)?;
+            losses[mb.index] = Some(value);
+            Ok(grad)
+        };
+        let outcome = self.run(
+            schedule,
+            &plan,
+            inputs,
+            Vec::new(),
+            None,
+            Some(&mut per_micro_batch),
+        )?;
+        self.step += 1;
+        let output = Batch::gather(complete(outcome.outputs, n - 1, Work::Forward)?)?;
+        let input_grad =
+            Batch::gather_gradients(complete(outcome.input_grads, 0, Work::Backward)?)?;
+        let losses = losses
+            .into_iter()
+            .enumerate()
+            .map(|(i, l)| {
+                l.ok_or(Error::MissingAction {
+                    action: Action::forward(n - 1, i),
+                })
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(StepOutput {
+            output,
+            input_grad,
+            losses,
+        })
+    }
+
+    fn run(
+        &mut self,
+        schedule: &Schedule,
+        plan: &[MicroBatch],
+        inputs: Vec<Option<Batch<T>>>,
+        grads: Vec<Option<Batch<T>>>,
+        kept: Option<Vec<Vec<Option<Kept<T>>>>>,
+        loss: Option<&mut LossFn<'_, T>>,
+    ) -> Result<Outcome<T>, Error> {
+        let n = self.partitions.len();
+        let m = plan.len();
+        let none = |_| (0..m).map(|_| None).collect::<Vec<_>>();
+        let kept = kept.unwrap_or_else(|| (0..n).map(none).collect());
+        let fill = |mut v: Vec<Option<Batch<T>>>| {
+            v.resize_with(m, || None);
+            v
+        };
+        let (inputs, grads) = (fill(inputs), fill(grads));
+        let origin = self
+            .record
+            .as_ref()
+            .filter(|_| self.recording)
+            .map(Record::origin);
+        let stages = self
+            .partitions
+            .iter_mut()
+            .zip(kept)
+            .enumerate()
+            .map(|(j, (layers, kept))| StageSlot {
+                layers: layers.as_mut_slice(),
+                first_layer: self.first_layer[j],
+                device: self.devices[j],
+                kept,
+                memory: self.memory[j],
+            })
+            .collect();
+        let job = crate::executor::Job {
+            schedule,
+            stages,
+            inputs,
+            grads,
+            loss,
+            micro_batches: plan,
+            train: self.train,
+            seed: self.seed,
+            step: self.step,
+            checkpoint_stop: if self.train {
+                self.checkpoint.stop(m)
+            } else {
+                0
+            },
+            timeout: self.timeout,
+            record: origin,
+            on_final: self.on_final.as_deref(),
+        };
+        match execute(job) {
+            Ok(mut outcome) => {
+                self.memory.clone_from(&outcome.memory);
+                if let (Some(record), true) = (self.record.as_mut(), self.recording) {
+                    record.extend(std::mem::take(&mut outcome.spans));
+                }
+                Ok(outcome)
+            }
+            Err(error) => {
+                for memory in &mut self.memory {
+                    memory.held = 0;
+                }
+                if error.poisons() {
+                    self.poison = Some(error.site().cloned());
+                }
+                Err(error)
+            }
+        }
+    }
+
+    fn on_device(
+        &self,
+        parts: Vec<Batch<T>>,
+        stage: usize,
+    ) -> Result<Vec<Option<Batch<T>>>, Error> {
+        parts
+            .into_iter()
+            .map(|p| p.to_device(&self.devices[stage]).map(Some))
+            .collect()
+    }
+
+    fn check_poison(&self) -> Result<(), Error> {
+        match &self.poison {
+            Some(site) => Err(Error::Poisoned { site: site.clone() }),
+            None => Ok(()),
+        }
+    }
+
+    /// The micro-batches a batch of `len` samples is split into.
+    pub fn micro_batches(&self, len: usize) -> Result<Vec<MicroBatch>, Error> {
+        MicroBatch::plan(len, self.chunks)
+    }
+
+    /// Drops the pending forward's state, if any (and resets the memory peaks).
+    pub fn discard_pending(&mut self) {
+        self.pending = None;
+        self.memory.iter_mut().for_each(|m| *m = Memory::default());
+    }
+
+    /// Whether a training forward awaits its backward.
+    pub fn has_pending(&self) -> bool {
+        self.pending.is_some()
+    }
+
+    /// Training mode: keep state for backward, checkpoint, draw dropout masks.
+    pub fn train(&mut self) {
+        self.train = true;
+    }
+
+    /// Evaluation mode: keep nothing, checkpoint nothing.
+    pub fn eval(&mut self) {
+        self.train = false;
+        self.discard_pending();
+    }
+
+    /// Whether in training mode.
+    pub fn is_training(&self) -> bool {
+        self.train
+    }
+
+    /// Whether a panic poisoned the pipe.
+    pub fn is_poisoned(&self) -> bool {
+        self.poison.is_some()
+    }
+
+    /// Declares the layers consistent again after a panic (e.g. after reloading them).
+    pub fn clear_poison(&mut self) {
+        self.poison = None;
+    }
+
+    /// Per partition, the bytes held between forward and backward: now and at most.
+    pub fn memory(&self) -> &[Memory] {
+        &self.memory
+    }
+
+    /// The spans recorded since recording began or the last take, if recording.
+    pub fn take_record(&mut self) -> Option<Record> {
+        let n = self.partitions.len();
+        let fresh = self.recording.then(|| Record::new(Instant::now(), n));
+        std::mem::replace(&mut self.record, fresh)
+    }
+
+    /// Turns recording on or off.
+    pub fn set_record(&mut self, on: bool) {
+        self.recording = on;
+        if on && self.record.is_none() {
+            self.record = Some(Record::new(Instant::now(), self.partitions.len()));
+        }
+    }
+
+    /// Registers a callback run on a partition's worker right after that partition's last
+    /// backward action of a run: from then on its parameter gradients are final for the
+    /// step, while other partitions may still be computing (a data-parallel reducer can
+    /// start on them). It gets the partition index and its layers.
+    pub fn on_gradients_final<F>(&mut self, callback: F)
+    where
+        F: Fn(usize, &mut [Box<dyn Layer<T>>]) + Send + Sync + 'static,
+    {
+        self.on_final = Some(Box::new(callback));
+    }
+
+    /// Sets every layer's gradients to zero.
+    pub fn zero_grad(&mut self) {
+        self.partitions
+            .iter_mut()
+            .flatten()
+            .for_each(|layer| layer.zero_grad());
+    }
+
+    /// The layers, per partition.
+    pub fn partitions(&self) -> &[Vec<Box<dyn Layer<T>>>] {
+        &self.partitions
+    }
+
+    /// The layers, per partition, mutably (for an optimizer step).
+    pub fn partitions_mut(&mut self) -> &mut [Vec<Box<dyn Layer<T>>>] {
+        &mut self.partitions
+    }
+
+    /// The layers, in their original order.
+    pub fn into_layers(self) -> Vec<Box<dyn Layer<T>>> {
+        self.partitions.into_iter().flatten().collect()
+    }
+
+    /// Layers per partition.
+    pub fn balance(&self) -> Vec<usize> {
+        self.partitions.iter().map(Vec::len).collect()
+    }
+
+    /// One device per partition.
+    pub fn devices(&self) -> &[Device] {
+        &self.devices
+    }
+
+    /// The most micro-batches per mini-batch.
+    pub fn chunks(&self) -> usize {
+        self.chunks
+    }
+
+    /// The checkpoint mode.
+    pub fn checkpoint(&self) -> Checkpoint {
+        self.checkpoint
+    }
+
+    /// The schedule [`step`](Pipe::step) runs.
+    pub fn schedule(&self) -> ScheduleKind {
+        self.schedule
+    }
+
+    /// The bound on every wait between workers.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// The seed of the random streams.
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    /// The step number the next training run uses (incremented by each completed
+    /// `backward` or `step`).
+    pub fn step_number(&self) -> u64 {
+        self.step
+    }
+
+    /// Sets the step number (to resume a run).
+    pub fn set_step_number(&mut self, step: u64) {
+        self.step = step;
+    }
+}
+
+/// Unwraps per-micro-batch results of a successful run.
+fn complete<T>(
+    values: Vec<Option<Batch<T>>>,
+    stage: usize,
+    work: Work,
+) -> Result<Vec<Batch<T>>, Error> {
+    values
+        .into_iter()
+        .enumerate()
+        .map(|(micro_batch, v)| {
+            v.ok_or(Error::MissingAction {
+                action: Action {
+                    stage,
+                    micro_batch,
+                    work,
+                },
+            })
+        })
+        .collect()
+}
+
+/// A step through no layers: the output is the input, its gradient is the loss's.
+fn step_without_layers<T: Tensor, L, F>(
+    plan: Vec<MicroBatch>,
+    parts: Vec<Batch<T>>,
+    mut loss: F,
+) -> Result<StepOutput<T, L>, Error>
+where
+    F: FnMut(MicroBatch, &Batch<T>) -> Result<(L, Batch<T>), Error>,
+{
+    let mut losses = Vec::with_capacity(plan.len());
+    let mut grads = Vec::with_capacity(plan.len());
+    for (mb, part) in plan.into_iter().zip(&parts) {
+        let (value, grad) = loss(mb, part)?;
+        losses.push(value);
+        grads.push(grad);
+    }
+    Ok(StepOutput {
+        output: Batch::gather(parts)?,
+        input_grad: Batch::gather_gradients(grads)?,
+        losses,
+    })
+}
