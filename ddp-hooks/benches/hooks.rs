@@ -93,7 +93,7 @@ fn measure(
         let grads = synthetic(shapes, rank);
         let mut times = Vec::new();
         if direct {
-            let layout = Arc::new(Layout::packed(shapes));
+            let layout = Arc::new(Layout::packed(shapes).unwrap());
             let flat: Vec<f32> = grads.concat();
             for step in 0..warmup + steps {
                 let bucket = GradBucket::new(0, 1, flat.clone(), layout.clone()).expect("bucket");

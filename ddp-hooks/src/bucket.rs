@@ -34,26 +34,37 @@ pub struct Layout {
 }
 
 impl Layout {
-    /// Packs parameters of the given shapes one after another.
-    pub fn packed(shapes: &[Vec<usize>]) -> Layout {
-        let mut offset = 0;
-        let params = shapes
-            .iter()
-            .map(|s| {
-                let len = s.iter().product();
-                let slot = ParamSlot {
-                    offset,
-                    len,
-                    shape: s.clone(),
-                };
-                offset += len;
-                slot
-            })
-            .collect();
-        Layout {
+    /// Packs parameters of the given shapes one after another. Errors
+    /// ([`Error::Overflow`]) if a shape's element count, or the total, does not fit in
+    /// `usize`, or if an `f32` buffer of the total would exceed `isize::MAX` bytes (no
+    /// allocation could hold it): a product never wraps around.
+    pub fn packed(shapes: &[Vec<usize>]) -> Result<Layout> {
+        let mut offset = 0usize;
+        let mut params = Vec::with_capacity(shapes.len());
+        for (i, s) in shapes.iter().enumerate() {
+            let len = element_count(s).ok_or_else(|| {
+                Error::Overflow(format!("parameter {i} of shape {}", shape_str(s)))
+            })?;
+            params.push(ParamSlot {
+                offset,
+                len,
+                shape: s.clone(),
+            });
+            offset = offset
+                .checked_add(len)
+                .filter(|&total| f32_bytes(total).is_some())
+                .ok_or_else(|| {
+                    Error::Overflow(format!(
+                        "the {} parameters of shapes {}",
+                        i + 1,
+                        shapes_excerpt(&shapes[..=i])
+                    ))
+                })?;
+        }
+        Ok(Layout {
             params,
             len: offset,
-        }
+        })
     }
 
     /// The parameters.
@@ -70,6 +81,36 @@ impl Layout {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+}
+
+/// The number of elements of a tensor of `shape`, if it fits in `usize`.
+pub(crate) fn element_count(shape: &[usize]) -> Option<usize> {
+    shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d))
+}
+
+/// The bytes of `len` `f32`s, if a buffer of them could exist (at most `isize::MAX`).
+pub(crate) fn f32_bytes(len: usize) -> Option<usize> {
+    len.checked_mul(size_of::<f32>())
+        .filter(|&b| b <= isize::MAX as usize)
+}
+
+/// At most the first `max` items, then `…`: error messages stay short whatever the input.
+fn excerpt<T>(items: &[T], max: usize, show: impl Fn(&T) -> String) -> String {
+    let mut parts: Vec<String> = items.iter().take(max).map(show).collect();
+    if items.len() > max {
+        parts.push("…".into());
+    }
+    parts.join(", ")
+}
+
+/// A shape for an error message (at most 8 dimensions shown).
+pub(crate) fn shape_str(shape: &[usize]) -> String {
+    format!("[{}]", excerpt(shape, 8, |d| d.to_string()))
+}
+
+/// Shapes for an error message (at most 4 shown).
+fn shapes_excerpt(shapes: &[Vec<usize>]) -> String {
+    excerpt(shapes, 4, |s| shape_str(s))
 }
 
 /// A bucket of gradients handed to a communication hook: one contiguous buffer on the

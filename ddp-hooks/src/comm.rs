@@ -1,5 +1,6 @@
 //! The bridge between `lowrank` buffers and `collectives` process groups.
 
+use crate::{Error, Result};
 use collectives::{Buffer, ProcessGroup, ReduceOp, Work};
 use half::{bf16, f16};
 use lowrank::{Backend, CpuBackend, Element};
@@ -36,6 +37,27 @@ pub trait CommBackend: Backend + 'static {
         buf: Self::Buffer<T>,
         op: ReduceOp,
     ) -> Work<Self::Buffer<T>>;
+
+    /// A zeroed buffer of `len` elements whose allocation failure is an error, never an
+    /// abort: [`Error::Overflow`] if `len` elements exceed `isize::MAX` bytes,
+    /// [`Error::Alloc`] if the allocator refuses them. The default relies on
+    /// [`Backend::alloc`] failing with an error (true of device allocators); the CPU
+    /// backend overrides it, because its `alloc` aborts on failure like `vec!`.
+    fn try_alloc<T: Element>(&self, len: usize) -> Result<Self::Buffer<T>> {
+        check_bytes::<T>(len)?;
+        Ok(self.alloc(len)?)
+    }
+}
+
+/// Errors unless `len` elements of `T` fit in one allocation (`isize::MAX` bytes).
+fn check_bytes<T>(len: usize) -> Result<()> {
+    match len.checked_mul(size_of::<T>()) {
+        Some(b) if b <= isize::MAX as usize => Ok(()),
+        _ => Err(Error::Overflow(format!(
+            "a buffer of {len} elements of {} bytes",
+            size_of::<T>()
+        ))),
+    }
 }
 
 impl CommBackend for CpuBackend {
@@ -46,6 +68,17 @@ impl CommBackend for CpuBackend {
         op: ReduceOp,
     ) -> Work<Vec<T>> {
         pg.all_reduce(T::wrap(buf), op).then(|r| T::unwrap(r?))
+    }
+
+    fn try_alloc<T: Element>(&self, len: usize) -> Result<Vec<T>> {
+        check_bytes::<T>(len)?;
+        let mut v = Vec::new();
+        v.try_reserve_exact(len).map_err(|_| Error::Alloc {
+            elements: len,
+            element_bytes: size_of::<T>(),
+        })?;
+        v.resize(len, T::default());
+        Ok(v)
     }
 }
 

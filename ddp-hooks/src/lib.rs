@@ -13,7 +13,7 @@
 //! use lowrank::CpuBackend;
 //! use std::sync::Arc;
 //!
-//! let layout = Arc::new(Layout::packed(&[vec![2, 3], vec![3]])); // a weight and a bias
+//! let layout = Arc::new(Layout::packed(&[vec![2, 3], vec![3]]).unwrap()); // a weight and a bias
 //! let results = run_local(2, |group| {
 //!     let rank = group.rank() as f32;
 //!     let mut hook = AllReduce::new(Arc::new(CpuBackend::new()), Arc::new(group));

@@ -10,7 +10,14 @@
 //!
 //! With synchronisation off ([`accum::GradSync`]), no hook is called: gradients
 //! accumulate in place, and the next synchronised step reduces the accumulated sum.
+//!
+//! A step's setting is fixed by its first `mark_ready`. Switching it before that step's
+//! `finish` would make this rank issue different collectives than its peers (or leave a
+//! launched bucket unwaited), so the step keeps its setting, `finish` waits for every
+//! launched bucket as always, and returns [`Error::SyncChanged`]; the new setting
+//! applies from the next step.
 
+use crate::bucket::{element_count, shape_str};
 use crate::{CommBackend, CommHook, Error, GradBucket, Layout, Result};
 use collectives::Work;
 use lowrank::Backend;
@@ -61,12 +68,22 @@ pub struct Reducer<B: CommBackend, H> {
     buckets: Vec<Bucket<B>>,
     next_launch: usize,
     sync: bool,
+    /// The setting of the step in progress, fixed by its first `mark_ready`; `None`
+    /// between steps.
+    step_sync: Option<bool>,
+    /// Parameters marked ready in the step in progress.
+    marked: usize,
+    /// Parameters marked ready when `set_sync` first changed the setting during the step
+    /// in progress; `None` if it did not.
+    switched_after: Option<usize>,
     hook_calls: u64,
 }
 
 impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
     /// Buckets for parameters of the given shapes, **in forward order**, reduced by
-    /// `hook`. Gradients start at zero.
+    /// `hook`. Gradients start at zero. A shape or bucket whose element count overflows
+    /// is [`Error::Overflow`]; storage that cannot be allocated is [`Error::Alloc`]
+    /// (checked before anything is allocated where the size alone rules it out).
     pub fn new(
         backend: Arc<B>,
         shapes: &[Vec<usize>],
@@ -83,13 +100,22 @@ impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
                 )));
             }
         }
+        let lens = shapes
+            .iter()
+            .enumerate()
+            .map(|(p, s)| {
+                element_count(s).ok_or_else(|| {
+                    Error::Overflow(format!("parameter {p} of shape {}", shape_str(s)))
+                })
+            })
+            .collect::<Result<Vec<usize>>>()?;
         // Reverse order; a bucket closes once it reaches its capacity.
         let mut groups: Vec<Vec<usize>> = Vec::new();
         let mut current = Vec::new();
         let mut bytes = 0.0;
         for p in (0..shapes.len()).rev() {
             current.push(p);
-            bytes += 4.0 * shapes[p].iter().product::<usize>() as f64;
+            bytes += 4.0 * lens[p] as f64;
             let cap = if groups.is_empty() {
                 config.first_bucket_mb
             } else {
@@ -111,11 +137,23 @@ impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
             };
             shapes.len()
         ];
+        // Every layout is checked before the first allocation, so a shape that cannot
+        // exist fails without allocating anything.
+        let layouts = groups
+            .iter()
+            .enumerate()
+            .map(|(b, params)| {
+                let bucket_shapes: Vec<Vec<usize>> =
+                    params.iter().map(|&p| shapes[p].clone()).collect();
+                Layout::packed(&bucket_shapes).map_err(|e| match e {
+                    Error::Overflow(what) => Error::Overflow(format!("bucket {b}: {what}")),
+                    other => other,
+                })
+            })
+            .collect::<Result<Vec<Layout>>>()?;
         let mut buckets = Vec::with_capacity(groups.len());
-        for (b, params) in groups.into_iter().enumerate() {
-            let bucket_shapes: Vec<Vec<usize>> =
-                params.iter().map(|&p| shapes[p].clone()).collect();
-            let layout = Arc::new(Layout::packed(&bucket_shapes));
+        for (b, (params, layout)) in groups.into_iter().zip(layouts).enumerate() {
+            let layout = Arc::new(layout);
             for (slot, &p) in layout.params().iter().zip(&params) {
                 places[p] = Place {
                     bucket: b,
@@ -123,7 +161,7 @@ impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
                     len: slot.len,
                 };
             }
-            let storage = Some(backend.alloc::<f32>(layout.len())?);
+            let storage = Some(backend.try_alloc::<f32>(layout.len())?);
             buckets.push(Bucket {
                 storage,
                 layout,
@@ -141,6 +179,9 @@ impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
             buckets,
             next_launch: 0,
             sync: true,
+            step_sync: None,
+            marked: 0,
+            switched_after: None,
             hook_calls: 0,
         })
     }
@@ -207,7 +248,8 @@ impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
     }
 
     /// Marks `param`'s gradient as complete for this step. With sync on, a bucket whose
-    /// gradients are all ready is handed to the hook at once (in bucket order).
+    /// gradients are all ready is handed to the hook at once (in bucket order). The
+    /// first call of a step fixes the step's setting (see the module docs).
     pub fn mark_ready(&mut self, param: usize) -> Result<()> {
         let p = self.place(param)?;
         if std::mem::replace(&mut self.is_ready[param], true) {
@@ -216,7 +258,8 @@ impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
             )));
         }
         self.buckets[p.bucket].ready += 1;
-        if self.sync {
+        self.marked += 1;
+        if *self.step_sync.get_or_insert(self.sync) {
             self.launch_ready()?;
         }
         Ok(())
@@ -241,30 +284,49 @@ impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
         Ok(())
     }
 
-    /// Ends the backward pass. With sync on: every parameter must have been marked
-    /// ready; waits for every bucket's hook and leaves the reduced gradients in place.
-    /// With sync off: gradients stay as accumulated. Either way the next step starts.
+    /// Ends the backward pass. In a synchronised step every parameter must have been
+    /// marked ready; the reduced gradients are left in place. In an unsynchronised step
+    /// gradients stay as accumulated. Either way every launched bucket is waited for,
+    /// and the next step starts. If the setting was switched during the step, the step
+    /// kept its own and this returns [`Error::SyncChanged`].
     pub fn finish(&mut self) -> Result<()> {
-        let result = if self.sync {
+        let step_sync = self.step_sync.take().unwrap_or(self.sync);
+        let result = if step_sync {
             self.finish_sync()
         } else {
-            Ok(())
+            self.wait_all()
         };
+        let changed = self.switched_after.take().map(|marked| Error::SyncChanged {
+            on: !step_sync,
+            marked,
+            params: self.is_ready.len(),
+            launched: self.next_launch,
+            buckets: self.buckets.len(),
+        });
         self.is_ready.iter_mut().for_each(|r| *r = false);
         self.buckets.iter_mut().for_each(|b| b.ready = 0);
         self.next_launch = 0;
-        result
+        self.marked = 0;
+        match (changed, result) {
+            (Some(changed), Err(e)) => {
+                // One error is returned; the switch is the cause the caller must fix.
+                tracing::warn!("step with a switched synchronisation setting also failed: {e}");
+                Err(changed)
+            }
+            (Some(changed), Ok(())) => Err(changed),
+            (None, result) => result,
+        }
     }
 
     fn finish_sync(&mut self) -> Result<()> {
+        // Wait for what was launched in any case, so no bucket is left in flight.
+        let waited = self.wait_all();
         if let Some(p) = self.is_ready.iter().position(|r| !r) {
-            // Still wait for what was launched, so no bucket is left in flight.
-            self.wait_all()?;
             return Err(Error::Config(format!(
                 "parameter {p} was not marked ready before finish() in a synchronised step"
             )));
         }
-        self.wait_all()
+        waited
     }
 
     fn wait_all(&mut self) -> Result<()> {
@@ -289,8 +351,14 @@ impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
                 }
                 if b.storage.is_none() {
                     // The hook failed and kept the buffer: give the bucket fresh storage
-                    // so the reducer stays usable (the step's gradients are lost).
-                    b.storage = Some(self.backend.alloc(b.layout.len())?);
+                    // so the reducer stays usable (the step's gradients are lost). The
+                    // remaining buckets are waited for even if this fails.
+                    match self.backend.try_alloc(b.layout.len()) {
+                        Ok(fresh) => b.storage = Some(fresh),
+                        Err(e) => {
+                            first_error.get_or_insert(e);
+                        }
+                    }
                 }
             }
         }
@@ -314,8 +382,15 @@ impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
 }
 
 impl<B: CommBackend, H: CommHook<B>> accum::GradSync for Reducer<B, H> {
+    /// Sets the setting of the next step. Called between a step's first `mark_ready`
+    /// and its `finish` with a different value, it leaves that step as it began and makes
+    /// its `finish` return [`Error::SyncChanged`].
     fn set_sync(&mut self, on: bool) -> bool {
-        std::mem::replace(&mut self.sync, on)
+        let previous = std::mem::replace(&mut self.sync, on);
+        if self.step_sync.is_some() && on != previous {
+            self.switched_after.get_or_insert(self.marked);
+        }
+        previous
     }
 
     fn sync_enabled(&self) -> bool {

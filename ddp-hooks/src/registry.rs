@@ -34,103 +34,159 @@ pub enum HookSpec {
 }
 
 const NAMES: &str = "allreduce, fp16, bf16, noop, powersgd, batched_powersgd";
-const POWERSGD_KEYS: &str = "rank, start_iter, min_compression_rate, error_feedback, warm_start, epsilon, seed, stats_every, batch_same_shape";
+/// PowerSGD's options, in the order of [`PowerSgdConfig`]'s fields.
+const POWERSGD_KEYS: [&str; 9] = [
+    "rank",
+    "start_iter",
+    "min_compression_rate",
+    "error_feedback",
+    "warm_start",
+    "epsilon",
+    "seed",
+    "stats_every",
+    "batch_same_shape",
+];
+/// Characters of the spec an error quotes; the part at fault is quoted up to
+/// [`QUOTE_PART`]. Errors stay small whatever the input.
+const QUOTE_SPEC: usize = 100;
+/// Characters of the part at fault (a name, an option) an error quotes.
+const QUOTE_PART: usize = 32;
+
+/// The first `max` characters of `s`, then `…` if there are more (cut on a char
+/// boundary).
+fn excerpt(s: &str, max: usize) -> String {
+    match s.char_indices().nth(max) {
+        Some((end, _)) => format!("{}…", &s[..end]),
+        None => s.to_string(),
+    }
+}
 
 impl FromStr for HookSpec {
     type Err = Error;
 
     /// Parses `name`, `name:key=value,key=value`, or `fp16+<spec>` / `bf16+<spec>` for a
-    /// hook whose transfers go in 16 bits. PowerSGD keys: `rank`,
-    /// `start_iter`, `min_compression_rate`, `error_feedback`, `warm_start`, `epsilon`,
-    /// `seed`, `stats_every`, `batch_same_shape`; unset keys keep PyTorch's defaults (as
-    /// in `DDPCommHookType`, `start_iter` defaults to 1000).
+    /// hook whose transfers go in 16 bits (one wrapper: `fp16+fp16+powersgd` is an
+    /// error). PowerSGD keys: `rank`, `start_iter`, `min_compression_rate`,
+    /// `error_feedback`, `warm_start`, `epsilon`, `seed`, `stats_every`,
+    /// `batch_same_shape`, each at most once; unset keys keep PyTorch's defaults (as in
+    /// `DDPCommHookType`, `start_iter` defaults to 1000). Parsing takes time linear in
+    /// the length of `spec`, and an error quotes at most its first 100 characters.
     fn from_str(spec: &str) -> Result<Self> {
         let err = |why: String| Error::Spec {
-            spec: spec.to_string(),
+            spec: excerpt(spec, QUOTE_SPEC),
             why,
         };
-        if let Some((wrap, inner)) = spec.trim().split_once('+') {
-            let inner = Box::new(inner.parse::<HookSpec>().map_err(|e| err(e.to_string()))?);
-            return match wrap.trim().to_ascii_lowercase().as_str() {
-                "fp16" => Ok(HookSpec::Fp16Wrapped(inner)),
-                "bf16" => Ok(HookSpec::Bf16Wrapped(inner)),
-                other => Err(err(format!("unknown wrapper `{other}`; known: fp16, bf16"))),
-            };
+        let Some((wrap, inner)) = spec.trim().split_once('+') else {
+            return parse_hook(spec.trim()).map_err(err);
+        };
+        let wrap = wrap.trim();
+        let wrapped: fn(Box<HookSpec>) -> HookSpec = if wrap.eq_ignore_ascii_case("fp16") {
+            HookSpec::Fp16Wrapped
+        } else if wrap.eq_ignore_ascii_case("bf16") {
+            HookSpec::Bf16Wrapped
+        } else {
+            return Err(err(format!(
+                "unknown wrapper `{}`; known: fp16, bf16",
+                excerpt(wrap, QUOTE_PART)
+            )));
+        };
+        if inner.contains('+') {
+            return Err(err(
+                "one wrapper at most: `fp16+<hook>` or `bf16+<hook>`, where <hook> has no `+`"
+                    .into(),
+            ));
         }
-        let (name, opts) = match spec.trim().split_once(':') {
-            Some((n, o)) => (n.trim(), Some(o)),
-            None => (spec.trim(), None),
+        Ok(wrapped(Box::new(parse_hook(inner.trim()).map_err(err)?)))
+    }
+}
+
+/// Parses a hook without wrapper (`name` or `name:key=value,...`); the error says why.
+fn parse_hook(spec: &str) -> Result<HookSpec, String> {
+    let (name, opts) = match spec.split_once(':') {
+        Some((n, o)) => (n.trim(), Some(o)),
+        None => (spec, None),
+    };
+    let simple = |h: HookSpec| match opts {
+        Some(o) if !o.trim().is_empty() => Err(format!(
+            "`{}` takes no options, got `{}`",
+            excerpt(name, QUOTE_PART),
+            excerpt(o, QUOTE_PART)
+        )),
+        _ => Ok(h),
+    };
+    let is = |n: &str| name.eq_ignore_ascii_case(n);
+    if is("allreduce") {
+        simple(HookSpec::AllReduce)
+    } else if is("fp16") || is("fp16_compress") {
+        simple(HookSpec::Fp16)
+    } else if is("bf16") || is("bf16_compress") {
+        simple(HookSpec::Bf16)
+    } else if is("noop") {
+        simple(HookSpec::Noop)
+    } else if is("powersgd") || is("power_sgd") {
+        powersgd_config(opts).map(HookSpec::PowerSgd)
+    } else if is("batched_powersgd") || is("batched_power_sgd") {
+        powersgd_config(opts).map(HookSpec::BatchedPowerSgd)
+    } else {
+        Err(format!(
+            "unknown hook `{}`; known: {NAMES}",
+            excerpt(name, QUOTE_PART)
+        ))
+    }
+}
+
+/// PowerSGD's options (`key=value,...`) over the defaults, validated.
+fn powersgd_config(opts: Option<&str>) -> Result<PowerSgdConfig, String> {
+    let mut c = PowerSgdConfig::default();
+    let mut seen = [false; POWERSGD_KEYS.len()];
+    for kv in opts
+        .unwrap_or("")
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+    {
+        let Some((k, v)) = kv.split_once('=') else {
+            return Err(format!("`{}` is not key=value", excerpt(kv, QUOTE_PART)));
         };
-        let simple = |h: HookSpec| match opts {
-            Some(o) if !o.trim().is_empty() => {
-                Err(err(format!("`{name}` takes no options, got `{o}`")))
-            }
-            _ => Ok(h),
+        let (k, v) = (k.trim(), v.trim());
+        let unknown = || {
+            format!(
+                "unknown PowerSGD option `{}`; known: {}",
+                excerpt(k, QUOTE_PART),
+                POWERSGD_KEYS.join(", ")
+            )
         };
-        match name.to_ascii_lowercase().as_str() {
-            "allreduce" => simple(HookSpec::AllReduce),
-            "fp16" | "fp16_compress" => simple(HookSpec::Fp16),
-            "bf16" | "bf16_compress" => simple(HookSpec::Bf16),
-            "noop" => simple(HookSpec::Noop),
-            "powersgd" | "power_sgd" | "batched_powersgd" | "batched_power_sgd" => {
-                let mut c = PowerSgdConfig::default();
-                for kv in opts
-                    .unwrap_or("")
-                    .split(',')
-                    .map(str::trim)
-                    .filter(|s| !s.is_empty())
-                {
-                    let (k, v) = kv
-                        .split_once('=')
-                        .ok_or_else(|| err(format!("`{kv}` is not key=value")))?;
-                    let (k, v) = (k.trim(), v.trim());
-                    let bad = |what: &str| err(format!("`{k}={v}`: expected {what}"));
-                    match k {
-                        "rank" => {
-                            c.matrix_approximation_rank =
-                                v.parse().map_err(|_| bad("an integer"))?
-                        }
-                        "start_iter" => {
-                            c.start_powersgd_iter = v.parse().map_err(|_| bad("an integer"))?
-                        }
-                        "min_compression_rate" => {
-                            c.min_compression_rate = v.parse().map_err(|_| bad("a number"))?
-                        }
-                        "error_feedback" => {
-                            c.use_error_feedback = v.parse().map_err(|_| bad("true or false"))?
-                        }
-                        "warm_start" => {
-                            c.warm_start = v.parse().map_err(|_| bad("true or false"))?
-                        }
-                        "epsilon" => {
-                            c.orthogonalization_epsilon = v.parse().map_err(|_| bad("a number"))?
-                        }
-                        "seed" => c.random_seed = v.parse().map_err(|_| bad("an integer"))?,
-                        "stats_every" => {
-                            c.compression_stats_logging_frequency =
-                                v.parse().map_err(|_| bad("an integer"))?
-                        }
-                        "batch_same_shape" => {
-                            c.batch_tensors_with_same_shape =
-                                v.parse().map_err(|_| bad("true or false"))?
-                        }
-                        _ => {
-                            return Err(err(format!(
-                                "unknown PowerSGD option `{k}`; known: {POWERSGD_KEYS}"
-                            )))
-                        }
-                    }
-                }
-                c.validate().map_err(|e| err(e.to_string()))?;
-                Ok(if name.to_ascii_lowercase().starts_with("batched") {
-                    HookSpec::BatchedPowerSgd(c)
-                } else {
-                    HookSpec::PowerSgd(c)
-                })
+        let key = POWERSGD_KEYS
+            .iter()
+            .position(|&known| known == k)
+            .ok_or_else(unknown)?;
+        if std::mem::replace(&mut seen[key], true) {
+            return Err(format!("option `{k}` is given twice"));
+        }
+        let bad = |what: &str| format!("`{k}={}`: expected {what}", excerpt(v, QUOTE_PART));
+        match k {
+            "rank" => c.matrix_approximation_rank = v.parse().map_err(|_| bad("an integer"))?,
+            "start_iter" => c.start_powersgd_iter = v.parse().map_err(|_| bad("an integer"))?,
+            "min_compression_rate" => {
+                c.min_compression_rate = v.parse().map_err(|_| bad("a number"))?
             }
-            other => Err(err(format!("unknown hook `{other}`; known: {NAMES}"))),
+            "error_feedback" => {
+                c.use_error_feedback = v.parse().map_err(|_| bad("true or false"))?
+            }
+            "warm_start" => c.warm_start = v.parse().map_err(|_| bad("true or false"))?,
+            "epsilon" => c.orthogonalization_epsilon = v.parse().map_err(|_| bad("a number"))?,
+            "seed" => c.random_seed = v.parse().map_err(|_| bad("an integer"))?,
+            "stats_every" => {
+                c.compression_stats_logging_frequency = v.parse().map_err(|_| bad("an integer"))?
+            }
+            "batch_same_shape" => {
+                c.batch_tensors_with_same_shape = v.parse().map_err(|_| bad("true or false"))?
+            }
+            _ => return Err(unknown()),
         }
     }
+    c.validate().map_err(|e| e.to_string())?;
+    Ok(c)
 }
 
 impl HookSpec {

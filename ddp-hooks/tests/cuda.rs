@@ -24,7 +24,7 @@ fn cuda_powersgd_matches_cpu() {
         }
         Err(e) => panic!("CUDA present but failed to start: {e}"),
     };
-    let layout = Arc::new(Layout::packed(&[vec![64, 96], vec![64], vec![32, 40]]));
+    let layout = Arc::new(Layout::packed(&[vec![64, 96], vec![64], vec![32, 40]]).unwrap());
     let cfg = PowerSgdConfig {
         matrix_approximation_rank: 2,
         start_powersgd_iter: 2,

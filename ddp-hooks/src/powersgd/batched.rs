@@ -85,6 +85,7 @@ impl<B: CommBackend> BatchedPowerSgd<B> {
     }
 
     /// The whole state except the process group (same format as [`super::PowerSgd`]'s).
+    /// A memory holding a NaN or an infinity is [`Error::NonFinite`].
     pub fn save(&self) -> Result<PowerSgdState> {
         let g = lock(&self.inner);
         let host = |b: &Option<B::Buffer<f32>>, index: usize| -> Result<Vec<f32>> {
@@ -114,7 +115,9 @@ impl<B: CommBackend> BatchedPowerSgd<B> {
                 },
             );
         }
-        Ok(g.progress.to_state(buckets))
+        let state = g.progress.to_state(buckets);
+        state.validate()?;
+        Ok(state)
     }
 
     fn start(&self, bucket: GradBucket<B>) -> Result<Work<B::Buffer<f32>>> {

@@ -72,7 +72,9 @@ impl<B: CommBackend> PowerSgd<B> {
         lock(&self.inner).progress.compression_stats()
     }
 
-    /// The whole state except the process group, on the host.
+    /// The whole state except the process group, on the host. A memory holding a NaN
+    /// or an infinity (from a non-finite gradient) is [`Error::NonFinite`]: such a state
+    /// is corrupt and would not load.
     pub fn save(&self) -> Result<PowerSgdState> {
         let g = lock(&self.inner);
         let be = &*self.backend;
@@ -107,16 +109,20 @@ impl<B: CommBackend> PowerSgd<B> {
             entry.p = p;
             entry.q = q;
         }
-        Ok(g.progress.to_state(buckets))
+        let state = g.progress.to_state(buckets);
+        state.validate()?;
+        Ok(state)
     }
 
     /// A hook that continues from `state` over `group` (which may differ from the group
-    /// the state was saved with, as in PyTorch).
+    /// the state was saved with, as in PyTorch). The state is checked first
+    /// ([`PowerSgdState::validate`]): a NaN or an infinity is [`Error::NonFinite`].
     pub fn load(
         backend: Arc<B>,
         group: Arc<dyn ProcessGroup>,
         state: PowerSgdState,
     ) -> Result<Self> {
+        state.validate()?;
         let hook = PowerSgd::new(backend, group, state.config.clone())?;
         {
             let mut g = lock(&hook.inner);
@@ -166,7 +172,7 @@ impl<B: CommBackend> PowerSgd<B> {
             &layout,
             cfg.matrix_approximation_rank,
             cfg.min_compression_rate,
-        ));
+        )?);
         check_memory(g, index, &plan)?;
 
         g.progress.record(plan.before, plan.after, is_last);
@@ -274,26 +280,41 @@ impl<B: CommBackend> PowerSgd<B> {
 }
 
 /// A bucket whose length changed, or whose layout no longer fits its memory, is an error
-/// (PyTorch fails with an opaque shape error).
+/// (PyTorch fails with an opaque shape error) that names the lengths that differ.
 fn check_memory<B: Backend>(g: &Inner<B>, index: usize, plan: &Plan) -> Result<()> {
-    let changed = |was: usize, what: &str| Error::Bucket {
-        index,
-        why: format!(
-            "{what} changed (was {was} elements, now {}): the PowerSGD state cannot be applied",
-            plan.len
-        ),
+    let error = |why: String| {
+        Err(Error::Bucket {
+            index,
+            why: format!("{why}: the PowerSGD state cannot be applied"),
+        })
     };
-    if let Some((len, e)) = g.errors.get(&index) {
-        if *len != plan.len || B::buffer_len(e) != plan.e_len {
-            return Err(changed(*len, "the bucket length or layout"));
+    let error_memory = g.errors.get(&index);
+    let factors = g.factors.get(&index);
+    let lens = error_memory.map(|(len, _)| *len).into_iter();
+    for len in lens.chain(factors.map(|f| f.len)) {
+        if len != plan.len {
+            return error(format!(
+                "the bucket length changed (was {len} elements, now {})",
+                plan.len
+            ));
         }
     }
-    if let Some(f) = g.factors.get(&index) {
-        let fits = |b: &Option<B::Buffer<f32>>, want: usize| {
-            b.as_ref().is_none_or(|b| B::buffer_len(b) == want)
-        };
-        if f.len != plan.len || !fits(&f.p, plan.p_len) || !fits(&f.q, plan.q_len) {
-            return Err(changed(f.len, "the bucket length or layout"));
+    let mut memories = Vec::new();
+    if let Some((_, e)) = error_memory {
+        memories.push(("error-feedback memory", Some(e), plan.e_len));
+    }
+    if let Some(f) = factors {
+        // A factor in a collective (`None`) is reported by the caller as in flight.
+        memories.push(("factor P", f.p.as_ref(), plan.p_len));
+        memories.push(("factor Q", f.q.as_ref(), plan.q_len));
+    }
+    for (what, buffer, needs) in memories {
+        let has = buffer.map_or(needs, |b| B::buffer_len(b));
+        if has != needs {
+            return error(format!(
+                "the layout changed at the same length ({} elements): the {what} holds {has} elements, the new layout needs {needs}",
+                plan.len
+            ));
         }
     }
     Ok(())

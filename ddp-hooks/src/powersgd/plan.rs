@@ -12,17 +12,13 @@ pub(crate) struct Mat {
     pub p_off: usize,
     pub q_off: usize,
     pub e_off: usize,
+    /// The validated shape of this matrix's products.
+    pub dims: lowrank::Dims,
 }
 
 impl Mat {
     pub fn dims(&self) -> lowrank::Dims {
-        // `r <= MAX_RANK` and the sizes come from a buffer that exists.
-        lowrank::Dims {
-            batch: 1,
-            n: self.n,
-            m: self.m,
-            r: self.r,
-        }
+        self.dims
     }
 }
 
@@ -44,7 +40,7 @@ pub(crate) struct Plan {
 
 impl Plan {
     /// PyTorch's test: compress iff `(n + m) · r · rate < n · m`, `r = min(n, m, rank)`.
-    pub fn new(layout: &Layout, rank: usize, rate: f64) -> Plan {
+    pub fn new(layout: &Layout, rank: usize, rate: f64) -> lowrank::Result<Plan> {
         let mut plan = Plan {
             len: layout.len(),
             compressed: Vec::new(),
@@ -56,12 +52,26 @@ impl Plan {
             before: 0,
             after: 0,
         };
+        // A layout's slots fit in `usize` (`Layout::packed` checks), so `n · m <= len`
+        // cannot overflow; the factor sizes and sums are checked all the same.
+        let overflow = || {
+            lowrank::Error::Overflow(format!(
+                "the PowerSGD plan of a bucket of {} elements",
+                layout.len()
+            ))
+        };
+        let add = |a: usize, b: usize| a.checked_add(b).ok_or_else(overflow);
+        let mul = |a: usize, b: usize| a.checked_mul(b).ok_or_else(overflow);
         for slot in layout.params() {
             let (n, m) = slot.matrix();
             let r = n.min(m).min(rank);
-            plan.before += (n * m) as u64;
-            if r > 0 && ((n + m) * r) as f64 * rate < (n * m) as f64 {
+            let nm = mul(n, m)?;
+            let thin = mul(add(n, m)?, r)?;
+            plan.before = plan.before.saturating_add(nm as u64);
+            if r > 0 && thin as f64 * rate < nm as f64 {
+                let dims = lowrank::Dims::new(1, n, m, r)?;
                 plan.compressed.push(Mat {
+                    dims,
                     offset: slot.offset,
                     n,
                     m,
@@ -70,16 +80,16 @@ impl Plan {
                     q_off: plan.q_len,
                     e_off: plan.e_len,
                 });
-                plan.p_len += n * r;
-                plan.q_len += m * r;
-                plan.e_len += n * m;
-                plan.after += ((n + m) * r) as u64;
+                plan.p_len = add(plan.p_len, dims.p_len())?;
+                plan.q_len = add(plan.q_len, dims.q_len())?;
+                plan.e_len = add(plan.e_len, nm)?;
+                plan.after = plan.after.saturating_add(thin as u64);
             } else {
                 plan.uncompressed.push((slot.offset, slot.len));
-                plan.u_len += slot.len;
-                plan.after += slot.len as u64;
+                plan.u_len = add(plan.u_len, slot.len)?;
+                plan.after = plan.after.saturating_add(slot.len as u64);
             }
         }
-        plan
+        Ok(plan)
     }
 }

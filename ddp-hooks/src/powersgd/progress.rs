@@ -60,10 +60,12 @@ impl Progress {
         self.iter < self.config.start_powersgd_iter
     }
 
-    /// PyTorch's `maybe_increase_iter`: one step per last bucket.
+    /// PyTorch's `maybe_increase_iter`: one step per last bucket. Saturates at
+    /// `u64::MAX` (see [`PowerSgdState::iter`]) rather than wrapping back to the exact
+    /// all-reduce.
     pub fn maybe_increase_iter(&mut self, is_last: bool) {
         if is_last {
-            self.iter += 1;
+            self.iter = self.iter.saturating_add(1);
             if self.iter == self.config.start_powersgd_iter {
                 tracing::info!("Start to apply PowerSGD after {} iterations.", self.iter);
             }
@@ -71,17 +73,19 @@ impl Progress {
     }
 
     /// Counts a compressed bucket and logs the statistics at the configured frequency
-    /// (PyTorch's `_report_compression_stats`).
+    /// (PyTorch's `_report_compression_stats`). The counters saturate.
     pub fn record(&mut self, before: u64, after: u64, is_last: bool) {
-        self.total_before += before;
-        self.total_after += after;
+        self.total_before = self.total_before.saturating_add(before);
+        self.total_after = self.total_after.saturating_add(after);
         if is_last && self.iter >= self.next_stats_report {
             let (rate, b, a) = self.compression_stats();
             tracing::info!(
                 "Compression stats: iter {}, total before compression {b}, total after compression {a}, rate {rate}",
                 self.iter
             );
-            self.next_stats_report = self.iter + self.config.compression_stats_logging_frequency;
+            self.next_stats_report = self
+                .iter
+                .saturating_add(self.config.compression_stats_logging_frequency);
         }
     }
 

@@ -1,6 +1,7 @@
 //! The saved form of a PowerSGD hook: everything but the process group.
 
 use super::PowerSgdConfig;
+use crate::{Error, Result};
 use lowrank::NormalRng;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -24,11 +25,13 @@ pub struct SavedBucket {
 pub struct PowerSgdState {
     /// The hyperparameters.
     pub config: PowerSgdConfig,
-    /// Synchronised steps seen (PyTorch's `iter`).
+    /// Synchronised steps seen (PyTorch's `iter`). It saturates at `u64::MAX`: a step
+    /// counted there leaves it there, past any `start_powersgd_iter`, so compression
+    /// never turns back into the exact all-reduce.
     pub iter: u64,
-    /// Elements before compression, over all compressed steps.
+    /// Elements before compression, over all compressed steps (saturating).
     pub total_before: u64,
-    /// Elements after compression, over all compressed steps.
+    /// Elements after compression, over all compressed steps (saturating).
     pub total_after: u64,
     /// The step at which the next statistics line is logged.
     pub next_stats_report: u64,
@@ -36,4 +39,27 @@ pub struct PowerSgdState {
     pub rng: NormalRng,
     /// Per bucket index.
     pub buckets: BTreeMap<usize, SavedBucket>,
+}
+
+impl PowerSgdState {
+    /// Checks what `load` relies on: a valid configuration and finite memories. A NaN or
+    /// an infinity in an error or a factor is [`Error::NonFinite`]: error feedback would
+    /// carry it into every later step (and JSON would write it as `null`, which cannot be
+    /// read back), so hooks refuse to save or load such a state.
+    pub fn validate(&self) -> Result<()> {
+        self.config.validate()?;
+        for (&bucket, saved) in &self.buckets {
+            for (buffer, values) in [("error", &saved.error), ("p", &saved.p), ("q", &saved.q)] {
+                if let Some(index) = values.iter().position(|x| !x.is_finite()) {
+                    return Err(Error::NonFinite {
+                        bucket,
+                        buffer,
+                        index,
+                        value: values[index],
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
 }
