@@ -53,3 +53,14 @@ pub trait ProcessGroup: Send + Sync {
     /// `new_group` calls; ranks outside the list get `None`.
     fn new_group(&self, ranks: &[usize]) -> Result<Option<Box<dyn ProcessGroup>>>;
 }
+
+/// The instant `timeout` from now, saturating: a timeout too long for the clock
+/// (`Duration::MAX` as "no timeout") gives a deadline a century away instead of a panic.
+#[cfg_attr(not(any(feature = "cuda", feature = "mpi")), allow(dead_code))]
+pub(crate) fn deadline_after(timeout: std::time::Duration) -> std::time::Instant {
+    let now = std::time::Instant::now();
+    now.checked_add(timeout).unwrap_or_else(|| {
+        now.checked_add(std::time::Duration::from_secs(100 * 365 * 24 * 3600))
+            .unwrap_or(now)
+    })
+}

@@ -38,6 +38,7 @@ pub mod mpi;
 #[cfg(feature = "cuda")]
 pub mod nccl;
 pub mod store;
+mod sync;
 pub mod threads;
 mod work;
 

@@ -9,33 +9,52 @@
 //! ([`Charge::Account`], so a benchmark adds it to measured compute time). Which one ran
 //! is part of what a benchmark must report.
 
-use crate::{Buffer, ProcessGroup, ReduceOp, Result, Work};
+use crate::{Buffer, Error, ProcessGroup, ReduceOp, Result, Work};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 /// A network link: bandwidth per direction and per-message latency.
 #[derive(Clone, Copy, Debug, PartialEq)]
+///
+/// The fields are private: a `Link` has a finite, positive bandwidth, so every cost is a
+/// finite duration.
 pub struct Link {
-    /// Bytes per second.
-    pub bytes_per_s: f64,
-    /// Latency of one message.
-    pub latency: Duration,
+    bytes_per_s: f64,
+    latency: Duration,
 }
 
 impl Link {
-    /// A link of `gbit` Gbit/s with `latency`.
-    pub fn gbit(gbit: f64, latency: Duration) -> Link {
-        Link {
+    /// A link of `gbit` Gbit/s with `latency`. The bandwidth must be finite and positive
+    /// (zero would make every cost infinite, NaN or a negative one would make it free):
+    /// anything else is [`Error::InvalidArgument`].
+    pub fn gbit(gbit: f64, latency: Duration) -> Result<Link> {
+        if !(gbit.is_finite() && gbit > 0.0) {
+            return Err(Error::InvalidArgument(format!(
+                "a link needs a finite, positive bandwidth in Gbit/s, got {gbit}"
+            )));
+        }
+        Ok(Link {
             bytes_per_s: gbit * 1e9 / 8.0,
             latency,
-        }
+        })
+    }
+
+    /// Bytes per second, per direction.
+    pub fn bytes_per_s(&self) -> f64 {
+        self.bytes_per_s
+    }
+
+    /// Latency of one message.
+    pub fn latency(&self) -> Duration {
+        self.latency
     }
 
     fn time(&self, bytes: f64, messages: f64) -> Duration {
-        Duration::from_secs_f64(
-            (bytes / self.bytes_per_s + messages * self.latency.as_secs_f64()).max(0.0),
-        )
+        // Finite for any finite sizes (the bandwidth is positive); saturates rather than
+        // panics for absurd ones.
+        let secs = (bytes / self.bytes_per_s + messages * self.latency.as_secs_f64()).max(0.0);
+        Duration::try_from_secs_f64(secs).unwrap_or(Duration::MAX)
     }
 
     /// Ring all-reduce of `bytes` per rank on `n` ranks:
@@ -288,9 +307,26 @@ mod tests {
     use super::*;
     use crate::run_local;
 
+    /// Regression (issue 8 item 11): `gbit(0.0, ..)` gave costs that panicked
+    /// (`Duration::from_secs_f64(inf)`), and NaN or negative bandwidths cost nothing.
+    #[test]
+    fn bad_bandwidths_are_errors() {
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
+            assert!(
+                matches!(
+                    Link::gbit(bad, Duration::ZERO),
+                    Err(Error::InvalidArgument(_))
+                ),
+                "{bad}"
+            );
+        }
+        let slow = Link::gbit(1e-300, Duration::MAX).unwrap();
+        assert_eq!(slow.all_reduce(4, usize::MAX), Duration::MAX);
+    }
+
     #[test]
     fn ring_costs() {
-        let l = Link::gbit(8.0, Duration::from_micros(10)); // 1 GB/s
+        let l = Link::gbit(8.0, Duration::from_micros(10)).unwrap(); // 1 GB/s
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         // 2 ranks, 1 MB: 2·1/2·1e6 B / 1e9 B/s = 1 ms, plus 2 messages of 10 us.
         assert!((ms(l.all_reduce(2, 1_000_000)) - 1.02).abs() < 1e-9);
@@ -303,7 +339,7 @@ mod tests {
 
     #[test]
     fn linked_groups_charge_and_still_reduce() {
-        let link = Link::gbit(1.0, Duration::from_micros(50));
+        let link = Link::gbit(1.0, Duration::from_micros(50)).unwrap();
         let out = run_local(2, |g| {
             let g = Linked::new(g, link, Charge::Sleep);
             let t = std::time::Instant::now();

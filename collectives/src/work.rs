@@ -6,9 +6,11 @@
 //! owning rank's own progress thread, or on the caller's thread if the work has already
 //! completed: never on a peer rank's thread.
 
+use crate::sync::{Arc, Condvar, Mutex, MutexGuard};
 use crate::{Error, Result};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+#[cfg(not(loom))]
+use std::time::Instant;
 
 type Continuation<T> = Box<dyn FnOnce(Result<T>) + Send>;
 
@@ -100,9 +102,24 @@ impl<T: Send + 'static> Work<T> {
     }
 
     /// Like [`wait`](Self::wait), but gives up after `timeout` with [`Error::Timeout`]
-    /// (the operation itself carries on; its result is dropped).
+    /// (the operation itself carries on; its result is dropped). A timeout too long for
+    /// the clock (`Duration::MAX`) means no timeout.
     pub fn wait_timeout(self, timeout: Duration) -> Result<T> {
-        let deadline = Instant::now() + timeout;
+        #[cfg(loom)]
+        {
+            // Loom has no clock: a timed wait is a wait.
+            let _ = timeout;
+            self.wait()
+        }
+        #[cfg(not(loom))]
+        self.wait_deadline(timeout)
+    }
+
+    #[cfg(not(loom))]
+    fn wait_deadline(self, timeout: Duration) -> Result<T> {
+        let Some(deadline) = Instant::now().checked_add(timeout) else {
+            return self.wait();
+        };
         let mut st = self.shared.lock();
         loop {
             match std::mem::replace(&mut *st, State::Taken) {
@@ -292,5 +309,46 @@ mod tests {
         let (w, c) = Work::<u32>::pending();
         drop(c);
         assert!(matches!(w.wait(), Err(Error::Backend(_))));
+    }
+}
+
+/// Loom models of completion racing with `wait` and `then` (`cargo xtask loom`).
+#[cfg(all(test, loom))]
+mod loom_model {
+    use super::*;
+
+    /// A completion on another thread races a `wait`: the waiter always gets the value.
+    #[test]
+    fn complete_races_wait() {
+        loom::model(|| {
+            let (w, c) = Work::<u32>::pending();
+            let t = loom::thread::spawn(move || c.complete(Ok(7)));
+            assert_eq!(w.wait().unwrap(), 7);
+            t.join().unwrap();
+        });
+    }
+
+    /// A completion races the registration of a continuation: the continuation runs
+    /// exactly once, with the value, whichever comes first.
+    #[test]
+    fn complete_races_then() {
+        loom::model(|| {
+            let (w, c) = Work::<u32>::pending();
+            let t = loom::thread::spawn(move || c.complete(Ok(1)));
+            let chained = w.then(|r| r.map(|v| v + 1));
+            assert_eq!(chained.wait().unwrap(), 2);
+            t.join().unwrap();
+        });
+    }
+
+    /// A completer dropped on another thread fails the waiter instead of hanging it.
+    #[test]
+    fn dropped_completer_fails_the_waiter() {
+        loom::model(|| {
+            let (w, c) = Work::<u32>::pending();
+            let t = loom::thread::spawn(move || drop(c));
+            assert!(w.wait().is_err());
+            t.join().unwrap();
+        });
     }
 }

@@ -84,7 +84,7 @@ fn measure(
     let warmup = 3; // PowerSGD below starts at iteration 2; step 2 allocates its memory
     let out = run_local(RANKS, |g| {
         let rank = g.rank();
-        let linked = Linked::new(g, Link::gbit(1.0, LATENCY), Charge::Account);
+        let linked = Linked::new(g, Link::gbit(1.0, LATENCY).unwrap(), Charge::Account);
         let log = linked.log_handle();
         let be = Arc::new(CpuBackend::new().with_threads(1).expect("threads"));
         let mut hook = spec
@@ -181,7 +181,7 @@ fn hooks_suite(a: &Args) {
             let ratio = grad_bytes as f64 / sent.max(1) as f64;
             let hook_ms = t.as_secs_f64() * 1e3;
             let at = |gbit: f64| {
-                let link = Link::gbit(gbit, LATENCY);
+                let link = Link::gbit(gbit, LATENCY).unwrap();
                 hook_ms
                     + ops
                         .iter()
@@ -327,7 +327,7 @@ fn accum_suite(a: &Args) {
         let mut result = Vec::new();
         for sync_every in [false, true] {
             let out = run_local(RANKS, |g| {
-                let linked = Linked::new(g, Link::gbit(gbit, LATENCY), Charge::Account);
+                let linked = Linked::new(g, Link::gbit(gbit, LATENCY).unwrap(), Charge::Account);
                 let log = linked.log_handle();
                 let be = Arc::new(CpuBackend::new().with_threads(1).expect("threads"));
                 let hook = HookSpec::AllReduce
@@ -356,7 +356,7 @@ fn accum_suite(a: &Args) {
                         drop(model);
                         step.zero_grad(|| reducer.zero_grad().expect("zero"));
                     }
-                    let link = Link::gbit(gbit, LATENCY);
+                    let link = Link::gbit(gbit, LATENCY).unwrap();
                     let comm: Duration = log
                         .lock()
                         .expect("log")

@@ -110,7 +110,7 @@ fn half_wire_wrappers_send_16_bits_and_stay_close() {
         let spec: HookSpec = spec.parse().unwrap();
         let out = run_local(2, |g| {
             let rank = g.rank();
-            let linked = Linked::new(g, Link::gbit(1.0, Duration::ZERO), Charge::Account);
+            let linked = Linked::new(g, Link::gbit(1.0, Duration::ZERO).unwrap(), Charge::Account);
             let log = linked.log_handle();
             let mut hook = spec
                 .build(Arc::new(CpuBackend::new()), Arc::new(linked))
@@ -141,7 +141,7 @@ fn half_wire_wrappers_send_16_bits_and_stay_close() {
     let spec: HookSpec = "fp16+powersgd:rank=1,start_iter=2".parse().unwrap();
     let out = run_local(2, |g| {
         let rank = g.rank();
-        let linked = Linked::new(g, Link::gbit(1.0, Duration::ZERO), Charge::Account);
+        let linked = Linked::new(g, Link::gbit(1.0, Duration::ZERO).unwrap(), Charge::Account);
         let log = linked.log_handle();
         let mut hook = spec
             .build(Arc::new(CpuBackend::new()), Arc::new(linked))

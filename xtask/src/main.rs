@@ -9,6 +9,7 @@
 
 mod bench;
 mod gpu_check;
+mod sanitize;
 mod test;
 
 use std::process::{Command, ExitCode};
@@ -22,6 +23,9 @@ commands:
   bench [SUITE] [--quick] [--json]
                             benchmarks in release builds; SUITE is one of: lowrank, collectives, hooks, accum
                             (default: all)
+  sanitize                  the collectives and lowrank tests under AddressSanitizer (needs
+                            nightly; skipped with a message where it is not installed)
+  loom                      the loom models of the thread backend's rendezvous and work handles
   gpu-check                 build the CUDA test binaries and benchmarks into gpu-check/,
                             with gpu-check/run.sh to run them on a GPU machine
 ";
@@ -42,6 +46,8 @@ fn main() -> ExitCode {
         Some("test") => test::run(&args[1..]),
         Some("bench") => bench::run(&args[1..]),
         Some("gpu-check") => gpu_check::run(&args[1..]),
+        Some("sanitize") => sanitize::sanitize(&args[1..]),
+        Some("loom") => sanitize::loom(&args[1..]),
         Some("-h" | "--help" | "help") => {
             print!("{USAGE}");
             Ok(())

@@ -225,7 +225,7 @@ impl Drop for Runtime {
             // Dropped by a continuation on the progress thread itself: it ends on its own.
             return;
         }
-        let deadline = Instant::now() + self.join_timeout;
+        let deadline = crate::group::deadline_after(self.join_timeout);
         while !worker.is_finished() {
             if Instant::now() >= deadline {
                 tracing::warn!(
@@ -456,7 +456,7 @@ impl Engine {
                     op.action.fail(e.clone());
                     return;
                 }
-                let deadline = Instant::now() + op.timeout;
+                let deadline = crate::group::deadline_after(op.timeout);
                 let check = if op.check {
                     comm.seq += 1;
                     let mine = op.desc.encode(comm.seq).to_vec();

@@ -120,7 +120,7 @@ impl Engine {
                 );
                 let watch = Watch {
                     what: &what,
-                    until: Instant::now() + shared.timeout,
+                    until: crate::group::deadline_after(shared.timeout),
                     timeout: shared.timeout,
                     stop: &shared.stop,
                 };
@@ -195,7 +195,7 @@ impl Engine {
     /// When an operation started now must have finished: after the group's timeout, or
     /// sooner once the group has been dropped.
     fn deadline(&self) -> Instant {
-        let own = Instant::now() + self.shared.timeout;
+        let own = crate::group::deadline_after(self.shared.timeout);
         match *self
             .shared
             .closing

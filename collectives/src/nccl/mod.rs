@@ -93,7 +93,7 @@ use engine::{Engine, Job, Setup, Shared};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::thread::{self, JoinHandle};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// How long construction waits, beyond the group's timeout, for the CUDA context.
 const CONTEXT_GRACE: Duration = Duration::from_secs(60);
@@ -681,7 +681,8 @@ impl Drop for NcclGroup {
             .shared
             .closing
             .lock()
-            .unwrap_or_else(|p| p.into_inner()) = Some(Instant::now() + self.shared.timeout);
+            .unwrap_or_else(|p| p.into_inner()) =
+            Some(crate::group::deadline_after(self.shared.timeout));
         drop(self.jobs.take());
         if let Some(worker) = self.worker.take() {
             // Dropped by a continuation on its own progress thread: the thread ends by

@@ -20,12 +20,14 @@ mod device;
 mod reduce;
 mod world;
 
+use crate::sync::Arc;
 use crate::{Buffer, Error, ProcessGroup, ReduceOp, Result, Work, DEFAULT_TIMEOUT};
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::mpsc;
 use std::thread::JoinHandle;
 use std::time::Duration;
-use world::{addr_of, share, Desc, Kind, World};
+use world::{addr_of, share, Addr, Desc, Kind, MustLeak, World};
 
 type Job = Box<dyn FnOnce() + Send>;
 
@@ -71,9 +73,25 @@ impl ThreadGroup {
 
     fn join(world: Arc<World>, rank: usize) -> Result<ThreadGroup> {
         let (tx, rx) = mpsc::channel::<Job>();
+        let shared = world.clone();
         let worker = std::thread::Builder::new()
             .name(format!("collectives-rank-{rank}"))
-            .spawn(move || rx.into_iter().for_each(|job| job()))
+            .spawn(move || {
+                for job in rx {
+                    // A panicking job or continuation fails the group at once, as a
+                    // panicking rank does (peers would otherwise wait out the timeout),
+                    // and the thread lives on to fail this rank's later operations.
+                    if let Err(panic) = catch_unwind(AssertUnwindSafe(job)) {
+                        shared.fail(Error::PeerLost {
+                            rank,
+                            why: format!(
+                                "a job or continuation on its progress thread panicked: {}",
+                                panic_message(&panic)
+                            ),
+                        });
+                    }
+                }
+            })
             .map_err(|e| Error::io("starting a rank's progress thread", e))?;
         Ok(ThreadGroup {
             rank,
@@ -102,28 +120,84 @@ impl ThreadGroup {
     }
 }
 
+/// Runs this rank's part of one collective: posts `addrs`, meets every rank, runs `body`
+/// on every rank's addresses (unless the ranks' collectives mismatch) and leaves.
+///
+/// - `Ok(Ok(r))`: done, and no failure was recorded meanwhile;
+/// - `Ok(Err(e))`: failed, and every rank has left: the buffers may be dropped;
+/// - `Err(MustLeak(e))`: a peer may still be inside the operation after the timeout: the
+///   caller must leak (forget) every buffer whose address it posted.
+///
+/// A panic in `body` fails the group and is contained here, so that it cannot unwind
+/// through (and free) the caller's buffers while peers still use them.
+fn collective<R>(
+    world: &World,
+    rank: usize,
+    desc: &Desc,
+    addrs: Vec<Addr>,
+    body: impl FnOnce(&[Vec<Addr>]) -> R,
+) -> std::result::Result<Result<R>, MustLeak> {
+    let entered = match world.meet(rank, desc, addrs) {
+        Ok(entered) => entered,
+        // Not released: no peer has this rank's addresses.
+        Err(e) => return Ok(Err(e)),
+    };
+    let result = match entered.mismatch {
+        Some(e) => Err(e),
+        None => catch_unwind(AssertUnwindSafe(|| body(&entered.addrs))).map_err(|panic| {
+            let e = Error::PeerLost {
+                rank,
+                why: format!("panicked inside {desc}: {}", panic_message(&panic)),
+            };
+            world.fail(e.clone());
+            e
+        }),
+    };
+    let failed_inside = world.leave(rank, entered.generation, desc)?;
+    // A peer that failed while inside (a panic in its share) left its part undone.
+    Ok(match (result, failed_inside) {
+        (Ok(_), Some(e)) => Err(e),
+        (result, _) => result,
+    })
+}
+
+/// Hands `bufs` back, or leaks them when a peer may still access them.
+fn settle<T, B>(bufs: B, outcome: std::result::Result<Result<T>, MustLeak>) -> Result<(T, B)> {
+    match outcome {
+        Ok(Ok(v)) => Ok((v, bufs)),
+        Ok(Err(e)) => Err(e),
+        Err(MustLeak(e)) => {
+            std::mem::forget(bufs);
+            Err(e)
+        }
+    }
+}
+
 /// Reduces each buffer of `bufs` over all ranks, in place, in one rendezvous.
 fn all_reduce_in_place(
     world: &World,
     rank: usize,
     kind: Kind,
-    bufs: &mut [Buffer],
+    mut bufs: Vec<Buffer>,
     op: ReduceOp,
-) -> Result<()> {
+) -> Result<Vec<Buffer>> {
     let desc = Desc {
         kind,
         parts: bufs.iter().map(|b| (b.dtype(), b.len())).collect(),
     };
     let addrs = bufs.iter_mut().map(addr_of).collect();
-    let all = world.meet(rank, &desc, addrs)?;
-    for (t, &(dtype, len)) in desc.parts.iter().enumerate() {
-        let peers: Vec<usize> = all.iter().map(|a| a[t]).collect();
-        // SAFETY: `meet` checked that every rank posted a buffer of this type and length;
-        // each stays alive and untouched by its owner until every rank passes `done`,
-        // and ranks reduce disjoint shares.
-        unsafe { reduce::reduce(dtype, &peers, share(len, world.size, rank), op, None) };
-    }
-    world.done(rank, &desc)
+    let outcome = collective(world, rank, &desc, addrs, |all| {
+        for (t, &(dtype, len)) in desc.parts.iter().enumerate() {
+            let peers: Vec<usize> = all.iter().map(|a| a[t]).collect();
+            // SAFETY: `meet` checked that every rank posted a buffer of this type and
+            // length. Each stays alive and untouched by its owner until every rank has
+            // left (`World::leave` waits for all, even after a failure, and leaks the
+            // buffers rather than freeing them if that wait times out), and ranks reduce
+            // disjoint shares.
+            unsafe { reduce::reduce(dtype, &peers, share(len, world.size, rank), op, None) };
+        }
+    });
+    settle(bufs, outcome).map(|((), bufs)| bufs)
 }
 
 impl ProcessGroup for ThreadGroup {
@@ -145,17 +219,15 @@ impl ProcessGroup for ThreadGroup {
 
     fn all_reduce(&self, buf: Buffer, op: ReduceOp) -> Work<Buffer> {
         self.submit(move |world, rank| {
-            let mut bufs = [buf];
-            all_reduce_in_place(world, rank, Kind::AllReduce(op), &mut bufs, op)?;
-            let [buf] = bufs;
-            Ok(buf)
+            let mut bufs = all_reduce_in_place(world, rank, Kind::AllReduce(op), vec![buf], op)?;
+            bufs.pop()
+                .ok_or_else(|| Error::Backend("all_reduce lost its buffer".into()))
         })
     }
 
-    fn all_reduce_coalesced(&self, mut bufs: Vec<Buffer>, op: ReduceOp) -> Work<Vec<Buffer>> {
+    fn all_reduce_coalesced(&self, bufs: Vec<Buffer>, op: ReduceOp) -> Work<Vec<Buffer>> {
         self.submit(move |world, rank| {
-            all_reduce_in_place(world, rank, Kind::Coalesced(op), &mut bufs, op)?;
-            Ok(bufs)
+            all_reduce_in_place(world, rank, Kind::Coalesced(op), bufs, op)
         })
     }
 
@@ -171,17 +243,24 @@ impl ProcessGroup for ThreadGroup {
                 kind: Kind::Broadcast(root),
                 parts: vec![(buf.dtype(), buf.len())],
             };
-            let all = world.meet(rank, &desc, vec![addr_of(&mut buf)])?;
-            if rank != root {
-                let bytes = buf.as_bytes_mut();
-                // SAFETY: the root's buffer has the same byte length (checked by `meet`)
-                // and is only read until every rank passes `done`.
-                let src =
-                    unsafe { std::slice::from_raw_parts(all[root][0] as *const u8, bytes.len()) };
-                bytes.copy_from_slice(src);
-            }
-            world.done(rank, &desc)?;
-            Ok(buf)
+            let addrs = vec![addr_of(&mut buf)];
+            let len = buf.as_bytes_mut().len();
+            let dst = addrs[0];
+            let outcome = collective(world, rank, &desc, addrs, |all| {
+                if rank != root {
+                    // SAFETY: the root's buffer has the same byte length (checked by
+                    // `meet`) and stays alive and unwritten until every rank has left;
+                    // `dst` is this rank's own buffer, which nobody else writes.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            all[root][0] as *const u8,
+                            dst as *mut u8,
+                            len,
+                        )
+                    };
+                }
+            });
+            settle(buf, outcome).map(|((), buf)| buf)
         })
     }
 
@@ -191,23 +270,27 @@ impl ProcessGroup for ThreadGroup {
                 kind: Kind::AllGather,
                 parts: vec![(buf.dtype(), buf.len())],
             };
-            let all = world.meet(rank, &desc, vec![addr_of(&mut buf)])?;
-            let mut out: Vec<Buffer> = Vec::with_capacity(world.size);
-            for (peer, addrs) in all.iter().enumerate() {
-                if peer == rank {
-                    out.push(Buffer::zeros(buf.dtype(), 0));
-                    continue;
+            let addrs = vec![addr_of(&mut buf)];
+            let (dtype, len) = (buf.dtype(), buf.len());
+            let outcome = collective(world, rank, &desc, addrs, |all| {
+                let mut out: Vec<Buffer> = Vec::with_capacity(world.size);
+                for (peer, addrs) in all.iter().enumerate() {
+                    if peer == rank {
+                        out.push(Buffer::zeros(dtype, 0));
+                        continue;
+                    }
+                    let mut copy = Buffer::zeros(dtype, len);
+                    let bytes = copy.as_bytes_mut();
+                    // SAFETY: the peer's buffer has this byte length (checked by `meet`)
+                    // and stays alive and unwritten until every rank has left.
+                    bytes.copy_from_slice(unsafe {
+                        std::slice::from_raw_parts(addrs[0] as *const u8, bytes.len())
+                    });
+                    out.push(copy);
                 }
-                let mut copy = Buffer::zeros(buf.dtype(), buf.len());
-                let bytes = copy.as_bytes_mut();
-                // SAFETY: the peer's buffer has this byte length (checked by `meet`) and is
-                // only read until every rank passes `done`.
-                bytes.copy_from_slice(unsafe {
-                    std::slice::from_raw_parts(addrs[0] as *const u8, bytes.len())
-                });
-                out.push(copy);
-            }
-            world.done(rank, &desc)?;
+                out
+            });
+            let (mut out, buf) = settle(buf, outcome)?;
             out[rank] = buf;
             Ok(out)
         })
@@ -226,23 +309,25 @@ impl ProcessGroup for ThreadGroup {
                 kind: Kind::ReduceScatter(op),
                 parts: vec![(buf.dtype(), buf.len())],
             };
-            let all = world.meet(rank, &desc, vec![addr_of(&mut buf)])?;
-            let chunk = buf.len() / world.size;
-            let mut out = Buffer::zeros(buf.dtype(), chunk);
-            let peers: Vec<usize> = all.iter().map(|a| a[0]).collect();
-            // SAFETY: as in all_reduce; the results go to this rank's own `out`, and the
-            // peers' buffers are only read.
-            unsafe {
-                reduce::reduce(
-                    buf.dtype(),
-                    &peers,
-                    rank * chunk..(rank + 1) * chunk,
-                    op,
-                    Some(addr_of(&mut out)),
-                );
-            }
-            world.done(rank, &desc)?;
-            Ok(out)
+            let addrs = vec![addr_of(&mut buf)];
+            let (dtype, chunk) = (buf.dtype(), buf.len() / world.size);
+            let outcome = collective(world, rank, &desc, addrs, |all| {
+                let mut out = Buffer::zeros(dtype, chunk);
+                let peers: Vec<usize> = all.iter().map(|a| a[0]).collect();
+                // SAFETY: as in all_reduce; the results go to this rank's own `out`, and
+                // the peers' buffers are only read.
+                unsafe {
+                    reduce::reduce(
+                        dtype,
+                        &peers,
+                        rank * chunk..(rank + 1) * chunk,
+                        op,
+                        Some(addr_of(&mut out)),
+                    );
+                }
+                out
+            });
+            settle(buf, outcome).map(|(out, _buf)| out)
         })
     }
 
@@ -252,8 +337,7 @@ impl ProcessGroup for ThreadGroup {
                 kind: Kind::Barrier,
                 parts: Vec::new(),
             };
-            world.meet(rank, &desc, Vec::new())?;
-            world.done(rank, &desc)
+            settle((), collective(world, rank, &desc, Vec::new(), |_| ())).map(drop)
         })
     }
 
