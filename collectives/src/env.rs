@@ -10,12 +10,19 @@
 //!
 //! A source is chosen when its rank or world-size variable is set; then all three of its
 //! variables are required. `MASTER_ADDR` and `MASTER_PORT` are read whatever the source,
-//! and [`EnvInfo::connect_store`] needs them.
+//! and [`EnvInfo::connect_store`] needs them. `LOWRANK_STORE_TOKEN`
+//! ([`TOKEN_ENV`]), when set, is the secret the store's clients
+//! must present; `launch` sets it for its ranks.
 //!
 //! # Guarantees
 //! - **Bad values are named.** A missing variable is [`Error::MissingEnv`] naming it; an
-//!   unparsable or inconsistent one (rank not below the world size, port 0) is
-//!   [`Error::InvalidEnv`] naming it, its value and why.
+//!   unparsable or inconsistent one (rank not below the world size, a world size above
+//!   [`MAX_WORLD_SIZE`], port 0, a token too short) is [`Error::InvalidEnv`] naming it,
+//!   its value (never a token's) and why; nothing is allocated for the ranks before.
+//! - **Rendezvous mistakes are caught at connect.** [`EnvInfo::connect_store`] joins the
+//!   store ([`TcpStore::join`]): two processes with one `RANK`, or ranks that disagree on
+//!   `WORLD_SIZE`, fail on every rank with [`Error::Rendezvous`] naming the ranks; a rank
+//!   that never starts is named on every rank when the rendezvous times out.
 //! - **Tests need no process environment.** [`EnvInfo::from_vars`] reads from any
 //!   lookup function, e.g. a map.
 //!
@@ -36,10 +43,11 @@
 //! store on `MASTER_PORT`, so our rank 0 cannot bind it. Start ranks with this crate's
 //! `launch` binary (`launch -n 4 -- program args`), which sets the same variables.
 
-use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, ToSocketAddrs};
+use std::io;
+use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
 use std::time::Duration;
 
-use crate::store::TcpStore;
+use crate::store::{StoreLimits, StoreOptions, StoreToken, TcpStore, MAX_WORLD_SIZE, TOKEN_ENV};
 use crate::{Error, Result};
 
 /// Which launcher's variables an [`EnvInfo`] was read from.
@@ -69,6 +77,8 @@ pub struct EnvInfo {
     pub master_port: Option<u16>,
     /// Which variables the ranks came from.
     pub source: EnvSource,
+    /// `LOWRANK_STORE_TOKEN`: the secret the store's clients present, if set.
+    pub token: Option<StoreToken>,
 }
 
 /// One launcher's variable names.
@@ -119,14 +129,16 @@ impl EnvInfo {
             .ok_or_else(|| Error::MissingEnv(SCHEMES[0].rank.into()))?;
         let number = |name: &str| -> Result<usize> {
             let value = var(name).ok_or_else(|| Error::MissingEnv(name.into()))?;
-            value
-                .trim()
-                .parse()
-                .map_err(|_| invalid(name, &value, "not a non-negative integer"))
+            let digits = value.trim();
+            match digits.parse() {
+                Ok(n) => Ok(n),
+                Err(_) if !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()) => {
+                    Err(invalid(name, &value, "too large"))
+                }
+                Err(_) => Err(invalid(name, &value, "not a non-negative integer")),
+            }
         };
-        let rank = number(scheme.rank)?;
         let world_size = number(scheme.world_size)?;
-        let local_rank = number(scheme.local_rank)?;
         if world_size == 0 {
             return Err(invalid(
                 scheme.world_size,
@@ -134,6 +146,12 @@ impl EnvInfo {
                 "a job has at least one rank",
             ));
         }
+        if world_size > MAX_WORLD_SIZE {
+            let why = format!("more than the {MAX_WORLD_SIZE} ranks a job may have");
+            return Err(invalid(scheme.world_size, &world_size.to_string(), &why));
+        }
+        let rank = number(scheme.rank)?;
+        let local_rank = number(scheme.local_rank)?;
         if rank >= world_size {
             let why = format!("not below {}={world_size}", scheme.world_size);
             return Err(invalid(scheme.rank, &rank.to_string(), &why));
@@ -156,6 +174,7 @@ impl EnvInfo {
                 Err(_) => return Err(invalid("MASTER_PORT", &value, "not a port (1 to 65535)")),
             },
         };
+        let token = StoreToken::from_var(var(TOKEN_ENV))?;
         Ok(EnvInfo {
             rank,
             world_size,
@@ -163,16 +182,24 @@ impl EnvInfo {
             master_addr,
             master_port,
             source: scheme.source,
+            token,
         })
     }
 
-    /// Connects to the rendezvous store: rank 0 serves it on `MASTER_ADDR:MASTER_PORT`,
-    /// the others connect there, retrying until `timeout` (so they may start first).
+    /// Connects to the rendezvous store and joins it: rank 0 serves it on
+    /// `MASTER_ADDR:MASTER_PORT`, the others connect there, retrying until `timeout` (so
+    /// they may start first); then every rank [joins](TcpStore::join), waiting up to
+    /// `timeout` more for all `world_size` ranks.
     ///
-    /// Rank 0 binds the address `MASTER_ADDR` resolves to when that is a loopback
-    /// address (a single-host job), and all interfaces otherwise, as PyTorch's store
-    /// does: a host name can resolve, on its own host, to an address other hosts cannot
-    /// reach. Without `MASTER_ADDR` or `MASTER_PORT` this is [`Error::MissingEnv`].
+    /// Rank 0 binds the address `MASTER_ADDR` names, and no other: for a job across
+    /// hosts, give it an address the other hosts reach (a host name can resolve, on its
+    /// own host, to a loopback address). The token, if set, is required of every client;
+    /// without one, a store on a non-loopback address accepts anyone who reaches it (a
+    /// warning says so). A second process with `RANK=0` finds the port taken, joins the
+    /// store as a client, and so fails every rank by name.
+    ///
+    /// Errors: [`Error::MissingEnv`] without `MASTER_ADDR` or `MASTER_PORT`; the store's
+    /// and [`TcpStore::join`]'s errors.
     pub fn connect_store(&self, timeout: Duration) -> Result<TcpStore> {
         let host = self
             .master_addr
@@ -181,20 +208,59 @@ impl EnvInfo {
         let port = self
             .master_port
             .ok_or_else(|| Error::MissingEnv("MASTER_PORT".into()))?;
-        if self.rank != 0 {
-            return TcpStore::client(host, port, timeout);
-        }
+        let options = StoreOptions {
+            token: self.token.clone(),
+            limits: StoreLimits::for_world_size(self.world_size),
+        };
+        let store = if self.rank == 0 {
+            self.serve(host, port, timeout, &options)?
+        } else {
+            TcpStore::client_with(host, port, timeout, &options)?
+        };
+        store.join(self.rank, self.world_size, timeout)?;
+        Ok(store)
+    }
+
+    /// Rank 0's store: served on the address `host` names, or, when another process
+    /// serves that port already, a client of it.
+    fn serve(
+        &self,
+        host: &str,
+        port: u16,
+        timeout: Duration,
+        options: &StoreOptions,
+    ) -> Result<TcpStore> {
         let resolved: Vec<SocketAddr> = (host, port)
             .to_socket_addrs()
             .map_err(|e| Error::io(format!("resolving MASTER_ADDR={host}"), e))?
             .collect();
-        let bind = match resolved.first() {
-            None => return Err(invalid("MASTER_ADDR", host, "resolves to no address")),
-            Some(_) if resolved.iter().all(|a| a.ip().is_loopback()) => resolved,
-            Some(first) if first.is_ipv6() => vec![(Ipv6Addr::UNSPECIFIED, port).into()],
-            Some(_) => vec![(Ipv4Addr::UNSPECIFIED, port).into()],
-        };
-        TcpStore::server(&bind[..], self.world_size, timeout)
+        if resolved.is_empty() {
+            return Err(invalid("MASTER_ADDR", host, "resolves to no address"));
+        }
+        let context = || format!("binding the store at MASTER_ADDR={host} MASTER_PORT={port}");
+        match TcpListener::bind(&resolved[..]) {
+            Ok(listener) => {
+                if self.token.is_none() && !resolved.iter().all(|a| a.ip().is_loopback()) {
+                    tracing::warn!(
+                        %host, port,
+                        "the rendezvous store accepts any client that reaches it: set {TOKEN_ENV} on every rank"
+                    );
+                }
+                TcpStore::serve_on(listener, self.world_size, timeout, options)
+            }
+            Err(e) if e.kind() == io::ErrorKind::AddrInUse => {
+                // If this job's store holds the port, a second rank 0 is the mistake:
+                // joining it as rank 0 makes the store name it on every rank. Anything
+                // else there is reported as the bind error.
+                let taken = Error::io(context(), e);
+                let brief = timeout.min(Duration::from_secs(2));
+                match TcpStore::client_with(host, port, brief, options) {
+                    Ok(store) => Ok(store),
+                    Err(_) => Err(taken),
+                }
+            }
+            Err(e) => Err(Error::io(context(), e)),
+        }
     }
 }
 

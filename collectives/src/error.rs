@@ -61,6 +61,30 @@ pub enum Error {
     /// An error from the NCCL or CUDA layer.
     #[error("{0}")]
     Backend(String),
+    /// The rendezvous store has no room for a request or its value: it would pass the
+    /// server's limit on the bytes it holds (`StoreLimits::max_bytes`).
+    #[error("the store cannot take {needed} more bytes: it holds {held} of its limit of {limit}")]
+    StoreQuota {
+        /// The bytes the request needed.
+        needed: usize,
+        /// The bytes the server held then.
+        held: usize,
+        /// The server's limit.
+        limit: usize,
+    },
+    /// The rendezvous store refused this client's hello (a missing or wrong token), or
+    /// this client, holding a token, refused a store that checks none.
+    #[error("store authentication failed: {0}")]
+    Unauthorized(String),
+    /// The ranks' rendezvous failed on a mistake: a rank claimed by two processes, or
+    /// ranks that disagree on the world size. Every rank gets this error.
+    #[error("rendezvous failed: {why}")]
+    Rendezvous {
+        /// What went wrong, naming the ranks and values involved.
+        why: String,
+        /// The ranks involved.
+        ranks: Vec<usize>,
+    },
 }
 
 fn missing_suffix(missing: &[usize]) -> String {

@@ -354,6 +354,7 @@ fn env_reads_torchrun_variables() -> Result<()> {
             master_addr: Some("node7".into()),
             master_port: Some(29500),
             source: EnvSource::Torchrun,
+            token: None,
         }
     );
     Ok(())

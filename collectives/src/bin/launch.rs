@@ -1,39 +1,122 @@
 //! `launch`: start N local ranks of a program, like `torchrun --standalone`.
 //!
 //! ```text
-//! launch -n N [--port P] [--timeout SECS] [--] PROGRAM [ARGS...]
+//! launch -n N [--port P] [--timeout SECS] [--grace SECS] [--] PROGRAM [ARGS...]
 //! ```
 //!
 //! Each rank gets `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
-//! `MASTER_ADDR=127.0.0.1` and `MASTER_PORT` (the given port, or a free one), which
-//! `collectives::env::EnvInfo::from_env` reads. The ranks' output goes straight through.
+//! `MASTER_ADDR=127.0.0.1`, `MASTER_PORT` (the given port, or a free one) and
+//! `LOWRANK_STORE_TOKEN` (the one in launch's environment, or a fresh random one), which
+//! `collectives::env::EnvInfo::from_env` reads. The ranks' output goes straight through;
+//! their standard input is empty.
 //!
 //! # Guarantees
 //! - Exit status 0 when every rank exits successfully.
+//! - Each rank runs in a process group of its own, with whatever it starts. When a rank
+//!   exits, what is left of its group is killed; nothing of a rank outlives `launch`
+//!   (except what leaves the group on purpose, with `setsid`).
 //! - When a rank fails (non-zero exit or a signal), the first failure seen is reported on
-//!   stderr with its rank and status, the other ranks are killed, and the status is 1.
-//! - After `--timeout SECS` every rank still running is killed and the status is 124.
+//!   stderr with its rank and status, the other ranks' groups are killed (SIGKILL), and
+//!   the status is 1.
+//! - After `--timeout SECS` every rank's group is killed and the status is 124.
+//! - SIGTERM or SIGINT sent to `launch` is forwarded to every rank's group; groups still
+//!   there after `--grace SECS` (default 10), or at a second signal, are killed; the
+//!   status is 128 + the signal's number (143, 130).
 //! - Usage errors are reported with the usage and status 2; a program that cannot be
-//!   started, status 127; no free port, status 1.
-//! - Killing is SIGKILL (std has no other signal); ranks get no chance to clean up.
+//!   started, status 127; no free port or no token, status 1.
 
 use std::ffi::OsString;
+use std::io;
 use std::net::{Ipv4Addr, TcpListener};
-use std::process::{Child, Command, ExitCode};
+use std::os::unix::process::CommandExt;
+use std::process::{Child, Command, ExitCode, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use collectives::store::{StoreToken, TOKEN_ENV};
+
+mod signals {
+    //! The signals `launch` forwards, caught into a flag that the supervising loop polls.
+
+    use std::io;
+    use std::sync::atomic::{AtomicI32, Ordering};
+
+    /// The last signal caught and not yet taken, or 0.
+    static CAUGHT: AtomicI32 = AtomicI32::new(0);
+
+    /// Only stores into a lock-free atomic: async-signal-safe.
+    extern "C" fn on_signal(signal: libc::c_int) {
+        CAUGHT.store(signal, Ordering::SeqCst);
+    }
+
+    /// Catches SIGTERM and SIGINT from now on.
+    pub(crate) fn catch() -> io::Result<()> {
+        for signal in [libc::SIGTERM, libc::SIGINT] {
+            // SAFETY: an all-zero `sigaction` is a valid value of the plain C struct
+            // (no handler, empty flags); the fields that matter are set below.
+            let mut action: libc::sigaction = unsafe { std::mem::zeroed() };
+            action.sa_sigaction = on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
+            action.sa_flags = libc::SA_RESTART;
+            // SAFETY: `action.sa_mask` is a valid, exclusively borrowed `sigset_t`.
+            unsafe { libc::sigemptyset(&mut action.sa_mask) };
+            // SAFETY: `action` is initialised and outlives the call; the old action is
+            // not asked for (null). The handler only stores into an atomic, which is
+            // async-signal-safe, and runs on whatever thread takes the signal.
+            if unsafe { libc::sigaction(signal, &action, std::ptr::null_mut()) } != 0 {
+                return Err(io::Error::last_os_error());
+            }
+        }
+        Ok(())
+    }
+
+    /// The signal caught since the last call, if any.
+    pub(crate) fn take() -> Option<i32> {
+        match CAUGHT.swap(0, Ordering::SeqCst) {
+            0 => None,
+            signal => Some(signal),
+        }
+    }
+
+    /// The signal's name, for messages.
+    pub(crate) fn name(signal: i32) -> String {
+        match signal {
+            libc::SIGTERM => "SIGTERM".into(),
+            libc::SIGINT => "SIGINT".into(),
+            libc::SIGKILL => "SIGKILL".into(),
+            other => format!("signal {other}"),
+        }
+    }
+}
+
 const USAGE: &str = "\
-usage: launch -n N [--port P] [--timeout SECS] [--] PROGRAM [ARGS...]
+usage: launch -n N [--port P] [--timeout SECS] [--grace SECS] [--] PROGRAM [ARGS...]
 
 Starts N local processes of PROGRAM with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
-MASTER_ADDR=127.0.0.1 and MASTER_PORT set, and waits for them.
+MASTER_ADDR=127.0.0.1, MASTER_PORT and LOWRANK_STORE_TOKEN set, and waits for them.
 
 options:
   -n, --nproc N      number of ranks (at least 1)
       --port P       MASTER_PORT (default, or 0: a free port)
       --timeout SECS kill every rank after SECS seconds (default: no limit)
-  -h, --help         print this help";
+      --grace SECS   after forwarding SIGTERM or SIGINT, wait SECS for the ranks to
+                     exit before killing them (default 10)
+  -h, --help         print this help
+
+token:
+  Rank 0 serves the rendezvous store; it refuses every client that does not present
+  the token in LOWRANK_STORE_TOKEN, before reading any key. launch passes each rank
+  the LOWRANK_STORE_TOKEN of its own environment if set (16 to 1024 printable ASCII
+  characters, no spaces), and otherwise a fresh random one (128 bits) for this job
+  alone. For a job across hosts, started otherwise, set the same LOWRANK_STORE_TOKEN
+  on every rank (e.g. from `openssl rand -hex 16`) and a MASTER_ADDR the other hosts
+  reach; rank 0's store binds only that address. The token travels in the clear: it
+  keeps out other users of the hosts and network, not someone who reads the traffic.
+
+processes and signals:
+  Each rank runs in its own process group, with what it starts; what is left of a
+  group when its rank exits is killed. On a failed rank or the timeout, every group
+  is killed. SIGTERM and SIGINT are forwarded to every group, which is killed after
+  --grace SECS or a second signal; launch then exits with 128 + the signal number.";
 
 /// How often running ranks are polled: std offers no wait on any of several children.
 const POLL: Duration = Duration::from_millis(10);
@@ -44,6 +127,7 @@ struct Options {
     nproc: usize,
     port: Option<u16>,
     timeout: Option<Duration>,
+    grace: Duration,
     program: OsString,
     args: Vec<OsString>,
 }
@@ -58,10 +142,12 @@ enum Failure {
         after: Duration,
         running: Vec<usize>,
     },
+    /// `launch` caught this signal and forwarded it; these ranks had to be killed.
+    Signal { signal: i32, killed: Vec<usize> },
     /// A rank could not be started.
     Spawn { rank: usize, error: String },
-    /// No free port could be found.
-    Port(String),
+    /// Something the launch needs is missing: a free port, a token, signal handlers.
+    Setup(String),
 }
 
 fn main() -> ExitCode {
@@ -88,12 +174,23 @@ fn main() -> ExitCode {
                     eprintln!("launch: timed out after {after:?}; killed ranks {running:?}");
                     124
                 }
+                Failure::Signal { signal, killed } => {
+                    let name = signals::name(*signal);
+                    if killed.is_empty() {
+                        eprintln!("launch: {name}: forwarded to every rank; all have exited");
+                    } else {
+                        eprintln!(
+                            "launch: {name}: forwarded to every rank; killed ranks {killed:?}"
+                        );
+                    }
+                    u8::try_from(128 + signal).unwrap_or(1)
+                }
                 Failure::Spawn { rank, error } => {
                     eprintln!("launch: cannot start rank {rank}: {error}");
                     127
                 }
-                Failure::Port(error) => {
-                    eprintln!("launch: cannot find a free port: {error}");
+                Failure::Setup(error) => {
+                    eprintln!("launch: {error}");
                     1
                 }
             };
@@ -102,10 +199,19 @@ fn main() -> ExitCode {
     }
 }
 
+/// Parses `SECS` of `--name SECS`: a positive number of seconds.
+fn seconds(name: &str, v: &str) -> Result<Duration, String> {
+    match v.parse::<f64>().ok().map(Duration::try_from_secs_f64) {
+        Some(Ok(t)) if !t.is_zero() => Ok(t),
+        _ => Err(format!("{name} {v:?}: not a positive number of seconds")),
+    }
+}
+
 /// The options, `Ok(None)` for `--help`, or a usage error.
 fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Option<Options>, String> {
     let mut args = args.into_iter();
     let (mut nproc, mut port, mut timeout) = (None, None, None);
+    let mut grace = Duration::from_secs(10);
     let program = loop {
         let Some(arg) = args.next() else {
             return Err("no program to launch".into());
@@ -144,13 +250,8 @@ fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Option<Options
                         .map_err(|_| format!("--port {v:?}: not a port"))?,
                 );
             }
-            "--timeout" => {
-                let v = value("a number of seconds")?;
-                match v.parse::<f64>().ok().map(Duration::try_from_secs_f64) {
-                    Some(Ok(t)) if !t.is_zero() => timeout = Some(t),
-                    _ => return Err(format!("--timeout {v:?}: not a positive number of seconds")),
-                }
-            }
+            "--timeout" => timeout = Some(seconds(name, &value("a number of seconds")?)?),
+            "--grace" => grace = seconds(name, &value("a number of seconds")?)?,
             _ if name.starts_with('-') => return Err(format!("unknown option {name}")),
             _ => break arg,
         }
@@ -160,19 +261,82 @@ fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Option<Options
         nproc,
         port: port.filter(|&p| p != 0),
         timeout,
+        grace,
         program,
         args: args.collect(),
     }))
 }
 
-/// Starts the ranks and waits for them; kills the rest on the first failure or timeout.
+/// One started rank: the leader of its own process group (its pid is the group's id).
+struct Rank {
+    rank: usize,
+    child: Child,
+}
+
+impl Rank {
+    /// Sends `signal` to the rank's whole group.
+    ///
+    /// Called only while the leader is not reaped (its pid, the group's id, cannot be
+    /// reused then), so the signal reaches no other process's group.
+    fn signal_group(&self, signal: i32) {
+        let Ok(group) = libc::pid_t::try_from(self.child.id()) else {
+            return;
+        };
+        // SAFETY: `killpg` takes no pointers; any arguments are memory-safe. An error
+        // (ESRCH: the group is empty) needs no handling.
+        unsafe { libc::killpg(group, signal) };
+    }
+
+    /// The rank's exit status if it has exited, leaving it unreaped; then its group,
+    /// still named by the zombie leader, is killed, and the rank reaped.
+    fn finish_if_exited(&mut self) -> io::Result<Option<std::process::ExitStatus>> {
+        if !exited_unreaped(self.child.id())? {
+            return Ok(None);
+        }
+        // Whatever the rank left running in its group goes with it.
+        self.signal_group(libc::SIGKILL);
+        self.child.wait().map(Some)
+    }
+}
+
+/// Whether the child `pid` has exited, without reaping it (`WNOWAIT`).
+fn exited_unreaped(pid: u32) -> io::Result<bool> {
+    let pid = libc::id_t::from(pid);
+    // SAFETY: an all-zero `siginfo_t` is a valid value of the plain C struct.
+    let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `info` is a valid, exclusively borrowed `siginfo_t` for the call to fill.
+    let rc = unsafe {
+        libc::waitid(
+            libc::P_PID,
+            pid,
+            &mut info,
+            libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `waitid` succeeded, so `info` holds either zeros (no change) or a
+    // child's exit, whose `si_pid` is set.
+    Ok(unsafe { info.si_pid() } != 0)
+}
+
+/// Starts the ranks and waits for them; kills the rest on the first failure, the
+/// timeout or a forwarded signal.
 fn launch(options: &Options) -> Result<(), Failure> {
+    signals::catch().map_err(|e| Failure::Setup(format!("cannot catch signals: {e}")))?;
     let port = match options.port {
         Some(port) => port,
-        None => free_port().map_err(|e| Failure::Port(e.to_string()))?,
+        None => free_port().map_err(|e| Failure::Setup(format!("cannot find a free port: {e}")))?,
+    };
+    let token = match StoreToken::from_env() {
+        Ok(Some(token)) => token,
+        Ok(None) => StoreToken::generate()
+            .map_err(|e| Failure::Setup(format!("cannot make a store token: {e}")))?,
+        Err(e) => return Err(Failure::Setup(e.to_string())),
     };
     let start = Instant::now();
-    let mut running: Vec<(usize, Child)> = Vec::with_capacity(options.nproc);
+    let mut running: Vec<Rank> = Vec::with_capacity(options.nproc);
     for rank in 0..options.nproc {
         let spawned = Command::new(&options.program)
             .args(&options.args)
@@ -182,9 +346,14 @@ fn launch(options: &Options) -> Result<(), Failure> {
             .env("LOCAL_WORLD_SIZE", options.nproc.to_string())
             .env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", port.to_string())
+            .env(TOKEN_ENV, token.secret())
+            // Its own group: killed as one, and out of the terminal's foreground group,
+            // so a rank reading the terminal would stop; it reads nothing instead.
+            .process_group(0)
+            .stdin(Stdio::null())
             .spawn();
         match spawned {
-            Ok(child) => running.push((rank, child)),
+            Ok(child) => running.push(Rank { rank, child }),
             Err(e) => {
                 kill_all(&mut running);
                 let error = format!("{}: {e}", options.program.to_string_lossy());
@@ -193,12 +362,13 @@ fn launch(options: &Options) -> Result<(), Failure> {
         }
     }
     loop {
+        if let Some(signal) = signals::take() {
+            return Err(forward(signal, &mut running, options.grace));
+        }
         let mut failed = None;
         let mut index = 0;
         while index < running.len() {
-            let (rank, child) = &mut running[index];
-            let rank = *rank;
-            let status = match child.try_wait() {
+            let status = match running[index].finish_if_exited() {
                 Ok(None) => {
                     index += 1;
                     continue;
@@ -207,7 +377,7 @@ fn launch(options: &Options) -> Result<(), Failure> {
                 Ok(Some(status)) => Some(status.to_string()),
                 Err(e) => Some(format!("cannot wait for it: {e}")),
             };
-            running.swap_remove(index);
+            let rank = running.swap_remove(index).rank;
             // Of the failures seen in one poll, the lowest rank is reported.
             if let Some(status) = status {
                 if failed.as_ref().is_none_or(|(r, _)| rank < *r) {
@@ -224,9 +394,7 @@ fn launch(options: &Options) -> Result<(), Failure> {
         }
         if let Some(timeout) = options.timeout {
             if start.elapsed() >= timeout {
-                let mut ranks: Vec<usize> = running.iter().map(|(rank, _)| *rank).collect();
-                ranks.sort_unstable();
-                kill_all(&mut running);
+                let ranks = kill_all(&mut running);
                 return Err(Failure::TimedOut {
                     after: timeout,
                     running: ranks,
@@ -237,20 +405,49 @@ fn launch(options: &Options) -> Result<(), Failure> {
     }
 }
 
+/// Forwards `signal` to every rank's group, waits up to `grace` (or a second signal) for
+/// the ranks to exit, and kills the groups of those that did not.
+fn forward(signal: i32, running: &mut Vec<Rank>, grace: Duration) -> Failure {
+    for rank in running.iter() {
+        rank.signal_group(signal);
+    }
+    let deadline = Instant::now().checked_add(grace);
+    while !running.is_empty() && deadline.is_none_or(|d| Instant::now() < d) {
+        if signals::take().is_some() {
+            break;
+        }
+        // A rank that cannot be waited for is left to `kill_all`.
+        running.retain_mut(|rank| !matches!(rank.finish_if_exited(), Ok(Some(_))));
+        thread::sleep(POLL);
+    }
+    Failure::Signal {
+        signal,
+        killed: kill_all(running),
+    }
+}
+
 /// A port that was free a moment ago; rank 0 binds it soon after.
-fn free_port() -> std::io::Result<u16> {
+fn free_port() -> io::Result<u16> {
     Ok(TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?
         .local_addr()?
         .port())
 }
 
-/// Kills (SIGKILL) and reaps every child still running.
-fn kill_all(running: &mut Vec<(usize, Child)>) {
-    for (_, child) in running.iter_mut() {
-        // An error means it has exited already; `wait` reaps it either way.
-        let _ = child.kill();
+/// Kills (SIGKILL) the group of every rank still running, then reaps the ranks; returns
+/// their numbers, sorted.
+fn kill_all(running: &mut Vec<Rank>) -> Vec<usize> {
+    // Every group is signalled before any leader is reaped, so each group id still
+    // names its group.
+    for rank in running.iter() {
+        rank.signal_group(libc::SIGKILL);
     }
-    for (_, mut child) in running.drain(..) {
-        let _ = child.wait();
-    }
+    let mut ranks: Vec<usize> = running
+        .drain(..)
+        .map(|mut rank| {
+            let _ = rank.child.wait();
+            rank.rank
+        })
+        .collect();
+    ranks.sort_unstable();
+    ranks
 }

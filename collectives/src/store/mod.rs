@@ -1,55 +1,120 @@
-//! A TCP key-value store for rendezvous, like PyTorch's `TCPStore`.
+//! A TCP key-value store for rendezvous, like PyTorch's `TCPStore`, made for shared
+//! clusters: bounded, authenticated, and strict about rendezvous mistakes.
 //!
 //! Rank 0 runs the server ([`TcpStore::server`]) and is itself a client of it; every
-//! other rank connects with [`TcpStore::client`]. Ranks exchange small values through it
-//! (an NCCL unique id, a port) and meet at [`TcpStore::barrier`]s.
+//! other rank connects with [`TcpStore::client`]. Ranks [`join`](TcpStore::join), then
+//! exchange small values through it (an NCCL unique id, a port) and meet at
+//! [`TcpStore::barrier`]s. [`EnvInfo::connect_store`](crate::env::EnvInfo::connect_store)
+//! does the serving or connecting and the join from the launcher's variables.
 //!
 //! # Guarantees
 //! - **Every blocking call is bounded.** [`get`](TcpStore::get), [`wait`](TcpStore::wait),
-//!   [`barrier`](TcpStore::barrier) and connecting return [`Error::Timeout`] when their
-//!   timeout passes; a server that stops answering is a timeout too, never a hang.
+//!   [`barrier`](TcpStore::barrier), [`join`](TcpStore::join) and connecting return
+//!   [`Error::Timeout`] when their timeout passes; a server that stops answering is a
+//!   timeout too, never a hang.
 //! - **Clients may start first.** [`TcpStore::client`] retries until its timeout, so a
 //!   rank that starts before rank 0 has bound the port still joins.
-//! - **A missing rank is named.** A barrier that times out lists, in
-//!   [`Error::Timeout::missing`](Error::Timeout), the ranks that never arrived.
-//! - **Dropping the server stops it.** Requests it is already handling are answered
-//!   (so rank 0 may leave right after a final barrier), its threads are joined, and
-//!   clients' other pending and later operations fail with [`Error::Io`].
+//! - **The server's resources are bounded** by its [`StoreLimits`]: a cap on connections
+//!   (one more is told "busy"; clients retry), a deadline for the hello and for each
+//!   request once it starts, an idle timeout (clients reconnect on their own), a deadline
+//!   for each reply as a whole, and a cap on the bytes held, keys, values and requests in
+//!   flight together ([`Error::StoreQuota`]). A wait ends when its client disconnects.
+//!   [`TcpStore::stats`] shows what the server holds.
+//! - **No request is served before the hello**, and with a [`StoreToken`] none before a
+//!   hello carrying it ([`Error::Unauthorized`] otherwise); a client with a token also
+//!   refuses a server that does not check one.
+//! - **Rendezvous mistakes fail every rank, by name.** [`join`](TcpStore::join) registers
+//!   a rank with set-if-absent and compares world sizes: a rank claimed by two processes,
+//!   or ranks that disagree on the world size, is [`Error::Rendezvous`] naming the ranks
+//!   on every rank still in the rendezvous, and on the others at their next request.
+//! - **A missing rank is named on every rank.** A join or barrier that times out lists,
+//!   in [`Error::Timeout::missing`](Error::Timeout), the ranks that never arrived, and
+//!   hands the same error to every other rank's pending and later requests.
+//! - **Dropping the server stops it promptly.** Requests it is already handling are
+//!   answered (so rank 0 may leave right after a final barrier) within
+//!   [`StoreLimits::shutdown_grace`]; then every connection is cut, its threads are
+//!   joined, and clients' other pending and later operations fail with [`Error::Io`].
+//!   After a failure of the job (above), the server first serves on, for the grace
+//!   period at most, until every client has left, so that each rank's next request is
+//!   answered with the failure rather than a closed connection.
 //! - **A broken peer is an error value.** A malformed message is [`Error::Protocol`], a
 //!   lost connection [`Error::Io`]; after either, that client's connection is unusable and
 //!   says so.
 //!
 //! ```
 //! use std::time::Duration;
-//! use collectives::store::TcpStore;
+//! use collectives::store::{StoreOptions, StoreToken, TcpStore};
 //!
 //! let timeout = Duration::from_secs(5);
-//! let server = TcpStore::server(("127.0.0.1", 0), 2, timeout)?;
-//! let client = TcpStore::client("127.0.0.1", server.port(), timeout)?;
+//! let mut options = StoreOptions::default();
+//! options.token = Some(StoreToken::generate()?);
+//! let server = TcpStore::server_with(("127.0.0.1", 0), 2, timeout, &options)?;
+//! let client = TcpStore::client_with("127.0.0.1", server.port(), timeout, &options)?;
 //! client.set("nccl_id", b"\x01\x02")?;
 //! assert_eq!(server.get("nccl_id")?, b"\x01\x02");
 //! assert_eq!(server.add("count", 2)?, 2);
 //! assert_eq!(client.add("count", 1)?, 3);
+//! // Without the token, nothing is served.
+//! let refused = TcpStore::client("127.0.0.1", server.port(), timeout);
+//! assert!(matches!(refused, Err(collectives::Error::Unauthorized(_))));
 //! # Ok::<(), collectives::Error>(())
 //! ```
 //!
 //! The protocol is private: each message is a 4-byte big-endian length and a payload, one
-//! request and one reply at a time per connection. Waits happen on the server (a condition
-//! variable with a deadline), so a waiting client costs no traffic.
+//! request and one reply at a time per connection, the hello first. Waits happen on the
+//! server (a condition variable with a deadline), so a waiting client costs no traffic.
+//! The token travels in the clear: it keeps out other users of a shared host or network,
+//! not someone who can read the job's traffic.
 
 mod client;
+mod frame;
+mod limits;
 mod server;
+mod state;
+mod token;
 mod wire;
 
+use std::collections::HashSet;
 use std::fmt;
-use std::net::{SocketAddr, ToSocketAddrs};
+use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
 use std::time::Duration;
 
 use crate::{Error, Result};
 
 use client::Client;
 use server::Server;
-use wire::{Request, Response};
+use state::join_key;
+use wire::{Failure, Request, Response};
+
+pub use limits::{StoreLimits, StoreStats, ENTRY_OVERHEAD};
+pub use token::{StoreToken, MAX_TOKEN_LEN, MIN_TOKEN_LEN, TOKEN_ENV};
+
+/// The largest world size a store, a join, a barrier or the environment accepts: far
+/// above any job run today, and small enough that a barrier's list of keys fits in one
+/// request. Larger is [`Error::InvalidArgument`] (or [`Error::InvalidEnv`]), checked
+/// before anything is allocated for the ranks.
+pub const MAX_WORLD_SIZE: usize = 1 << 20;
+
+/// How a store is served or joined: the shared token and the server's limits.
+///
+/// ```
+/// use collectives::store::{StoreLimits, StoreOptions};
+///
+/// let mut options = StoreOptions::default();
+/// options.limits = StoreLimits::for_world_size(4096);
+/// assert_eq!(options.limits.max_connections, 8192);
+/// assert!(options.token.is_none());
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct StoreOptions {
+    /// The secret every client must present in its hello. `None`: the server accepts
+    /// any client that reaches it, and a client refuses a server that checks none only
+    /// when it has a token itself.
+    pub token: Option<StoreToken>,
+    /// The server's limits; a client ignores them.
+    pub limits: StoreLimits,
+}
 
 /// A client of a TCP key-value store, and on rank 0 also its server.
 ///
@@ -60,41 +125,97 @@ pub struct TcpStore {
     client: Client,
     server: Option<Server>,
     timeout: Duration,
+    /// Tells the server that a second join of a rank from this value is no second process.
+    join_id: String,
 }
 
 impl TcpStore {
-    /// Binds `addr`, serves the store from background threads, and connects to it.
+    /// Binds `addr`, serves the store from background threads, and connects to it; no
+    /// token, and the default limits with room for `world_size` ranks
+    /// ([`StoreLimits::for_world_size`]). See [`server_with`](Self::server_with).
+    pub fn server(addr: impl ToSocketAddrs, world_size: usize, timeout: Duration) -> Result<Self> {
+        let options = StoreOptions {
+            token: None,
+            limits: StoreLimits::for_world_size(world_size),
+        };
+        TcpStore::server_with(addr, world_size, timeout, &options)
+    }
+
+    /// Binds `addr`, serves the store from background threads with `options`' token and
+    /// limits, and connects to it.
     ///
     /// Port 0 picks a free port; [`port`](Self::port) tells which. `world_size` is the
-    /// number of ranks the job has (at least 1); clients learn it when they connect.
-    /// `timeout` bounds every operation of the returned store that does not take its own.
-    pub fn server(addr: impl ToSocketAddrs, world_size: usize, timeout: Duration) -> Result<Self> {
-        if world_size == 0 {
-            return Err(Error::InvalidArgument(
-                "a store needs a world of at least one rank".into(),
-            ));
-        }
-        let server = Server::start(addr, world_size)?;
-        let client = Client::connect(&server.addr.to_string(), server.addr, timeout)?;
+    /// number of ranks the job has (1 to [`MAX_WORLD_SIZE`]); clients learn it when they
+    /// connect. `timeout` bounds every operation of the returned store that does not
+    /// take its own. A bad world size or limit is [`Error::InvalidArgument`].
+    pub fn server_with(
+        addr: impl ToSocketAddrs,
+        world_size: usize,
+        timeout: Duration,
+        options: &StoreOptions,
+    ) -> Result<Self> {
+        check_world_size(world_size)?;
+        options.limits.validate(world_size)?;
+        let listener = TcpListener::bind(addr).map_err(|e| Error::io("binding the store", e))?;
+        TcpStore::serve_on(listener, world_size, timeout, options)
+    }
+
+    /// Serves the store on a bound `listener`; see [`server_with`](Self::server_with).
+    pub(crate) fn serve_on(
+        listener: TcpListener,
+        world_size: usize,
+        timeout: Duration,
+        options: &StoreOptions,
+    ) -> Result<Self> {
+        check_world_size(world_size)?;
+        options.limits.validate(world_size)?;
+        let server = Server::start(
+            listener,
+            world_size,
+            options.token.clone(),
+            options.limits.clone(),
+        )?;
+        let client = Client::connect(
+            &server.addr.to_string(),
+            server.addr,
+            timeout,
+            options.token.clone(),
+        )?;
         Ok(TcpStore {
             client,
             server: Some(server),
             timeout,
+            join_id: token::join_id(),
         })
     }
 
-    /// Connects to the store served at `host:port`, retrying until `timeout` passes.
-    ///
-    /// The server need not exist yet: refused connections are retried with a short
-    /// back-off. A peer that answers but is not a store is [`Error::Protocol`]; no
-    /// answer in time is [`Error::Timeout`].
+    /// Connects to the store served at `host:port` without a token, retrying until
+    /// `timeout` passes. See [`client_with`](Self::client_with).
     pub fn client(host: &str, port: u16, timeout: Duration) -> Result<Self> {
+        TcpStore::client_with(host, port, timeout, &StoreOptions::default())
+    }
+
+    /// Connects to the store served at `host:port`, presenting `options`' token, retrying
+    /// until `timeout` passes.
+    ///
+    /// The server need not exist yet: refused connections, and a server at its
+    /// connection limit, are retried with a short back-off. A peer that answers but is
+    /// not a store is [`Error::Protocol`]; a server that refuses the token, or checks
+    /// none while this client has one, is [`Error::Unauthorized`]; no answer in time is
+    /// [`Error::Timeout`].
+    pub fn client_with(
+        host: &str,
+        port: u16,
+        timeout: Duration,
+        options: &StoreOptions,
+    ) -> Result<Self> {
         let name = format!("{host}:{port}");
-        let client = Client::connect(&name, (host, port), timeout)?;
+        let client = Client::connect(&name, (host, port), timeout, options.token.clone())?;
         Ok(TcpStore {
             client,
             server: None,
             timeout,
+            join_id: token::join_id(),
         })
     }
 
@@ -124,9 +245,16 @@ impl TcpStore {
         self.timeout
     }
 
+    /// What the server holds now (connections, parked waits, keys, bytes); `None` for a
+    /// client, which cannot see it.
+    pub fn stats(&self) -> Option<StoreStats> {
+        self.server.as_ref().map(Server::stats)
+    }
+
     /// Sets `key` to `value`, replacing any value it had, and wakes its waiters.
     ///
-    /// A request larger than 64 MiB is [`Error::InvalidArgument`].
+    /// A request larger than 64 MiB is [`Error::InvalidArgument`]; one the server has no
+    /// room for, [`Error::StoreQuota`].
     pub fn set(&self, key: &str, value: &[u8]) -> Result<()> {
         match self.call("set", &Request::Set { key, value }, Duration::ZERO)? {
             Response::Unit => Ok(()),
@@ -134,11 +262,25 @@ impl TcpStore {
         }
     }
 
+    /// Sets `key` to `value` only if it does not exist, atomically; returns the value it
+    /// already had (and then leaves it), or `None` when this call set it.
+    pub fn set_if_absent(&self, key: &str, value: &[u8]) -> Result<Option<Vec<u8>>> {
+        match self.call(
+            "set_if_absent",
+            &Request::SetIfAbsent { key, value },
+            Duration::ZERO,
+        )? {
+            Response::Unit => Ok(None),
+            Response::Value(existing) => Ok(Some((*existing).as_ref().to_vec())),
+            other => Err(unexpected("set_if_absent", &other)),
+        }
+    }
+
     /// The value of `key`, waiting up to the store's timeout for some rank to set it.
     pub fn get(&self, key: &str) -> Result<Vec<u8>> {
         let timeout = self.timeout;
         match self.call("get", &Request::Get { key, timeout }, timeout)? {
-            Response::Value(value) => Ok(value),
+            Response::Value(value) => Ok((*value).as_ref().to_vec()),
             Response::TimedOut(_) => Err(Error::Timeout {
                 what: format!("store get of key {key:?}"),
                 after: timeout,
@@ -194,14 +336,57 @@ impl TcpStore {
         }
     }
 
+    /// Registers this process as rank `rank` of `world_size` and waits, up to `timeout`,
+    /// until every rank has: the rendezvous at the start of a job, which
+    /// [`EnvInfo::connect_store`](crate::env::EnvInfo::connect_store) does.
+    ///
+    /// The rank is registered with set-if-absent, so a second process claiming it fails;
+    /// the world size is compared with the server's. Either mistake is
+    /// [`Error::Rendezvous`] naming the ranks, on every rank still waiting here and on the
+    /// others at their next request. On timeout the error's `missing` lists the ranks
+    /// that never joined, and every other rank's pending and later requests fail with
+    /// the same error. Joining again from the same `TcpStore` value is no mistake.
+    /// `rank >= world_size` or a world size above [`MAX_WORLD_SIZE`] is
+    /// [`Error::InvalidArgument`].
+    pub fn join(&self, rank: usize, world_size: usize, timeout: Duration) -> Result<()> {
+        check_world_size(world_size)?;
+        if rank >= world_size {
+            return Err(Error::InvalidArgument(format!(
+                "join: rank {rank} is not below the world size {world_size}"
+            )));
+        }
+        let request = Request::Join {
+            rank: rank as u64,
+            world_size: world_size as u64,
+            id: self.join_id.as_bytes(),
+        };
+        match self.call("join", &request, Duration::ZERO)? {
+            Response::Unit => {}
+            other => return Err(unexpected("join", &other)),
+        }
+        let keys: Vec<String> = (0..world_size).map(join_key).collect();
+        let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let missing = self.missing_after(None, &refs, timeout)?;
+        if missing.is_empty() {
+            return Ok(());
+        }
+        Err(self.fail(Error::Timeout {
+            what: format!("the rendezvous of {world_size} ranks (rank {rank} waited)"),
+            after: timeout,
+            missing: ranks_of(&keys, &missing),
+        }))
+    }
+
     /// Waits until all `world_size` ranks have called `barrier` with this `name`, up to
     /// `timeout`.
     ///
     /// Each rank adds one to its own counter `{name}/calls/{rank}` (its generation `g`),
     /// then, in one request, registers `{name}/{g}/rank/{rank}` and waits for every
     /// rank's key of generation `g`; so a name serves any number of successive barriers.
-    /// On timeout the error's `missing` lists the ranks that never arrived.
-    /// `rank >= world_size` is [`Error::InvalidArgument`].
+    /// On timeout the error's `missing` lists the ranks that never arrived, and every
+    /// other rank's pending and later requests fail with the same error (the job cannot
+    /// go on without those ranks). `rank >= world_size`, or a world size above
+    /// [`MAX_WORLD_SIZE`], is [`Error::InvalidArgument`].
     ///
     /// The server stops when rank 0's store is dropped; requests it is already handling
     /// are answered first, so rank 0 may drop it right after a final barrier.
@@ -212,6 +397,8 @@ impl TcpStore {
         rank: usize,
         timeout: Duration,
     ) -> Result<()> {
+        // Before anything is allocated for the ranks.
+        check_world_size(world_size)?;
         if rank >= world_size {
             return Err(Error::InvalidArgument(format!(
                 "barrier {name:?}: rank {rank} is not below the world size {world_size}"
@@ -229,14 +416,22 @@ impl TcpStore {
         if missing.is_empty() {
             return Ok(());
         }
-        let ranks: Vec<usize> = (0..world_size)
-            .filter(|&r| missing.contains(&keys[r]))
-            .collect();
-        Err(Error::Timeout {
+        Err(self.fail(Error::Timeout {
             what: format!("barrier {name:?} (rank {rank} of {world_size})"),
             after: timeout,
-            missing: ranks,
-        })
+            missing: ranks_of(&keys, &missing),
+        }))
+    }
+
+    /// Hands `error` to every rank's pending and later requests, then returns it. Best
+    /// effort: the error is this rank's whether the server hears of it or not.
+    fn fail(&self, error: Error) -> Error {
+        if let Some(failure) = Failure::from_error(&error) {
+            if let Err(e) = self.call("fail", &Request::Fail(failure), Duration::ZERO) {
+                tracing::debug!(error = %e, "could not tell the store of a failure");
+            }
+        }
+        error
     }
 
     /// Sets `arrive` (if any), then returns the keys of `keys` still missing when all
@@ -276,6 +471,29 @@ impl fmt::Debug for TcpStore {
             .field("timeout", &self.timeout)
             .finish()
     }
+}
+
+/// `Ok` for a world size a store accepts.
+fn check_world_size(world_size: usize) -> Result<()> {
+    if world_size == 0 {
+        return Err(Error::InvalidArgument(
+            "a store needs a world of at least one rank".into(),
+        ));
+    }
+    if world_size > MAX_WORLD_SIZE {
+        return Err(Error::InvalidArgument(format!(
+            "a world of {world_size} ranks is more than the {MAX_WORLD_SIZE} a store supports"
+        )));
+    }
+    Ok(())
+}
+
+/// The ranks whose key (`keys[rank]`) is among `missing`.
+fn ranks_of(keys: &[String], missing: &[String]) -> Vec<usize> {
+    let missing: HashSet<&str> = missing.iter().map(String::as_str).collect();
+    (0..keys.len())
+        .filter(|&r| missing.contains(keys[r].as_str()))
+        .collect()
 }
 
 fn unexpected(op: &str, reply: &Response) -> Error {

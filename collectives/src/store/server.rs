@@ -1,20 +1,20 @@
-//! The serving side: binding, the accept thread, one thread per connection, the
-//! key-value state with its waits, and shutdown when the server is dropped.
+//! The serving side: the accept thread and its connection cap, one thread per
+//! connection with its hello, read and reply deadlines, and a prompt stop when the
+//! server is dropped.
 
-use std::collections::HashMap;
-use std::net::{
-    IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs,
-};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::io::{self, Write};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::{Arc, PoisonError};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 use crate::{Error, Result};
 
-use super::wire::{self, read_frame, write_frame, FrameError, Request, Response};
-
-/// How long the server tries to write a reply before giving up on its client.
-const SERVER_WRITE_TIMEOUT: Duration = Duration::from_secs(10);
+use super::frame::{self, deadline_after, is_timeout, read_by, write_frame};
+use super::limits::{Charge, OverQuota, StoreLimits, StoreStats};
+use super::state::{quota, Connection, Shared};
+use super::token::{StoreToken, MAX_TOKEN_LEN};
+use super::wire::{self, Request, Response};
 
 /// The serving side: an accept thread and one thread per connection.
 pub(super) struct Server {
@@ -24,43 +24,18 @@ pub(super) struct Server {
     accept: Option<JoinHandle<()>>,
 }
 
-struct Shared {
-    state: Mutex<State>,
-    /// Notified whenever a key is set and when the server stops.
-    changed: Condvar,
-    world_size: usize,
-}
-
-/// A clone of a connection's stream, and whether a request of it is being handled.
-struct Connection {
-    stream: TcpStream,
-    busy: bool,
-}
-
-struct State {
-    data: HashMap<String, Vec<u8>>,
-    stopping: bool,
-    /// The open connections, so that stopping can shut down the idle ones.
-    conns: HashMap<u64, Connection>,
-    next_conn: u64,
-}
-
 impl Server {
-    pub(super) fn start(addr: impl ToSocketAddrs, world_size: usize) -> Result<Server> {
-        let listener = TcpListener::bind(addr).map_err(|e| Error::io("binding the store", e))?;
+    /// Serves the store on `listener` from background threads.
+    pub(super) fn start(
+        listener: TcpListener,
+        world_size: usize,
+        token: Option<StoreToken>,
+        limits: StoreLimits,
+    ) -> Result<Server> {
         let bound = listener
             .local_addr()
             .map_err(|e| Error::io("binding the store", e))?;
-        let shared = Arc::new(Shared {
-            state: Mutex::new(State {
-                data: HashMap::new(),
-                stopping: false,
-                conns: HashMap::new(),
-                next_conn: 0,
-            }),
-            changed: Condvar::new(),
-            world_size,
-        });
+        let shared = Arc::new(Shared::new(world_size, token, limits));
         let accept = {
             let shared = Arc::clone(&shared);
             thread::Builder::new()
@@ -75,10 +50,20 @@ impl Server {
             accept: Some(accept),
         })
     }
+
+    pub(super) fn stats(&self) -> StoreStats {
+        self.shared.stats()
+    }
 }
 
 impl Drop for Server {
     fn drop(&mut self) {
+        // After the job failed, ranks still connected get the failure in reply to their
+        // next request, not a closed connection: the server serves on until they have
+        // left, for the grace period at most.
+        if self.shared.has_failed() {
+            self.wait_for_connections(self.shared.limits.shutdown_grace);
+        }
         {
             let mut state = self.shared.lock();
             state.stopping = true;
@@ -102,6 +87,42 @@ impl Drop for Server {
                 tracing::warn!(addr = %self.addr, "cannot wake the store's accept thread; left running");
             }
         }
+        // Replies in hand get the grace period; then every connection is cut, which
+        // ends a write to a client that does not read at once.
+        self.wait_for_connections(self.shared.limits.shutdown_grace);
+        let mut state = self.shared.lock();
+        for conn in state.conns.values() {
+            let _ = conn.stream.shutdown(Shutdown::Both);
+        }
+        let workers = std::mem::take(&mut state.workers);
+        drop(state);
+        for worker in workers {
+            if worker.join().is_err() {
+                tracing::warn!("a store connection thread panicked");
+            }
+        }
+    }
+}
+
+impl Server {
+    /// Waits until every connection has closed, or `grace` has passed.
+    fn wait_for_connections(&self, grace: Duration) {
+        let end = Instant::now().checked_add(grace);
+        let mut state = self.shared.lock();
+        while !state.conns.is_empty() {
+            let left = end.map_or(Duration::MAX, |end| {
+                end.saturating_duration_since(Instant::now())
+            });
+            if left.is_zero() {
+                break;
+            }
+            state = self
+                .shared
+                .closed
+                .wait_timeout(state, left)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
     }
 }
 
@@ -119,14 +140,14 @@ fn reachable(addr: SocketAddr) -> SocketAddr {
 }
 
 fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
-    let mut workers: Vec<JoinHandle<()>> = Vec::new();
     loop {
         let accepted = listener.accept();
+        let accepted_at = Instant::now();
         if shared.lock().stopping {
             break;
         }
-        let stream = match accepted {
-            Ok((stream, _)) => stream,
+        let (stream, peer) = match accepted {
+            Ok(accepted) => accepted,
             Err(e) => {
                 // Out of descriptors and the like: back off instead of spinning.
                 tracing::warn!(error = %e, "store accept failed");
@@ -137,50 +158,122 @@ fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
         let Ok(clone) = stream.try_clone() else {
             continue;
         };
-        let id = {
-            let mut state = shared.lock();
-            // Checked under the lock that `Drop` takes, so no connection escapes shutdown.
-            if state.stopping {
-                break;
-            }
-            let id = state.next_conn;
-            state.next_conn += 1;
-            let conn = Connection {
+        let mut state = shared.lock();
+        // Checked under the lock that `Drop` takes, so no connection escapes shutdown.
+        if state.stopping {
+            break;
+        }
+        let max = shared.limits.max_connections;
+        if state.conns.len() >= max {
+            drop(state);
+            tracing::debug!(%peer, max, "store at its connection limit; refused a connection");
+            refuse_busy(stream, max);
+            continue;
+        }
+        let id = state.next_conn;
+        state.next_conn += 1;
+        state.conns.insert(
+            id,
+            Connection {
                 stream: clone,
                 busy: false,
-            };
-            state.conns.insert(id, conn);
-            id
-        };
-        let _ = stream.set_nodelay(true);
-        // Bounds how long a client that does not read its reply can delay stopping.
-        let _ = stream.set_write_timeout(Some(SERVER_WRITE_TIMEOUT));
-        workers.retain(|worker| !worker.is_finished());
+            },
+        );
+        state.workers.retain(|worker| !worker.is_finished());
         let worker_shared = Arc::clone(shared);
         let spawned = thread::Builder::new()
             .name("tcp-store-conn".into())
             .spawn(move || {
-                serve(&worker_shared, id, stream);
-                worker_shared.lock().conns.remove(&id);
+                let _closing = Closing {
+                    shared: &worker_shared,
+                    id,
+                };
+                serve(&worker_shared, id, stream, accepted_at);
             });
         match spawned {
-            Ok(worker) => workers.push(worker),
+            Ok(worker) => state.workers.push(worker),
             Err(e) => {
                 tracing::warn!(error = %e, "cannot start a store connection thread");
-                shared.lock().conns.remove(&id);
+                state.conns.remove(&id);
             }
-        }
-    }
-    for worker in workers {
-        if worker.join().is_err() {
-            tracing::warn!("a store connection thread panicked");
         }
     }
 }
 
-/// Answers one connection's requests until it closes, breaks the protocol or the server
-/// stops.
-fn serve(shared: &Shared, id: u64, mut stream: TcpStream) {
+/// Tells a connection over the cap so, without waiting for it: the frame fits in a new
+/// socket's send buffer, and a client that misses it sees the connection closed; either
+/// way it retries.
+fn refuse_busy(mut stream: TcpStream, max: usize) {
+    let reply = Response::Busy(format!("the store is at its limit of {max} connections"));
+    if let Ok((head, tail)) = reply.encode() {
+        let _ = stream.set_nonblocking(true);
+        let mut frame = (head.len() as u32).to_be_bytes().to_vec();
+        frame.extend_from_slice(&head);
+        frame.extend_from_slice(tail);
+        let _ = stream.write_all(&frame);
+    }
+    let _ = stream.shutdown(Shutdown::Both);
+}
+
+/// Removes a connection from the table when its thread ends, however it ends.
+struct Closing<'a> {
+    shared: &'a Shared,
+    id: u64,
+}
+
+impl Drop for Closing<'_> {
+    fn drop(&mut self) {
+        self.shared.lock().conns.remove(&self.id);
+        self.shared.closed.notify_all();
+    }
+}
+
+/// A request read from a connection.
+enum Incoming {
+    /// A whole frame, with the charge for its bytes.
+    Frame(Vec<u8>, Charge),
+    /// A frame that would pass the byte limit; it was read and dropped.
+    OverQuota(OverQuota),
+    /// A frame longer than the limit (its length, the limit); the connection is out of
+    /// step.
+    TooLarge(usize, usize),
+    /// The client closed the connection, sent nothing for too long, or broke off.
+    Gone,
+}
+
+/// Answers one connection: the hello first, then requests until the client leaves,
+/// breaks the protocol or goes quiet, or the server stops.
+fn serve(shared: &Shared, id: u64, mut stream: TcpStream, accepted_at: Instant) {
+    let _ = stream.set_nodelay(true);
+    let limits = &shared.limits;
+    // The hello arrives, whole, within the read timeout of connecting.
+    let hello_by = accepted_at.checked_add(limits.read_timeout);
+    let (reply, go_on) = match read_request(shared, &mut stream, hello_by, hello_by, MAX_HELLO) {
+        Incoming::Frame(frame, _charge) => match Request::decode(&frame) {
+            Ok(Request::Hello { token }) => shared.hello(token),
+            Ok(_) => (
+                Response::Refused("the first request must be the hello".into()),
+                false,
+            ),
+            Err(message) => (Response::Protocol(message), false),
+        },
+        Incoming::TooLarge(len, max) => (too_large(len, max), false),
+        // Retried by the client, as the connection cap is.
+        Incoming::OverQuota(refused) => (
+            Response::Busy(format!(
+                "the store holds {} of its limit of {} bytes",
+                refused.held, refused.limit
+            )),
+            false,
+        ),
+        Incoming::Gone => return,
+    };
+    if let Response::Refused(why) = &reply {
+        tracing::warn!(peer = ?stream.peer_addr().ok(), why, "store refused a connection");
+    }
+    if !send(shared, &mut stream, &reply) || !go_on {
+        return;
+    }
     let set_busy = |busy: bool| -> bool {
         let mut state = shared.lock();
         if let Some(conn) = state.conns.get_mut(&id) {
@@ -189,152 +282,122 @@ fn serve(shared: &Shared, id: u64, mut stream: TcpStream) {
         !state.stopping
     };
     loop {
-        let frame = read_frame(&mut stream);
+        let idle_by = deadline_after(limits.idle_timeout);
+        let incoming = read_request(shared, &mut stream, idle_by, None, wire::MAX_FRAME);
         if !set_busy(true) {
             return;
         }
-        let reply = match &frame {
-            Ok(Some(frame)) => match Request::decode(frame) {
-                Ok(request) => match shared.handle(request) {
-                    Some(reply) => reply,
-                    None => return,
-                },
-                Err(message) => Response::Protocol(message),
-            },
-            Ok(None) | Err(FrameError::Io(_)) => return,
-            Err(FrameError::TooLarge(len)) => Response::Protocol(format!(
-                "a request of {len} bytes exceeds the limit of {} bytes",
-                wire::MAX_FRAME
-            )),
+        // The request's bytes stay charged until its reply is out.
+        let (reply, _held) = match incoming {
+            Incoming::Frame(frame, charge) => {
+                let alive = || client_alive(&stream);
+                match shared.handle(frame, charge, &alive) {
+                    (Some(reply), held) => (reply, held),
+                    (None, _) => return,
+                }
+            }
+            Incoming::OverQuota(refused) => (quota(refused), None),
+            Incoming::TooLarge(len, max) => (too_large(len, max), None),
+            Incoming::Gone => return,
         };
         let fatal = matches!(reply, Response::Protocol(_));
-        let sent = reply
-            .encode()
-            .and_then(|payload| write_frame(&mut stream, &payload).map_err(|e| e.to_string()));
-        if !set_busy(false) || fatal || sent.is_err() {
+        let sent = send(shared, &mut stream, &reply);
+        if !set_busy(false) || fatal || !sent {
             return;
         }
     }
 }
 
-impl Shared {
-    fn lock(&self) -> MutexGuard<'_, State> {
-        // No code panics while holding the lock; recover the state if that ever changes.
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
-    }
+/// The longest hello: its token and a few bytes. A client not yet greeted gets no more
+/// of the server's memory than this.
+const MAX_HELLO: usize = MAX_TOKEN_LEN + 64;
 
-    /// The reply to `request`, or `None` when the server stops during a wait.
-    fn handle(&self, request: Request<'_>) -> Option<Response> {
-        Some(match request {
-            Request::Hello => Response::Hello {
-                world_size: self.world_size as u64,
-            },
-            Request::Set { key, value } => {
-                self.lock().data.insert(key.to_owned(), value.to_vec());
-                self.changed.notify_all();
-                Response::Unit
-            }
-            Request::Get { key, timeout } => {
-                let (state, missing) = self.wait_for(&[key], timeout)?;
-                match state.data.get(key) {
-                    Some(value) if missing.is_empty() => Response::Value(value.clone()),
-                    _ => Response::TimedOut(missing),
-                }
-            }
-            Request::Add { key, delta } => {
-                let reply = add(&mut self.lock().data, key, delta);
-                self.changed.notify_all();
-                reply
-            }
-            Request::Check { keys } => {
-                let state = self.lock();
-                Response::Bool(keys.iter().all(|key| state.data.contains_key(*key)))
-            }
-            Request::Wait {
-                arrive,
-                keys,
-                timeout,
-            } => {
-                if let Some(key) = arrive {
-                    self.lock().data.insert(key.to_owned(), b"1".to_vec());
-                    self.changed.notify_all();
-                }
-                let (state, missing) = self.wait_for(&keys, timeout)?;
-                drop(state);
-                if missing.is_empty() {
-                    Response::Unit
-                } else {
-                    Response::TimedOut(missing)
-                }
-            }
-            Request::Delete { key } => Response::Bool(self.lock().data.remove(key).is_some()),
-        })
-    }
+fn too_large(len: usize, max: usize) -> Response {
+    Response::Protocol(format!(
+        "a request of {len} bytes exceeds the limit of {max} bytes"
+    ))
+}
 
-    /// Waits until all `keys` exist or `timeout` passes; returns the lock and the keys
-    /// still missing, or `None` when the server stops.
-    fn wait_for(
-        &self,
-        keys: &[&str],
-        timeout: Duration,
-    ) -> Option<(MutexGuard<'_, State>, Vec<String>)> {
-        let deadline = Instant::now().checked_add(timeout);
-        let mut state = self.lock();
-        loop {
-            let missing: Vec<String> = keys
-                .iter()
-                .filter(|key| !state.data.contains_key(**key))
-                .map(|key| (*key).to_owned())
-                .collect();
-            // A wait already satisfied is answered even while the server stops.
-            if missing.is_empty() {
-                return Some((state, missing));
+/// Reads one request of at most `max_len` bytes: its first byte by `first_by`, the rest
+/// within the read timeout of that byte (and by `whole_by`, if given). The frame's bytes
+/// are charged to the meter before they are allocated.
+fn read_request(
+    shared: &Shared,
+    stream: &mut TcpStream,
+    first_by: Option<Instant>,
+    whole_by: Option<Instant>,
+    max_len: usize,
+) -> Incoming {
+    let mut len = [0u8; 4];
+    match read_by(stream, &mut len[..1], first_by) {
+        Ok(true) => {}
+        Ok(false) => return Incoming::Gone,
+        Err(e) => {
+            if is_timeout(&e) {
+                tracing::debug!("store closed a connection that sent nothing in time");
             }
-            if state.stopping {
-                return None;
-            }
-            let now = Instant::now();
-            if deadline.is_some_and(|d| d <= now) {
-                return Some((state, missing));
-            }
-            state = match deadline {
-                Some(deadline) => {
-                    self.changed
-                        .wait_timeout(state, deadline - now)
-                        .unwrap_or_else(PoisonError::into_inner)
-                        .0
-                }
-                // A timeout too large for an `Instant` is as good as none.
-                None => self
-                    .changed
-                    .wait(state)
-                    .unwrap_or_else(PoisonError::into_inner),
+            return Incoming::Gone;
+        }
+    }
+    let rest_by = match (deadline_after(shared.limits.read_timeout), whole_by) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    };
+    if !matches!(read_by(stream, &mut len[1..], rest_by), Ok(true)) {
+        return Incoming::Gone;
+    }
+    let len = u32::from_be_bytes(len) as usize;
+    if len > max_len {
+        return Incoming::TooLarge(len, max_len);
+    }
+    let charge = match shared.meter.charge(len) {
+        Ok(charge) => charge,
+        Err(refused) => {
+            // Reading the payload into nothing keeps the connection in step.
+            return match frame::discard_by(stream, len, rest_by) {
+                Ok(()) => Incoming::OverQuota(refused),
+                Err(_) => Incoming::Gone,
             };
+        }
+    };
+    let mut frame = vec![0u8; len];
+    match read_by(stream, &mut frame, rest_by) {
+        Ok(true) => Incoming::Frame(frame, charge),
+        Ok(false) if len == 0 => Incoming::Frame(frame, charge),
+        Ok(false) | Err(_) => Incoming::Gone,
+    }
+}
+
+/// Writes `reply` within the reply timeout; whether it was sent.
+fn send(shared: &Shared, stream: &mut TcpStream, reply: &Response) -> bool {
+    let deadline = deadline_after(shared.limits.reply_timeout);
+    let written = reply.encode().map_err(|message| {
+        tracing::warn!(message, "store reply cannot be encoded");
+        io::Error::new(io::ErrorKind::InvalidData, message)
+    });
+    match written.and_then(|(head, tail)| write_frame(stream, &head, tail, deadline)) {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::debug!(error = %e, "store reply not delivered; closing the connection");
+            false
         }
     }
 }
 
-fn add(data: &mut HashMap<String, Vec<u8>>, key: &str, delta: i64) -> Response {
-    let old = match data.get(key) {
-        None => 0,
-        Some(bytes) => match std::str::from_utf8(bytes)
-            .ok()
-            .and_then(|s| s.parse::<i64>().ok())
-        {
-            Some(old) => old,
-            None => {
-                return Response::Invalid(format!(
-                    "add to key {key:?}: its {} bytes are not a decimal integer",
-                    bytes.len()
-                ))
-            }
-        },
-    };
-    match old.checked_add(delta) {
-        Some(new) => {
-            data.insert(key.to_owned(), new.to_string().into_bytes());
-            Response::Int(new)
-        }
-        None => Response::Invalid(format!("add of {delta} to key {key:?} ({old}) overflows")),
+/// Whether the client of a connection is still there, seen without blocking: a closed
+/// or reset connection reads as gone; bytes waiting or nothing yet, as there.
+fn client_alive(stream: &TcpStream) -> bool {
+    if stream.set_nonblocking(true).is_err() {
+        return false;
     }
+    let mut byte = [0u8; 1];
+    let alive = match stream.peek(&mut byte) {
+        Ok(0) => false,
+        Ok(_) => true,
+        Err(e) => matches!(
+            e.kind(),
+            io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+        ),
+    };
+    stream.set_nonblocking(false).is_ok() && alive
 }

@@ -1,7 +1,7 @@
-//! The private message format: length-prefixed frames and the binary encoding of
-//! requests and replies.
+//! The private message format: the binary encoding of requests and replies, each the
+//! payload of one frame ([`super::frame`]).
 
-use std::io::{self, Read, Write};
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::{Error, Result};
@@ -12,13 +12,24 @@ type DecodeResult<T> = std::result::Result<T, String>;
 /// The largest payload either side sends or accepts.
 pub(super) const MAX_FRAME: usize = 64 << 20;
 
-/// Sent by a client first, so that a peer that is not a store is caught at once.
-const MAGIC: &[u8; 8] = b"ctstore1";
+/// Sent by a client first, so that a peer that is not a store is caught at once. The
+/// digit is the protocol's version: version 2 added the token, joins and failures.
+const MAGIC: &[u8; 8] = b"ctstore2";
+
+/// The type byte of a set-if-absent request.
+pub(super) const SET_IF_ABSENT: u8 = 7;
+
+/// A stored value a reply shares with the server's map, so that many readers of one
+/// large value do not each hold a copy of it.
+pub(super) type SharedBytes = Arc<dyn AsRef<[u8]> + Send + Sync>;
 
 /// A client's request; keys and values borrow the caller's or the frame's bytes.
 #[derive(Debug)]
 pub(super) enum Request<'a> {
-    Hello,
+    /// The first request of every connection; the server serves nothing before it.
+    Hello {
+        token: Option<&'a [u8]>,
+    },
     Set {
         key: &'a str,
         value: &'a [u8],
@@ -43,16 +54,84 @@ pub(super) enum Request<'a> {
     Delete {
         key: &'a str,
     },
+    /// Sets `key` unless it exists; the reply is the value it had, if any.
+    SetIfAbsent {
+        key: &'a str,
+        value: &'a [u8],
+    },
+    /// Registers `rank` of `world_size` under a key set only if absent; `id` tells a
+    /// second process claiming the rank from the same one joining again.
+    Join {
+        rank: u64,
+        world_size: u64,
+        id: &'a [u8],
+    },
+    /// Records a failure of the job: every pending and later request is answered with it.
+    Fail(Failure),
+}
+
+/// Why a store's job failed, as every rank is told; it becomes the same [`Error`] on each.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) enum Failure {
+    /// A rendezvous or barrier timed out on some rank.
+    Timeout {
+        what: String,
+        after: Duration,
+        missing: Vec<usize>,
+    },
+    /// A rendezvous mistake: a rank claimed twice, world sizes that disagree.
+    Rendezvous { why: String, ranks: Vec<usize> },
+}
+
+impl Failure {
+    /// The failure an error reports, when it is one that every rank should see.
+    pub(super) fn from_error(error: &Error) -> Option<Failure> {
+        match error {
+            Error::Timeout {
+                what,
+                after,
+                missing,
+            } => Some(Failure::Timeout {
+                what: what.clone(),
+                after: *after,
+                missing: missing.clone(),
+            }),
+            Error::Rendezvous { why, ranks } => Some(Failure::Rendezvous {
+                why: why.clone(),
+                ranks: ranks.clone(),
+            }),
+            _ => None,
+        }
+    }
+
+    pub(super) fn into_error(self) -> Error {
+        match self {
+            Failure::Timeout {
+                what,
+                after,
+                missing,
+            } => Error::Timeout {
+                what,
+                after,
+                missing,
+            },
+            Failure::Rendezvous { why, ranks } => Error::Rendezvous { why, ranks },
+        }
+    }
 }
 
 /// A server's reply.
-#[derive(Debug)]
 pub(super) enum Response {
     Hello {
         world_size: u64,
+        /// Whether the server checked the hello's token (it has one).
+        token_checked: bool,
+        /// How long the server keeps a connection that sends nothing.
+        idle_timeout: Duration,
     },
     Unit,
-    Value(Vec<u8>),
+    /// A value: shared with the server's map when sent, owned when received.
+    Value(SharedBytes),
     Int(i64),
     Bool(bool),
     /// The wait timed out; these keys were still missing.
@@ -61,15 +140,60 @@ pub(super) enum Response {
     Invalid(String),
     /// The request was malformed; the server closes the connection after this.
     Protocol(String),
+    /// The hello was refused (a missing or wrong token, or no hello first); the server
+    /// closes the connection after this.
+    Refused(String),
+    /// The server is at its connection limit; it closes the connection after this.
+    Busy(String),
+    /// Holding the request or its value would exceed the server's byte limit.
+    Quota {
+        needed: u64,
+        held: u64,
+        limit: u64,
+    },
+    /// The job failed; see [`Failure`].
+    Failed(Failure),
+}
+
+impl std::fmt::Debug for Response {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Response::Hello {
+                world_size,
+                token_checked,
+                idle_timeout,
+            } => write!(
+                f,
+                "Hello {{ world_size: {world_size}, token_checked: {token_checked}, idle_timeout: {idle_timeout:?} }}"
+            ),
+            Response::Unit => write!(f, "Unit"),
+            Response::Value(value) => write!(f, "Value({} bytes)", (**value).as_ref().len()),
+            Response::Int(value) => write!(f, "Int({value})"),
+            Response::Bool(value) => write!(f, "Bool({value})"),
+            Response::TimedOut(keys) => write!(f, "TimedOut({keys:?})"),
+            Response::Invalid(message) => write!(f, "Invalid({message:?})"),
+            Response::Protocol(message) => write!(f, "Protocol({message:?})"),
+            Response::Refused(message) => write!(f, "Refused({message:?})"),
+            Response::Busy(message) => write!(f, "Busy({message:?})"),
+            Response::Quota {
+                needed,
+                held,
+                limit,
+            } => write!(f, "Quota {{ needed: {needed}, held: {held}, limit: {limit} }}"),
+            Response::Failed(failure) => write!(f, "Failed({failure:?})"),
+        }
+    }
 }
 
 impl<'a> Request<'a> {
     pub(super) fn encode(&self) -> Result<Vec<u8>> {
         let mut e = Encoder::default();
         match self {
-            Request::Hello => {
+            Request::Hello { token } => {
                 e.u8(0);
                 e.raw(MAGIC);
+                e.u8(u8::from(token.is_some()));
+                e.bytes(token.unwrap_or_default());
             }
             Request::Set { key, value } => {
                 e.u8(1);
@@ -104,6 +228,25 @@ impl<'a> Request<'a> {
                 e.u8(6);
                 e.str(key);
             }
+            Request::SetIfAbsent { key, value } => {
+                e.u8(SET_IF_ABSENT);
+                e.str(key);
+                e.bytes(value);
+            }
+            Request::Join {
+                rank,
+                world_size,
+                id,
+            } => {
+                e.u8(8);
+                e.u64(*rank);
+                e.u64(*world_size);
+                e.bytes(id);
+            }
+            Request::Fail(failure) => {
+                e.u8(9);
+                e.failure(failure);
+            }
         }
         e.finish().ok_or_else(|| {
             Error::InvalidArgument(format!(
@@ -116,8 +259,16 @@ impl<'a> Request<'a> {
     pub(super) fn decode(frame: &'a [u8]) -> DecodeResult<Request<'a>> {
         let mut d = Decoder { buf: frame };
         let request = match d.u8()? {
-            0 if d.take(MAGIC.len())? == MAGIC => Request::Hello,
-            0 => return Err("the peer is not a store client (bad greeting)".into()),
+            0 if d.take(MAGIC.len())? == MAGIC => {
+                let has_token = d.bool()?;
+                let token = d.bytes()?;
+                Request::Hello {
+                    token: has_token.then_some(token),
+                }
+            }
+            0 => {
+                return Err("the peer is not a store client of this version (bad greeting)".into())
+            }
             1 => Request::Set {
                 key: d.str()?,
                 value: d.bytes()?,
@@ -141,6 +292,16 @@ impl<'a> Request<'a> {
                 },
             },
             6 => Request::Delete { key: d.str()? },
+            SET_IF_ABSENT => Request::SetIfAbsent {
+                key: d.str()?,
+                value: d.bytes()?,
+            },
+            8 => Request::Join {
+                rank: d.u64()?,
+                world_size: d.u64()?,
+                id: d.bytes()?,
+            },
+            9 => Request::Fail(d.failure()?),
             op => return Err(format!("unknown request type {op}")),
         };
         d.end()?;
@@ -149,18 +310,28 @@ impl<'a> Request<'a> {
 }
 
 impl Response {
-    pub(super) fn encode(&self) -> DecodeResult<Vec<u8>> {
+    /// The reply's payload as a head and a tail (a value's bytes, shared rather than
+    /// copied); the frame is the two together.
+    pub(super) fn encode(&self) -> DecodeResult<(Vec<u8>, &[u8])> {
         let mut e = Encoder::default();
+        let mut tail: &[u8] = &[];
         match self {
-            Response::Hello { world_size } => {
+            Response::Hello {
+                world_size,
+                token_checked,
+                idle_timeout,
+            } => {
                 e.u8(0);
                 e.raw(MAGIC);
                 e.u64(*world_size);
+                e.u8(u8::from(*token_checked));
+                e.duration(*idle_timeout);
             }
             Response::Unit => e.u8(1),
             Response::Value(value) => {
+                tail = (**value).as_ref();
                 e.u8(2);
-                e.bytes(value);
+                e.u32(tail.len());
             }
             Response::Int(value) => {
                 e.u8(3);
@@ -183,9 +354,33 @@ impl Response {
                 e.u8(7);
                 e.str(message);
             }
+            Response::Refused(message) => {
+                e.u8(8);
+                e.str(message);
+            }
+            Response::Busy(message) => {
+                e.u8(9);
+                e.str(message);
+            }
+            Response::Quota {
+                needed,
+                held,
+                limit,
+            } => {
+                e.u8(10);
+                e.u64(*needed);
+                e.u64(*held);
+                e.u64(*limit);
+            }
+            Response::Failed(failure) => {
+                e.u8(11);
+                e.failure(failure);
+            }
         }
-        e.finish()
-            .ok_or_else(|| format!("a reply larger than {MAX_FRAME} bytes"))
+        match e.finish() {
+            Some(head) if head.len() + tail.len() <= MAX_FRAME => Ok((head, tail)),
+            _ => Err(format!("a reply larger than {MAX_FRAME} bytes")),
+        }
     }
 
     pub(super) fn decode(frame: &[u8]) -> DecodeResult<Response> {
@@ -193,23 +388,29 @@ impl Response {
         let response = match d.u8()? {
             0 => {
                 if d.take(MAGIC.len())? != MAGIC {
-                    return Err("the peer is not a store (bad greeting)".into());
+                    return Err("the peer is not a store of this version (bad greeting)".into());
                 }
                 Response::Hello {
                     world_size: d.u64()?,
+                    token_checked: d.bool()?,
+                    idle_timeout: d.duration()?,
                 }
             }
             1 => Response::Unit,
-            2 => Response::Value(d.bytes()?.to_vec()),
+            2 => Response::Value(Arc::new(d.bytes()?.to_vec())),
             3 => Response::Int(d.u64()? as i64),
-            4 => match d.u8()? {
-                0 => Response::Bool(false),
-                1 => Response::Bool(true),
-                b => return Err(format!("a boolean byte of {b}")),
-            },
+            4 => Response::Bool(d.bool()?),
             5 => Response::TimedOut(d.strs()?.into_iter().map(str::to_owned).collect()),
             6 => Response::Invalid(d.str()?.to_owned()),
             7 => Response::Protocol(d.str()?.to_owned()),
+            8 => Response::Refused(d.str()?.to_owned()),
+            9 => Response::Busy(d.str()?.to_owned()),
+            10 => Response::Quota {
+                needed: d.u64()?,
+                held: d.u64()?,
+                limit: d.u64()?,
+            },
+            11 => Response::Failed(d.failure()?),
             status => return Err(format!("unknown reply type {status}")),
         };
         d.end()?;
@@ -259,6 +460,31 @@ impl Encoder {
             self.str(key);
         }
     }
+    fn ranks(&mut self, ranks: &[usize]) {
+        self.u32(ranks.len());
+        for &rank in ranks {
+            self.u64(rank as u64);
+        }
+    }
+    fn failure(&mut self, failure: &Failure) {
+        match failure {
+            Failure::Timeout {
+                what,
+                after,
+                missing,
+            } => {
+                self.u8(0);
+                self.str(what);
+                self.duration(*after);
+                self.ranks(missing);
+            }
+            Failure::Rendezvous { why, ranks } => {
+                self.u8(1);
+                self.str(why);
+                self.ranks(ranks);
+            }
+        }
+    }
     fn finish(self) -> Option<Vec<u8>> {
         (!self.too_large).then_some(self.buf)
     }
@@ -283,6 +509,13 @@ impl<'a> Decoder<'a> {
     fn u8(&mut self) -> DecodeResult<u8> {
         Ok(self.take(1)?[0])
     }
+    fn bool(&mut self) -> DecodeResult<bool> {
+        match self.u8()? {
+            0 => Ok(false),
+            1 => Ok(true),
+            b => Err(format!("a boolean byte of {b}")),
+        }
+    }
     fn u32(&mut self) -> DecodeResult<usize> {
         let bytes: [u8; 4] = self.take(4)?.try_into().map_err(|_| "u32")?;
         Ok(u32::from_be_bytes(bytes) as usize)
@@ -301,17 +534,44 @@ impl<'a> Decoder<'a> {
     fn str(&mut self) -> DecodeResult<&'a str> {
         std::str::from_utf8(self.bytes()?).map_err(|_| "a key that is not UTF-8".to_owned())
     }
-    fn strs(&mut self) -> DecodeResult<Vec<&'a str>> {
+    /// A count of items that each take at least `min_size` bytes, checked against what
+    /// is left before anything is allocated for them.
+    fn count(&mut self, min_size: usize) -> DecodeResult<usize> {
         let count = self.u32()?;
-        // Each string takes at least its 4-byte length: bounds the count before
-        // anything is allocated for it.
-        if count > self.buf.len() / 4 {
+        if count > self.buf.len() / min_size {
             return Err(format!(
-                "a list of {count} keys in {} bytes",
+                "a list of {count} items in {} bytes",
                 self.buf.len()
             ));
         }
+        Ok(count)
+    }
+    fn strs(&mut self) -> DecodeResult<Vec<&'a str>> {
+        let count = self.count(4)?;
         (0..count).map(|_| self.str()).collect()
+    }
+    fn ranks(&mut self) -> DecodeResult<Vec<usize>> {
+        let count = self.count(8)?;
+        (0..count)
+            .map(|_| {
+                let rank = self.u64()?;
+                usize::try_from(rank).map_err(|_| format!("a rank of {rank}"))
+            })
+            .collect()
+    }
+    fn failure(&mut self) -> DecodeResult<Failure> {
+        Ok(match self.u8()? {
+            0 => Failure::Timeout {
+                what: self.str()?.to_owned(),
+                after: self.duration()?,
+                missing: self.ranks()?,
+            },
+            1 => Failure::Rendezvous {
+                why: self.str()?.to_owned(),
+                ranks: self.ranks()?,
+            },
+            kind => return Err(format!("unknown failure type {kind}")),
+        })
     }
     fn end(&self) -> DecodeResult<()> {
         if self.buf.is_empty() {
@@ -325,41 +585,79 @@ impl<'a> Decoder<'a> {
     }
 }
 
-/// Why a frame could not be read.
-pub(super) enum FrameError {
-    Io(io::Error),
-    TooLarge(usize),
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
 
-/// Writes one frame: the payload's length, then the payload, in one write.
-pub(super) fn write_frame(w: &mut impl Write, payload: &[u8]) -> io::Result<()> {
-    let len = u32::try_from(payload.len())
-        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "frame too large"))?;
-    let mut frame = Vec::with_capacity(4 + payload.len());
-    frame.extend_from_slice(&len.to_be_bytes());
-    frame.extend_from_slice(payload);
-    w.write_all(&frame)?;
-    w.flush()
-}
+    fn round_trip(request: &Request<'_>) -> String {
+        let frame = request.encode().expect("encodes");
+        format!("{:?}", Request::decode(&frame).expect("decodes"))
+    }
 
-/// Reads one frame; `Ok(None)` when the peer closed the connection between frames.
-pub(super) fn read_frame(r: &mut impl Read) -> std::result::Result<Option<Vec<u8>>, FrameError> {
-    let mut len = [0u8; 4];
-    let mut got = 0;
-    while got < len.len() {
-        match r.read(&mut len[got..]) {
-            Ok(0) if got == 0 => return Ok(None),
-            Ok(0) => return Err(FrameError::Io(io::ErrorKind::UnexpectedEof.into())),
-            Ok(n) => got += n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(FrameError::Io(e)),
+    #[test]
+    fn requests_survive_a_round_trip() {
+        let failure = Failure::Timeout {
+            what: "barrier".into(),
+            after: Duration::from_millis(1500),
+            missing: vec![2, 5],
+        };
+        let cases = [
+            Request::Hello { token: None },
+            Request::Hello {
+                token: Some(b"secret"),
+            },
+            Request::Join {
+                rank: 3,
+                world_size: 8,
+                id: b"id",
+            },
+            Request::SetIfAbsent {
+                key: "k",
+                value: b"v",
+            },
+            Request::Fail(failure),
+        ];
+        for request in &cases {
+            assert_eq!(round_trip(request), format!("{request:?}"));
         }
     }
-    let len = u32::from_be_bytes(len) as usize;
-    if len > MAX_FRAME {
-        return Err(FrameError::TooLarge(len));
+
+    #[test]
+    fn replies_survive_a_round_trip() {
+        let value: SharedBytes = Arc::new(b"abc".to_vec());
+        let cases = [
+            Response::Hello {
+                world_size: 4,
+                token_checked: true,
+                idle_timeout: Duration::from_secs(120),
+            },
+            Response::Value(value),
+            Response::Quota {
+                needed: 10,
+                held: 20,
+                limit: 25,
+            },
+            Response::Failed(Failure::Rendezvous {
+                why: "two processes claim rank 1".into(),
+                ranks: vec![1],
+            }),
+        ];
+        for response in &cases {
+            let (head, tail) = response.encode().expect("encodes");
+            let frame = [head, tail.to_vec()].concat();
+            let decoded = Response::decode(&frame).expect("decodes");
+            assert_eq!(format!("{decoded:?}"), format!("{response:?}"));
+        }
     }
-    let mut payload = vec![0u8; len];
-    r.read_exact(&mut payload).map_err(FrameError::Io)?;
-    Ok(Some(payload))
+
+    #[test]
+    fn a_rank_list_longer_than_its_frame_is_refused_before_allocating() {
+        // A failure claiming 2^32 - 1 missing ranks in a few bytes.
+        let mut frame = vec![9, 0];
+        frame.extend_from_slice(&0u32.to_be_bytes()); // empty `what`
+        frame.extend_from_slice(&0u64.to_be_bytes()); // `after`
+        frame.extend_from_slice(&u32::MAX.to_be_bytes());
+        let error = Request::decode(&frame).expect_err("a list longer than its frame");
+        assert!(error.contains("a list of 4294967295 items"), "{error}");
+    }
 }
