@@ -8,7 +8,8 @@
 //!   and wakes every worker: no worker starts an action after it has seen the flag, and
 //!   waiting workers return at once.
 //! - Every worker thread is joined before the run returns (scoped threads): none is left
-//!   behind, whatever failed.
+//!   behind, whatever failed. The price: a layer that never returns cannot be interrupted;
+//!   its neighbours time out and stop, and the run returns when that layer does.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{channel, Sender};

@@ -44,6 +44,28 @@
 //! # Ok(()) }
 //! ```
 //!
+//! # Guarantees
+//!
+//! Each is a test in `pipe/tests/`:
+//!
+//! - **Transparency** (`transparency.rs`): for every balance, chunk count, checkpoint mode
+//!   and schedule, outputs and every gradient are bit-identical to the same layers run
+//!   unpipelined over the same micro-batches, gradients accumulated in the schedule's
+//!   backward order; without batch norm they match the whole-batch model within 1e-5.
+//! - **Randomness independent of chunking** (`checkpoint.rs`, `transparency.rs`): dropout
+//!   masks are the same whatever the chunks, balance or schedule, and recomputation
+//!   replays them exactly.
+//! - **Micro-batches** (`microbatch.rs`): `min(chunks, N)` of them, sizes differing by at
+//!   most one; the checkpoint stop counts the actual ones.
+//! - **Memory** (`memory.rs`): between forward and backward `always` holds only the
+//!   micro-batch inputs, `never` every saved activation; 1F1B holds at most `n - j`
+//!   micro-batches on partition `j`.
+//! - **Failures** (`failure.rs`, `threads.rs`): a layer's error or panic stops every
+//!   worker (none starts an action after seeing the stop), the error names the partition,
+//!   the layer and the micro-batch, every wait between workers is bounded by the timeout,
+//!   no worker thread outlives the call, and a panic poisons the pipe.
+//! - **Dataflow** (`dataflow.rs`): a worker waits only for the data its next action needs.
+//!
 //! Why explicit backward passes: Rust has no autograd to hook checkpointing and
 //! cross-partition ordering into, so torchgpipe's fork/join tricks become data: a schedule
 //! says which backward runs when, and a checkpointed micro-batch keeps its input and re-runs
