@@ -83,6 +83,47 @@ pub enum Error {
     /// An error of the kernel layer.
     #[error("lowrank: {0}")]
     Kernel(String),
+    /// Parameters neither marked ready nor declared unused before `finish()` in a
+    /// synchronised step, with `ReducerConfig::find_unused_parameters` off (DDP's
+    /// "Expected to have finished reduction in the prior iteration"). The step was still
+    /// reduced, these parameters counting as unused on this rank, so no rank was left
+    /// waiting for this one's buckets.
+    #[error(
+        "{} of {total} parameters were not marked ready before finish() in a synchronised step{}: {}. This indicates that your model has parameters that were not used in producing the loss. You can enable unused parameter detection with `ReducerConfig::find_unused_parameters = true` (DDP's `find_unused_parameters=True`) or declare them with `Reducer::mark_unused`, and by making sure all `forward` function outputs participate in calculating loss. The step was still reduced, with these parameters as unused (zero) on this rank, so no rank was left waiting",
+        params.len(),
+        rank.map(|r| format!(" on rank {r}")).unwrap_or_default(),
+        index_ranges(params)
+    )]
+    UnmarkedParameters {
+        /// Every unmarked parameter (index in forward order), ascending.
+        params: Vec<usize>,
+        /// Parameters in all.
+        total: usize,
+        /// This rank, where the reducer knows its process group.
+        rank: Option<usize>,
+    },
+}
+
+/// Ascending indices with runs collapsed (`0, 3..=7, 9`): every index is named, in
+/// little space.
+fn index_ranges(indices: &[usize]) -> String {
+    let mut parts = Vec::new();
+    let mut i = 0;
+    while i < indices.len() {
+        let start = indices[i];
+        let mut end = start;
+        while i + 1 < indices.len() && indices[i + 1] == end.wrapping_add(1) {
+            i += 1;
+            end = indices[i];
+        }
+        parts.push(if end == start {
+            start.to_string()
+        } else {
+            format!("{start}..={end}")
+        });
+        i += 1;
+    }
+    parts.join(", ")
 }
 
 impl From<lowrank::Error> for Error {
