@@ -116,7 +116,8 @@ impl Default for CpuBackend {
 }
 
 impl CpuBackend {
-    /// The best instruction set of this CPU, one thread per available core.
+    /// The best instruction set of this CPU; large operations are cut into one piece per
+    /// available core.
     pub fn new() -> Self {
         CpuBackend {
             threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
@@ -124,7 +125,13 @@ impl CpuBackend {
         }
     }
 
-    /// Uses `threads` threads for large operations (at least 1).
+    /// Cuts large operations into `threads` pieces (at least 1).
+    ///
+    /// The pieces run on one process-wide pool (rayon's global pool, one worker per core),
+    /// shared by every `CpuBackend`: several ranks of a thread group each cutting their
+    /// work into pieces share the cores instead of oversubscribing them, and no thread is
+    /// spawned per call. Results depend on neither the piece count nor the pool size
+    /// (each output element is computed by one piece in a fixed order).
     pub fn with_threads(mut self, threads: usize) -> Result<Self> {
         if threads == 0 {
             return Err(Error::InvalidThreads);
@@ -142,7 +149,7 @@ impl CpuBackend {
         Ok(self)
     }
 
-    /// The thread count.
+    /// How many pieces large operations are cut into.
     pub fn threads(&self) -> usize {
         self.threads
     }
@@ -166,9 +173,9 @@ impl CpuBackend {
             return;
         }
         let f = &f;
-        std::thread::scope(|s| {
+        rayon::scope(|s| {
             for w in 1..workers {
-                s.spawn(move || split(tasks, workers, w, 1).for_each(f));
+                s.spawn(move |_| split(tasks, workers, w, 1).for_each(f));
             }
             split(tasks, workers, 0, 1).for_each(f);
         });
@@ -220,12 +227,12 @@ impl CpuBackend {
             return;
         }
         let chunk = a.len().div_ceil(pieces).next_multiple_of(64);
-        std::thread::scope(|s| {
+        rayon::scope(|s| {
             let mut work = a.chunks(chunk).zip(b.chunks_mut(chunk));
             let first = work.next();
             for (x, y) in work {
                 let f = &f;
-                s.spawn(move || f(x, y));
+                s.spawn(move |_| f(x, y));
             }
             if let Some((x, y)) = first {
                 f(x, y);
