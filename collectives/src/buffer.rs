@@ -54,6 +54,53 @@ pub enum Buffer {
 }
 
 impl Buffer {
+    /// This buffer's values in `dtype` (round to nearest even, as the `half` crate
+    /// converts); a copy even when `dtype` is its own.
+    pub fn narrowed(&self, dtype: DType) -> Buffer {
+        use half::slice::HalfFloatSliceExt;
+        let wide = self.to_f32_vec();
+        match dtype {
+            DType::F32 => Buffer::F32(wide),
+            DType::F64 => Buffer::F64(wide.iter().map(|&v| v as f64).collect()),
+            DType::F16 => {
+                let mut v = vec![f16::ZERO; wide.len()];
+                v.convert_from_f32_slice(&wide);
+                Buffer::F16(v)
+            }
+            DType::BF16 => {
+                let mut v = vec![bf16::ZERO; wide.len()];
+                v.convert_from_f32_slice(&wide);
+                Buffer::BF16(v)
+            }
+        }
+    }
+
+    /// This buffer's values as an `F32` buffer (exact for the 16-bit formats).
+    pub fn widened(self) -> Buffer {
+        match self {
+            Buffer::F32(v) => Buffer::F32(v),
+            other => Buffer::F32(other.to_f32_vec()),
+        }
+    }
+
+    fn to_f32_vec(&self) -> Vec<f32> {
+        use half::slice::HalfFloatSliceExt;
+        match self {
+            Buffer::F32(v) => v.clone(),
+            Buffer::F64(v) => v.iter().map(|&x| x as f32).collect(),
+            Buffer::F16(v) => {
+                let mut w = vec![0.0; v.len()];
+                v.convert_to_f32_slice(&mut w);
+                w
+            }
+            Buffer::BF16(v) => {
+                let mut w = vec![0.0; v.len()];
+                v.convert_to_f32_slice(&mut w);
+                w
+            }
+        }
+    }
+
     /// Number of elements.
     pub fn len(&self) -> usize {
         match self {
@@ -146,6 +193,8 @@ pub(crate) trait Reducible: Copy + Send + Sync + 'static {
     fn widen(self) -> Self::Acc;
     fn narrow(a: Self::Acc) -> Self;
     fn acc_from_usize(n: usize) -> Self::Acc;
+    /// Whether this is bfloat16 (the thread backend's wire rounding picks on it).
+    const BITS_BF16: bool = false;
     /// `dst[i] = src[i].widen()`, vectorised where the format allows.
     fn widen_slice(src: &[Self], dst: &mut [Self::Acc]) {
         dst.iter_mut().zip(src).for_each(|(d, s)| *d = s.widen());
@@ -206,9 +255,10 @@ impl Reducible for f64 {
 /// The 16-bit formats: accumulated in `f32`, converted a block at a time with the SIMD
 /// conversions of the `half` crate.
 macro_rules! half_reducible {
-    ($($t:ty),*) => {$(
+    ($($t:ty => $is_bf16:expr),*) => {$(
         impl Reducible for $t {
             type Acc = f32;
+            const BITS_BF16: bool = $is_bf16;
             fn widen(self) -> f32 {
                 self.to_f32()
             }
@@ -239,4 +289,4 @@ macro_rules! half_reducible {
     )*};
 }
 
-half_reducible!(f16, bf16);
+half_reducible!(f16 => false, bf16 => true);

@@ -1,6 +1,6 @@
 //! The process-group trait.
 
-use crate::{Buffer, ReduceOp, Result, Work};
+use crate::{Buffer, DType, Error, ReduceOp, Result, Work};
 use std::time::Duration;
 
 /// The default timeout of a group's operations: 30 minutes, as PyTorch's.
@@ -34,6 +34,23 @@ pub trait ProcessGroup: Send + Sync {
 
     /// Reduces `buf` element-wise over all ranks; every rank gets the result.
     fn all_reduce(&self, buf: Buffer, op: ReduceOp) -> Work<Buffer>;
+    /// Reduces the `f32` buffer `buf` as if it travelled in the `wire` format (`F16`,
+    /// `BF16` or `F32`): every rank gets `widen(all_reduce(narrow(buf)))`, the result of
+    /// PyTorch's `fp16_compress_hook`, as `f32`.
+    ///
+    /// The default narrows into a `wire` buffer, reduces that and widens the result, so
+    /// a real network carries 16 bits an element. A backend whose "wire" is shared
+    /// memory (the thread backend) fuses the rounding into its reduction pass, with
+    /// bit-identical results and no extra passes over memory.
+    fn all_reduce_wire(&self, buf: Buffer, wire: DType, op: ReduceOp) -> Work<Buffer> {
+        match check_wire(&buf, wire) {
+            Ok(()) if wire == DType::F32 => self.all_reduce(buf, op),
+            Ok(()) => self
+                .all_reduce(buf.narrowed(wire), op)
+                .then(|r| Ok(r?.widened())),
+            Err(e) => Work::ready(Err(e)),
+        }
+    }
     /// Reduces several buffers in one operation (PowerSGD's "allreduce the Ps as a
     /// group"): cheaper than one call per buffer. Buffers may differ in length and type.
     fn all_reduce_coalesced(&self, bufs: Vec<Buffer>, op: ReduceOp) -> Work<Vec<Buffer>>;
@@ -63,4 +80,20 @@ pub(crate) fn deadline_after(timeout: std::time::Duration) -> std::time::Instant
         now.checked_add(std::time::Duration::from_secs(100 * 365 * 24 * 3600))
             .unwrap_or(now)
     })
+}
+
+/// Checks the arguments of [`ProcessGroup::all_reduce_wire`].
+pub(crate) fn check_wire(buf: &Buffer, wire: DType) -> Result<()> {
+    if buf.dtype() != DType::F32 {
+        return Err(Error::InvalidArgument(format!(
+            "all_reduce_wire takes an F32 buffer, got {:?}",
+            buf.dtype()
+        )));
+    }
+    if !matches!(wire, DType::F32 | DType::F16 | DType::BF16) {
+        return Err(Error::InvalidArgument(format!(
+            "all_reduce_wire sends F32, F16 or BF16, not {wire:?}"
+        )));
+    }
+    Ok(())
 }

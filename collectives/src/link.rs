@@ -9,7 +9,7 @@
 //! ([`Charge::Account`], so a benchmark adds it to measured compute time). Which one ran
 //! is part of what a benchmark must report.
 
-use crate::{Buffer, Error, ProcessGroup, ReduceOp, Result, Work};
+use crate::{Buffer, DType, Error, ProcessGroup, ReduceOp, Result, Work};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -233,6 +233,11 @@ impl<G: ProcessGroup> ProcessGroup for Linked<G> {
         let rec = LinkOp::AllReduce(bytes(&buf));
         self.charge(self.inner.all_reduce(buf, op), rec)
     }
+    fn all_reduce_wire(&self, buf: Buffer, wire: DType, op: ReduceOp) -> Work<Buffer> {
+        // Charged at the wire's size: that is what a network would carry.
+        let rec = LinkOp::AllReduce(buf.len() * wire.size());
+        self.charge(self.inner.all_reduce_wire(buf, wire, op), rec)
+    }
     fn all_reduce_coalesced(&self, bufs: Vec<Buffer>, op: ReduceOp) -> Work<Vec<Buffer>> {
         let rec = LinkOp::AllReduce(bufs.iter().map(bytes).sum());
         self.charge(self.inner.all_reduce_coalesced(bufs, op), rec)
@@ -281,6 +286,9 @@ impl ProcessGroup for Box<dyn ProcessGroup> {
     }
     fn all_reduce(&self, buf: Buffer, op: ReduceOp) -> Work<Buffer> {
         (**self).all_reduce(buf, op)
+    }
+    fn all_reduce_wire(&self, buf: Buffer, wire: DType, op: ReduceOp) -> Work<Buffer> {
+        (**self).all_reduce_wire(buf, wire, op)
     }
     fn all_reduce_coalesced(&self, bufs: Vec<Buffer>, op: ReduceOp) -> Work<Vec<Buffer>> {
         (**self).all_reduce_coalesced(bufs, op)

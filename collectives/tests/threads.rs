@@ -367,3 +367,59 @@ fn bad_arguments_are_errors() {
         assert!(matches!(rs, Err(Error::InvalidArgument(_))));
     }
 }
+
+/// `all_reduce_wire` on the thread backend (rounding fused into the reduction pass) gives
+/// exactly what narrowing, reducing the 16-bit buffers and widening gives, for every
+/// operator, wire format and rank count; bad arguments are errors.
+#[test]
+fn fused_wire_all_reduce_is_bit_identical_to_narrow_reduce_widen() {
+    use collectives::DType;
+    for ranks in [1, 2, 3] {
+        for wire in [DType::F16, DType::BF16, DType::F32] {
+            for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min] {
+                let results = run_local(ranks, |g| {
+                    // Values that exercise rounding: many magnitudes, ties, subnormals
+                    // in f16, overflow past f16's range.
+                    let n = 1000 + 7;
+                    let v: Vec<f32> = (0..n)
+                        .map(|i| {
+                            let x = ((i * 7919 + g.rank() * 104_729) % 10_007) as f32 / 10_007.0;
+                            let scale = [1e-6, 1e-3, 0.5, 1.0, 3.0, 1e3, 7e4][i % 7];
+                            (x - 0.4) * scale
+                        })
+                        .collect();
+                    let buf = Buffer::F32(v);
+                    let fused = g.all_reduce_wire(buf.clone(), wire, op).wait().unwrap();
+                    let plain = g
+                        .all_reduce(buf.narrowed(wire), op)
+                        .wait()
+                        .unwrap()
+                        .widened();
+                    (fused, plain)
+                })
+                .unwrap();
+                for r in results {
+                    let (fused, plain) = r.unwrap();
+                    let (Buffer::F32(a), Buffer::F32(b)) = (&fused, &plain) else {
+                        panic!("expected f32 results");
+                    };
+                    assert!(
+                        a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                        "{ranks} ranks, {wire:?}, {op:?}: fused differs from narrow-reduce-widen"
+                    );
+                }
+            }
+        }
+    }
+    let errors = run_local(1, |g| {
+        let not_f32 = g
+            .all_reduce_wire(Buffer::F16(vec![]), DType::F16, ReduceOp::Sum)
+            .wait();
+        let f64_wire = g
+            .all_reduce_wire(Buffer::F32(vec![1.0]), DType::F64, ReduceOp::Sum)
+            .wait();
+        (not_f32.is_err(), f64_wire.is_err())
+    })
+    .unwrap();
+    assert_eq!(errors[0].as_ref().unwrap(), &(true, true));
+}

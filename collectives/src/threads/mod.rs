@@ -18,10 +18,11 @@
 #[cfg(feature = "cuda")]
 mod device;
 mod reduce;
+mod wire;
 mod world;
 
 use crate::sync::Arc;
-use crate::{Buffer, Error, ProcessGroup, ReduceOp, Result, Work, DEFAULT_TIMEOUT};
+use crate::{Buffer, DType, Error, ProcessGroup, ReduceOp, Result, Work, DEFAULT_TIMEOUT};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
@@ -222,6 +223,31 @@ impl ProcessGroup for ThreadGroup {
             let mut bufs = all_reduce_in_place(world, rank, Kind::AllReduce(op), vec![buf], op)?;
             bufs.pop()
                 .ok_or_else(|| Error::Backend("all_reduce lost its buffer".into()))
+        })
+    }
+
+    fn all_reduce_wire(&self, mut buf: Buffer, wire: DType, op: ReduceOp) -> Work<Buffer> {
+        if let Err(e) = crate::group::check_wire(&buf, wire) {
+            return Work::ready(Err(e));
+        }
+        if wire == DType::F32 {
+            return self.all_reduce(buf, op);
+        }
+        self.submit(move |world, rank| {
+            let desc = Desc {
+                kind: Kind::AllReduceWire(op, wire),
+                parts: vec![(buf.dtype(), buf.len())],
+            };
+            let len = buf.len();
+            let addrs = vec![addr_of(&mut buf)];
+            let outcome = collective(world, rank, &desc, addrs, |all| {
+                let peers: Vec<usize> = all.iter().map(|a| a[0]).collect();
+                // SAFETY: as in all_reduce: `meet` checked every rank posted an f32 buffer
+                // of this length; each stays alive and untouched by its owner until every
+                // rank has left; ranks reduce disjoint shares.
+                unsafe { reduce::reduce_wire(wire, &peers, share(len, world.size, rank), op) };
+            });
+            settle(buf, outcome).map(|((), buf)| buf)
         })
     }
 

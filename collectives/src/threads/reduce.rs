@@ -131,3 +131,82 @@ unsafe fn reduce_typed<T: Reducible>(
         start += len;
     }
 }
+
+/// `f32` buffers reduced as if sent in the 16-bit `wire` format, in one pass: each rank's
+/// values are rounded to `wire` and widened, combined in `f32` exactly as [`reduce`] does
+/// for `wire` buffers (same order, same operations), rounded to `wire` once more and
+/// written, widened, into every buffer. The results are bit-identical to narrowing every
+/// buffer, reducing those and widening the result, without the extra passes.
+///
+/// # Safety
+/// As [`reduce`], for `f32` buffers.
+pub(crate) unsafe fn reduce_wire(wire: DType, addrs: &[Addr], range: Range<usize>, op: ReduceOp) {
+    // SAFETY: forwarded caller guarantees.
+    unsafe {
+        match wire {
+            DType::F16 => reduce_wire_typed::<f16>(addrs, range, op),
+            DType::BF16 => reduce_wire_typed::<bf16>(addrs, range, op),
+            // F32 wires are plain reductions (checked by the caller); F64 is refused.
+            DType::F32 | DType::F64 => reduce(DType::F32, addrs, range, op, None),
+        }
+    }
+}
+
+/// Elements converted at a time: the temporaries stay in L1.
+const WIRE_BLOCK: usize = 512;
+
+unsafe fn reduce_wire_typed<T: Reducible<Acc = f32>>(
+    addrs: &[Addr],
+    range: Range<usize>,
+    op: ReduceOp,
+) {
+    let round: fn(&mut [f32]) = if T::BITS_BF16 {
+        super::wire::round_to_bf16
+    } else {
+        super::wire::round_to_f16
+    };
+    if let [a, b] = *addrs {
+        // SAFETY: both buffers cover `range`, nobody else touches it, and they are
+        // distinct (every rank posts its own buffer).
+        return unsafe {
+            super::wire::two_ranks(
+                T::BITS_BF16,
+                (a as *mut f32).add(range.start),
+                (b as *mut f32).add(range.start),
+                range.len(),
+                op,
+            )
+        };
+    }
+    let n = T::acc_from_usize(addrs.len());
+    let mut acc = [0.0f32; WIRE_BLOCK];
+    let mut tmp = [0.0f32; WIRE_BLOCK];
+    let mut start = range.start;
+    while start < range.end {
+        let len = WIRE_BLOCK.min(range.end - start);
+        let (acc, tmp) = (&mut acc[..len], &mut tmp[..len]);
+        // SAFETY: the caller guarantees every address is an f32 buffer covering `range`
+        // that nobody else touches; each slice lives only for its statement.
+        unsafe {
+            let src = |a: Addr| std::slice::from_raw_parts((a as *const f32).add(start), len);
+            // Each rank's values as the wire carries them, combined in f32 as `reduce`
+            // combines 16-bit buffers (the rounded values are exactly their widenings).
+            acc.copy_from_slice(src(addrs[0]));
+            round(acc);
+            for &peer in &addrs[1..] {
+                tmp.copy_from_slice(src(peer));
+                round(tmp);
+                f32::accumulate(acc, tmp, op);
+            }
+            if op == ReduceOp::Avg {
+                acc.iter_mut().for_each(|a| *a /= n);
+            }
+            round(acc);
+            for &dst in addrs {
+                std::slice::from_raw_parts_mut((dst as *mut f32).add(start), len)
+                    .copy_from_slice(acc);
+            }
+        }
+        start += len;
+    }
+}

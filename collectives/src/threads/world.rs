@@ -35,6 +35,8 @@ fn deadline_after(timeout: Duration) -> Option<std::time::Instant> {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Kind {
     AllReduce(ReduceOp),
+    /// An `f32` all-reduce rounded to a 16-bit wire format.
+    AllReduceWire(ReduceOp, DType),
     Coalesced(ReduceOp),
     Broadcast(usize),
     AllGather,
