@@ -12,7 +12,9 @@
 //! `gemm-mtp`): the faster of its runs with a column-major and a row-major output.
 //!
 //! Arguments: `--quick` (n = 4096 only, 5 pairs), `--json` (one object per line),
-//! `--reps N`. Driven by `cargo xtask bench lowrank`.
+//! `--reps N`, `--isa avx512|avx2|portable` (the kernels of that instruction set, e.g. the
+//! AVX2 kernels on an AVX-512 machine; the reference stays the machine's best read).
+//! Driven by `cargo xtask bench lowrank`.
 
 use lowrank::{Backend, CpuBackend, Dims, Isa};
 use std::hint::black_box;
@@ -24,6 +26,7 @@ struct Args {
     quick: bool,
     json: bool,
     reps: usize,
+    isa: Option<Isa>,
 }
 
 fn args() -> Args {
@@ -36,10 +39,23 @@ fn args() -> Args {
         .and_then(|s| s.parse().ok())
         .unwrap_or(if quick { 5 } else { 7 })
         .max(5);
+    let isa = argv
+        .iter()
+        .position(|a| a == "--isa")
+        .map(|i| match argv.get(i + 1).map(String::as_str) {
+            Some("avx512") => Isa::Avx512,
+            Some("avx2") => Isa::Avx2,
+            Some("portable") => Isa::Portable,
+            other => {
+                eprintln!("--isa takes avx512, avx2 or portable, got {other:?}");
+                std::process::exit(2)
+            }
+        });
     Args {
         quick,
         json: argv.iter().any(|a| a == "--json"),
         reps,
+        isa,
     }
 }
 
@@ -193,7 +209,13 @@ fn gemm_product(
 
 fn main() {
     let a = args();
-    let cpu = CpuBackend::new();
+    let cpu = match a.isa {
+        None => CpuBackend::new(),
+        Some(isa) => CpuBackend::new().with_isa(isa).unwrap_or_else(|e| {
+            eprintln!("{e}");
+            std::process::exit(2)
+        }),
+    };
     let isa = cpu.isa();
     let sizes: &[usize] = if a.quick { &[4096] } else { &[4096, 16384] };
     let mut flush_buf = vec![1u64; FLUSH_BYTES / 8];
