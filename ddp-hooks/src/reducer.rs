@@ -1,35 +1,86 @@
 //! The reducer: the part of DDP that the hooks need, framework-agnostic.
 //!
 //! It owns the gradient storage (PyTorch's `gradient_as_bucket_view=True`): parameters
-//! are assigned to buckets in reverse order of the forward pass (the order their
-//! gradients become ready in the backward pass), the first bucket small so the first
-//! communication starts early. The caller writes each parameter's gradient into its view
-//! and marks it ready; when a bucket is complete its hook is launched at once, strictly in
-//! bucket order, so communication overlaps the rest of the backward pass. `finish` waits
-//! for every bucket and leaves the reduced gradients in place.
+//! are assigned to buckets in the order their gradients are expected to become ready
+//! (at first the reverse of the forward order), the first bucket small
+//! (`first_bucket_mb`, DDP's 1 MiB) so the first communication starts early, the others up
+//! to `bucket_cap_mb` (DDP's 25 MiB). The caller writes each parameter's gradient into its
+//! view and marks it ready; when a bucket is complete its hook is launched at once,
+//! strictly in bucket order, so communication overlaps the rest of the backward pass.
+//! `finish` waits for every bucket and leaves the reduced gradients in place.
 //!
 //! With synchronisation off ([`accum::GradSync`]), no hook is called: gradients
 //! accumulate in place, and the next synchronised step reduces the accumulated sum.
 //!
-//! A step's setting is fixed by its first `mark_ready`. Switching it before that step's
-//! `finish` would make this rank issue different collectives than its peers (or leave a
-//! launched bucket unwaited), so the step keeps its setting, `finish` waits for every
-//! launched bucket as always, and returns [`Error::SyncChanged`]; the new setting
-//! applies from the next step.
+//! # Unused parameters
+//!
+//! A parameter that gets no gradient in a step (a frozen branch, an expert that received
+//! no tokens) is declared with [`Reducer::mark_unused`], or simply left unmarked when
+//! [`ReducerConfig::find_unused_parameters`] is on. In a synchronised step it counts as a
+//! zero gradient on this rank: its slot is zeroed (as DDP zeroes the bucket view of a
+//! parameter without a gradient) and its bucket launches, so every bucket completes on
+//! every rank even when ranks disagree on which parameters were unused; the mean includes
+//! the zeros. A parameter that received gradients in unsynchronised steps since the last
+//! synchronised one keeps them instead, and they are reduced (DDP's map of used
+//! parameters also spans `no_sync` iterations).
+//!
+//! Without the option, `finish` with unmarked parameters returns
+//! [`Error::UnmarkedParameters`] naming all of them, after doing what the option does:
+//! it launches every remaining bucket with zeros for them and waits. The rank in error
+//! thus issues the same collectives as its peers, no rank waits for it, and every rank
+//! ends the step with the same gradients; only this rank reports the error.
+//!
+//! # Bucket rebuild
+//!
+//! With a process group ([`Reducer::with_process_group`]), the buckets are rebuilt once,
+//! at the end of the first synchronised step, in the order gradients became ready in it
+//! (the order of `mark_ready` and `mark_unused` calls, then the parameters `finish` found
+//! unmarked), with the same caps. Rank 0's assignment is broadcast, so every rank ends
+//! with the same buckets even where the orders differed; gradients move to the new
+//! buckets, so the step's results stay readable. As in DDP, bucket indices change once:
+//! a hook that keys state by bucket index must hold none before the end of the first
+//! synchronised step. PowerSGD holds none before it starts compressing, and
+//! `start_powersgd_iter` must be > 1 when that state persists (error feedback or warm
+//! start; [`crate::PowerSgdConfig::validate`]) for exactly this reason. A hook restored
+//! from a checkpoint does hold such state: save [`Reducer::bucket_params`] with it and
+//! restore them with [`Reducer::set_bucket_params`] before the first step, which also
+//! cancels the rebuild. Without a group the buckets never change.
+//!
+//! Unlike DDP, which skips the rebuild under `find_unused_parameters=True`, the rebuild
+//! also happens with the option on: parameters rank 0 left unmarked come last, where they
+//! hold back no other bucket. And where DDP reduces its first iteration in one bucket,
+//! the first step here already uses the reverse-order guess.
+//!
+//! # Switching synchronisation mid-step
+//!
+//! A step's setting is fixed by its first `mark_ready` (or `mark_unused`). Switching it
+//! before that step's `finish` would make this rank issue different collectives than its
+//! peers (or leave a launched bucket unwaited), so the step keeps its setting, `finish`
+//! waits for every launched bucket as always, and returns [`Error::SyncChanged`]; the new
+//! setting applies from the next step.
+
+mod assign;
 
 use crate::bucket::{element_count, shape_str};
 use crate::{CommBackend, CommHook, Error, GradBucket, Layout, Result};
-use collectives::Work;
+use assign::Caps;
+use collectives::{Buffer, ProcessGroup, Work};
 use lowrank::Backend;
 use std::sync::Arc;
 
-/// Bucket sizes, as DDP's `bucket_cap_mb` and its first-bucket size.
+/// Bucket sizes, as DDP's `bucket_cap_mb` and its first-bucket size, and DDP's
+/// `find_unused_parameters`.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ReducerConfig {
-    /// Capacity of each bucket after the first, in MiB (DDP: 25).
+    /// Capacity of each bucket after the first, in MiB (DDP: 25). A bucket closes once
+    /// its bytes reach the capacity (truncated to whole bytes, as DDP's).
     pub bucket_cap_mb: f64,
-    /// Capacity of the first bucket, in MiB (DDP: 1).
+    /// Capacity of the first bucket in launch order, in MiB (DDP: 1).
     pub first_bucket_mb: f64,
+    /// Parameters left unmarked at a synchronised step's `finish` are unused: zero
+    /// gradients on this rank (DDP's `find_unused_parameters`, default off). Off, they
+    /// are [`Error::UnmarkedParameters`]; see the module docs.
+    pub find_unused_parameters: bool,
 }
 
 impl Default for ReducerConfig {
@@ -37,6 +88,7 @@ impl Default for ReducerConfig {
         ReducerConfig {
             bucket_cap_mb: 25.0,
             first_bucket_mb: 1.0,
+            find_unused_parameters: false,
         }
     }
 }
@@ -63,20 +115,34 @@ struct Place {
 pub struct Reducer<B: CommBackend, H> {
     backend: Arc<B>,
     hook: H,
+    config: ReducerConfig,
+    /// The reducer's own collectives (the rebuild broadcast); `None`: no rebuild.
+    group: Option<Arc<dyn ProcessGroup>>,
+    shapes: Vec<Vec<usize>>,
+    lens: Vec<usize>,
     places: Vec<Place>,
     is_ready: Vec<bool>,
+    /// Marked ready in an unsynchronised step since the last synchronised one: the slot
+    /// holds accumulated gradients, which a synchronised step reduces even if the
+    /// parameter is unused in that step.
+    accumulated: Vec<bool>,
     buckets: Vec<Bucket<B>>,
     next_launch: usize,
     sync: bool,
-    /// The setting of the step in progress, fixed by its first `mark_ready`; `None`
-    /// between steps.
+    /// The setting of the step in progress, fixed by its first mark; `None` between
+    /// steps.
     step_sync: Option<bool>,
-    /// Parameters marked ready in the step in progress.
+    /// Parameters marked in the step in progress.
     marked: usize,
-    /// Parameters marked ready when `set_sync` first changed the setting during the step
-    /// in progress; `None` if it did not.
+    /// Parameters marked when `set_sync` first changed the setting during the step in
+    /// progress; `None` if it did not.
     switched_after: Option<usize>,
     hook_calls: u64,
+    /// The buckets are still to be rebuilt at the end of the first synchronised step.
+    rebuild_pending: bool,
+    /// The order parameters were marked in the step in progress, kept while a rebuild is
+    /// pending and a group is set.
+    ready_order: Vec<usize>,
 }
 
 impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
@@ -109,72 +175,19 @@ impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
                 })
             })
             .collect::<Result<Vec<usize>>>()?;
-        // Reverse order; a bucket closes once it reaches its capacity.
-        let mut groups: Vec<Vec<usize>> = Vec::new();
-        let mut current = Vec::new();
-        let mut bytes = 0.0;
-        for p in (0..shapes.len()).rev() {
-            current.push(p);
-            bytes += 4.0 * lens[p] as f64;
-            let cap = if groups.is_empty() {
-                config.first_bucket_mb
-            } else {
-                config.bucket_cap_mb
-            };
-            if bytes >= cap * (1 << 20) as f64 {
-                groups.push(std::mem::take(&mut current));
-                bytes = 0.0;
-            }
-        }
-        if !current.is_empty() {
-            groups.push(current);
-        }
-        let mut places = vec![
-            Place {
-                bucket: 0,
-                offset: 0,
-                len: 0
-            };
-            shapes.len()
-        ];
-        // Every layout is checked before the first allocation, so a shape that cannot
-        // exist fails without allocating anything.
-        let layouts = groups
-            .iter()
-            .enumerate()
-            .map(|(b, params)| {
-                let bucket_shapes: Vec<Vec<usize>> =
-                    params.iter().map(|&p| shapes[p].clone()).collect();
-                Layout::packed(&bucket_shapes).map_err(|e| match e {
-                    Error::Overflow(what) => Error::Overflow(format!("bucket {b}: {what}")),
-                    other => other,
-                })
-            })
-            .collect::<Result<Vec<Layout>>>()?;
-        let mut buckets = Vec::with_capacity(groups.len());
-        for (b, (params, layout)) in groups.into_iter().zip(layouts).enumerate() {
-            let layout = Arc::new(layout);
-            for (slot, &p) in layout.params().iter().zip(&params) {
-                places[p] = Place {
-                    bucket: b,
-                    offset: slot.offset,
-                    len: slot.len,
-                };
-            }
-            let storage = Some(backend.try_alloc::<f32>(layout.len())?);
-            buckets.push(Bucket {
-                storage,
-                layout,
-                params,
-                ready: 0,
-                pending: None,
-            });
-        }
+        let reverse: Vec<usize> = (0..shapes.len()).rev().collect();
+        let groups = assign::by_size(&reverse, &lens, Caps::new(&config));
+        let (buckets, places) = build::<B>(&backend, shapes, groups)?;
         tracing::debug!(buckets = buckets.len(), "reducer buckets assigned");
         Ok(Reducer {
             backend,
             hook,
+            config,
+            group: None,
+            shapes: shapes.to_vec(),
+            lens,
             is_ready: vec![false; shapes.len()],
+            accumulated: vec![false; shapes.len()],
             places,
             buckets,
             next_launch: 0,
@@ -183,7 +196,24 @@ impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
             marked: 0,
             switched_after: None,
             hook_calls: 0,
+            rebuild_pending: true,
+            ready_order: Vec::new(),
         })
+    }
+
+    /// The reducer's own process group (DDP's `process_group`; normally the hook's), used
+    /// for one collective: the broadcast of rank 0's bucket assignment when the buckets
+    /// are rebuilt at the end of the first synchronised step (see the module docs). Every
+    /// rank must set it, or none. Also names this rank in errors. Set it before the first
+    /// synchronised step; without it the buckets never change.
+    pub fn with_process_group(mut self, group: Arc<dyn ProcessGroup>) -> Self {
+        self.group = Some(group);
+        self
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ReducerConfig {
+        &self.config
     }
 
     /// Number of buckets.
@@ -194,6 +224,28 @@ impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
     /// Parameter indices (forward order) of each bucket, in bucket order.
     pub fn bucket_params(&self) -> Vec<Vec<usize>> {
         self.buckets.iter().map(|b| b.params.clone()).collect()
+    }
+
+    /// Replaces the buckets by `buckets` (parameter indices, in launch order, as
+    /// [`bucket_params`](Self::bucket_params) returns them), keeping every gradient, and
+    /// cancels the automatic rebuild. For resuming a hook whose saved state is keyed by
+    /// bucket index: save the assignment with the hook's state, restore both. Every rank
+    /// must call it with the same buckets. Called during a step, or with buckets that are
+    /// not a partition of the parameters into non-empty buckets, it is
+    /// [`Error::Config`]; storage that cannot be allocated is [`Error::Alloc`]. Either
+    /// way nothing changes.
+    pub fn set_bucket_params(&mut self, buckets: Vec<Vec<usize>>) -> Result<()> {
+        if self.step_sync.is_some() {
+            return Err(Error::Config(
+                "set_bucket_params during a step: call it before the first mark or after finish()"
+                    .into(),
+            ));
+        }
+        assign::check_partition(&buckets, self.lens.len())
+            .map_err(|why| Error::Config(format!("set_bucket_params: {why}")))?;
+        self.apply(buckets)?;
+        self.rebuild_pending = false;
+        Ok(())
     }
 
     /// The hook.
@@ -219,10 +271,7 @@ impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
         self.buckets[bucket]
             .storage
             .as_ref()
-            .ok_or_else(|| Error::Bucket {
-                index: bucket,
-                why: "its reduction is in flight; call finish() first".into(),
-            })
+            .ok_or_else(|| in_flight(bucket))
     }
 
     /// Parameter `param`'s gradient storage.
@@ -240,28 +289,84 @@ impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
         let storage = self.buckets[p.bucket]
             .storage
             .as_mut()
-            .ok_or_else(|| Error::Bucket {
-                index: p.bucket,
-                why: "its reduction is in flight; call finish() first".into(),
-            })?;
+            .ok_or_else(|| in_flight(p.bucket))?;
         Ok(B::view_mut(storage, p.offset..p.offset + p.len)?)
     }
 
     /// Marks `param`'s gradient as complete for this step. With sync on, a bucket whose
     /// gradients are all ready is handed to the hook at once (in bucket order). The
-    /// first call of a step fixes the step's setting (see the module docs).
+    /// first mark of a step fixes the step's setting (see the module docs).
     pub fn mark_ready(&mut self, param: usize) -> Result<()> {
+        if self.mark(param)? {
+            self.launch_ready()
+        } else {
+            self.accumulated[param] = true;
+            Ok(())
+        }
+    }
+
+    /// Declares that `param` gets no gradient in this step (DDP's unused parameter),
+    /// whatever [`ReducerConfig::find_unused_parameters`] says. In a synchronised step
+    /// its slot is zeroed, unless gradients accumulated in unsynchronised steps since the
+    /// last synchronised one are there (those are reduced as they are), and it counts as
+    /// ready, so its bucket can launch before `finish`. In an unsynchronised step it
+    /// only counts as marked. Its slot must not have been written in this step. Marking
+    /// a parameter twice in a step (ready or unused) is an error.
+    pub fn mark_unused(&mut self, param: usize) -> Result<()> {
+        self.place(param)?;
+        if self.is_ready[param] {
+            return Err(twice(param));
+        }
+        // Zero before the mark: once marked, the bucket may be in flight.
+        let zeroed = if self.step_sync.unwrap_or(self.sync) {
+            self.zero_unless_accumulated(param)
+        } else {
+            Ok(())
+        };
+        let launched = if self.mark(param)? {
+            self.launch_ready()
+        } else {
+            Ok(())
+        };
+        zeroed.and(launched)
+    }
+
+    /// Counts `param` as marked in this step; returns the step's setting.
+    fn mark(&mut self, param: usize) -> Result<bool> {
         let p = self.place(param)?;
         if std::mem::replace(&mut self.is_ready[param], true) {
-            return Err(Error::Config(format!(
-                "parameter {param} was marked ready twice in one step"
-            )));
+            return Err(twice(param));
         }
         self.buckets[p.bucket].ready += 1;
         self.marked += 1;
-        if *self.step_sync.get_or_insert(self.sync) {
-            self.launch_ready()?;
+        let sync = *self.step_sync.get_or_insert(self.sync);
+        if sync && self.recording() {
+            self.ready_order.push(param);
         }
+        Ok(sync)
+    }
+
+    /// Whether this step's order will rebuild the buckets.
+    fn recording(&self) -> bool {
+        self.rebuild_pending && self.group.is_some()
+    }
+
+    /// Zeroes `param`'s slot, unless it holds gradients accumulated in unsynchronised
+    /// steps since the last synchronised one.
+    fn zero_unless_accumulated(&mut self, param: usize) -> Result<()> {
+        if self.accumulated[param] {
+            return Ok(());
+        }
+        let p = self.place(param)?;
+        if p.len == 0 {
+            return Ok(());
+        }
+        let storage = self.buckets[p.bucket]
+            .storage
+            .as_mut()
+            .ok_or_else(|| in_flight(p.bucket))?;
+        self.backend
+            .zero(B::view_mut(storage, p.offset..p.offset + p.len)?)?;
         Ok(())
     }
 
@@ -284,18 +389,25 @@ impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
         Ok(())
     }
 
-    /// Ends the backward pass. In a synchronised step every parameter must have been
-    /// marked ready; the reduced gradients are left in place. In an unsynchronised step
-    /// gradients stay as accumulated. Either way every launched bucket is waited for,
-    /// and the next step starts. If the setting was switched during the step, the step
-    /// kept its own and this returns [`Error::SyncChanged`].
+    /// Ends the backward pass. In a synchronised step, parameters not marked count as
+    /// unused (see the module docs): with `find_unused_parameters` that is all, without
+    /// it this returns [`Error::UnmarkedParameters`] after the step completed all the
+    /// same. The reduced gradients are left in place. In an unsynchronised step gradients
+    /// stay as accumulated. Either way every launched bucket is waited for, and the next
+    /// step starts. If the setting was switched during the step, the step kept its own
+    /// and this returns [`Error::SyncChanged`]. The first synchronised step with a
+    /// process group also rebuilds the buckets (a broadcast from rank 0), whatever the
+    /// step's outcome, so that every rank takes part.
     pub fn finish(&mut self) -> Result<()> {
-        let step_sync = self.step_sync.take().unwrap_or(self.sync);
+        // The step's setting stays in place until the step is over: `finish_sync` marks
+        // the parameters left unmarked as the step's own marks.
+        let step_sync = *self.step_sync.get_or_insert(self.sync);
         let result = if step_sync {
             self.finish_sync()
         } else {
             self.wait_all()
         };
+        self.step_sync = None;
         let changed = self.switched_after.take().map(|marked| Error::SyncChanged {
             on: !step_sync,
             marked,
@@ -307,26 +419,66 @@ impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
         self.buckets.iter_mut().for_each(|b| b.ready = 0);
         self.next_launch = 0;
         self.marked = 0;
-        match (changed, result) {
-            (Some(changed), Err(e)) => {
-                // One error is returned; the switch is the cause the caller must fix.
-                tracing::warn!("step with a switched synchronisation setting also failed: {e}");
-                Err(changed)
+        let rebuilt = if step_sync {
+            self.accumulated.iter_mut().for_each(|a| *a = false);
+            if std::mem::take(&mut self.rebuild_pending) {
+                self.rebuild()
+            } else {
+                Ok(())
             }
-            (Some(changed), Ok(())) => Err(changed),
-            (None, result) => result,
+        } else {
+            Ok(())
+        };
+        self.ready_order.clear();
+        // One error is returned: a switched setting first, then the step's own error
+        // (the causes the caller must fix), then the rebuild's.
+        let mut errors = [changed.map(Err), Some(result), Some(rebuilt)]
+            .into_iter()
+            .flatten()
+            .filter_map(|r| r.err());
+        match errors.next() {
+            None => Ok(()),
+            Some(first) => {
+                for also in errors {
+                    tracing::warn!("the step that failed with `{first}` also failed: {also}");
+                }
+                Err(first)
+            }
         }
     }
 
     fn finish_sync(&mut self) -> Result<()> {
+        // Every parameter left unmarked counts as unused and its bucket launches, with or
+        // without the option, so this rank issues the same collectives as its peers.
+        let unmarked: Vec<usize> = (0..self.is_ready.len())
+            .filter(|&p| !self.is_ready[p])
+            .collect();
+        let mut first_error = None;
+        for &p in &unmarked {
+            if let Err(e) = self.zero_unless_accumulated(p) {
+                first_error.get_or_insert(e);
+            }
+            if let Err(e) = self.mark(p) {
+                first_error.get_or_insert(e);
+            }
+        }
+        if let Err(e) = self.launch_ready() {
+            first_error.get_or_insert(e);
+        }
         // Wait for what was launched in any case, so no bucket is left in flight.
         let waited = self.wait_all();
-        if let Some(p) = self.is_ready.iter().position(|r| !r) {
-            return Err(Error::Config(format!(
-                "parameter {p} was not marked ready before finish() in a synchronised step"
-            )));
+        if !unmarked.is_empty() && !self.config.find_unused_parameters {
+            let e = Error::UnmarkedParameters {
+                params: unmarked,
+                total: self.is_ready.len(),
+                rank: self.group.as_ref().map(|g| g.rank()),
+            };
+            if let Some(also) = first_error.or(waited.err()) {
+                tracing::warn!("the step with unmarked parameters also failed: {also}");
+            }
+            return Err(e);
         }
-        waited
+        first_error.map_or(waited, Err)
     }
 
     fn wait_all(&mut self) -> Result<()> {
@@ -365,20 +517,145 @@ impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
         first_error.map_or(Ok(()), Err)
     }
 
+    /// Rebuilds the buckets in the order of the step that just finished, as rank 0 saw
+    /// it. The broadcast comes first, so this rank takes part even if applying fails.
+    fn rebuild(&mut self) -> Result<()> {
+        let Some(group) = self.group.clone() else {
+            return Ok(());
+        };
+        let n = self.lens.len();
+        if n == 0 {
+            return Ok(());
+        }
+        // `finish` marked every parameter, so the order is complete; parameters missing
+        // from it all the same go last, in the current bucket order.
+        let mut seen = vec![false; n];
+        let mut order: Vec<usize> = Vec::with_capacity(n);
+        let marked = std::mem::take(&mut self.ready_order);
+        let current = self.buckets.iter().flat_map(|b| b.params.iter());
+        for &p in marked.iter().chain(current) {
+            if !std::mem::replace(&mut seen[p], true) {
+                order.push(p);
+            }
+        }
+        let proposal = assign::by_size(&order, &self.lens, Caps::new(&self.config));
+        let wire = Buffer::from(assign::encode(&proposal));
+        let wire: Vec<f64> = group.broadcast(wire, 0).wait()?.try_into()?;
+        let buckets = assign::decode(&wire, n).map_err(|why| {
+            Error::Config(format!(
+                "bucket rebuild: rank 0 sent an assignment that does not fit this rank's {n} parameters: {why}"
+            ))
+        })?;
+        self.apply(buckets)?;
+        tracing::info!(
+            buckets = self.buckets.len(),
+            "reducer buckets rebuilt in gradient-ready order"
+        );
+        Ok(())
+    }
+
+    /// Moves every gradient into freshly allocated `buckets` (a checked partition).
+    /// Changes nothing on error.
+    fn apply(&mut self, groups: Vec<Vec<usize>>) -> Result<()> {
+        if self.buckets.iter().map(|b| &b.params).eq(groups.iter()) {
+            return Ok(());
+        }
+        let (mut buckets, places) = build::<B>(&self.backend, &self.shapes, groups)?;
+        for (old, new) in self.places.iter().zip(&places) {
+            if old.len == 0 {
+                continue;
+            }
+            let from = self.buckets[old.bucket]
+                .storage
+                .as_ref()
+                .ok_or_else(|| in_flight(old.bucket))?;
+            let to = buckets[new.bucket]
+                .storage
+                .as_mut()
+                .ok_or_else(|| in_flight(new.bucket))?;
+            self.backend.copy(
+                B::view(from, old.offset..old.offset + old.len)?,
+                B::view_mut(to, new.offset..new.offset + new.len)?,
+            )?;
+        }
+        self.buckets = buckets;
+        self.places = places;
+        Ok(())
+    }
+
     /// Sets every gradient to zero.
     pub fn zero_grad(&mut self) -> Result<()> {
         for b in 0..self.buckets.len() {
             let storage = self.buckets[b]
                 .storage
                 .as_mut()
-                .ok_or_else(|| Error::Bucket {
-                    index: b,
-                    why: "its reduction is in flight; call finish() first".into(),
-                })?;
+                .ok_or_else(|| in_flight(b))?;
             self.backend.zero(B::view_mut(storage, ..)?)?;
         }
         Ok(())
     }
+}
+
+/// Buckets holding `groups` of parameters (in launch order) of the given shapes, with
+/// zeroed storage, and each parameter's place. Every layout is checked before the first
+/// allocation, so a shape that cannot exist fails without allocating anything.
+#[allow(clippy::type_complexity)]
+fn build<B: CommBackend>(
+    backend: &B,
+    shapes: &[Vec<usize>],
+    groups: Vec<Vec<usize>>,
+) -> Result<(Vec<Bucket<B>>, Vec<Place>)> {
+    let layouts = groups
+        .iter()
+        .enumerate()
+        .map(|(b, params)| {
+            let bucket_shapes: Vec<Vec<usize>> =
+                params.iter().map(|&p| shapes[p].clone()).collect();
+            Layout::packed(&bucket_shapes).map_err(|e| match e {
+                Error::Overflow(what) => Error::Overflow(format!("bucket {b}: {what}")),
+                other => other,
+            })
+        })
+        .collect::<Result<Vec<Layout>>>()?;
+    let mut places = vec![
+        Place {
+            bucket: 0,
+            offset: 0,
+            len: 0
+        };
+        shapes.len()
+    ];
+    let mut buckets = Vec::with_capacity(groups.len());
+    for (b, (params, layout)) in groups.into_iter().zip(layouts).enumerate() {
+        let layout = Arc::new(layout);
+        for (slot, &p) in layout.params().iter().zip(&params) {
+            places[p] = Place {
+                bucket: b,
+                offset: slot.offset,
+                len: slot.len,
+            };
+        }
+        let storage = Some(backend.try_alloc::<f32>(layout.len())?);
+        buckets.push(Bucket {
+            storage,
+            layout,
+            params,
+            ready: 0,
+            pending: None,
+        });
+    }
+    Ok((buckets, places))
+}
+
+fn in_flight(bucket: usize) -> Error {
+    Error::Bucket {
+        index: bucket,
+        why: "its reduction is in flight; call finish() first".into(),
+    }
+}
+
+fn twice(param: usize) -> Error {
+    Error::Config(format!("parameter {param} was marked twice in one step"))
 }
 
 impl<B: CommBackend, H: CommHook<B>> accum::GradSync for Reducer<B, H> {

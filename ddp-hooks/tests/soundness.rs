@@ -100,6 +100,7 @@ fn two_bucket_reducer(group: Arc<dyn ProcessGroup>) -> Reducer<CpuBackend, AllRe
     let tiny = ReducerConfig {
         bucket_cap_mb: 1e-6,
         first_bucket_mb: 1e-6,
+        ..ReducerConfig::default()
     };
     let r = Reducer::new(be, &[vec![4, 3], vec![4]], hook, tiny).unwrap();
     assert_eq!(r.bucket_params(), vec![vec![1], vec![0]]);
