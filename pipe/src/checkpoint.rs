@@ -8,6 +8,9 @@
 //! nothing.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+
+use skip::{Declaration, Tracker};
 
 use crate::error::{Error, Site, Task};
 use crate::layer::{Context, Layer, Phase, Saved};
@@ -98,10 +101,17 @@ pub(crate) struct StageCall<'s, T> {
     /// Global index of the stage's first layer.
     pub first_layer: usize,
     pub layers: &'s mut [Box<dyn Layer<T>>],
+    /// Per layer of the stage, its skip declaration if it has one.
+    pub decls: &'s [Option<Arc<Declaration>>],
+    /// The micro-batch's skip tracker on this stage, lent to each layer that declares
+    /// skips; the caller takes it back after the call.
+    pub tracker: Option<Box<Tracker<T>>>,
     pub train: bool,
     pub seed: u64,
     pub step: u64,
     pub micro_batch: MicroBatch,
+    /// The number of micro-batches of the mini-batch.
+    pub micro_batches: usize,
 }
 
 impl<T: Tensor> StageCall<'_, T> {
@@ -109,8 +119,25 @@ impl<T: Tensor> StageCall<'_, T> {
         Context::new(self.train, self.seed, self.step, self.micro_batch.len)
             .with_layer(self.first_layer + l)
             .with_micro_batch(self.micro_batch)
+            .with_micro_batches(self.micro_batches)
             .with_phase(phase)
             .with_checkpointing(checkpointing)
+    }
+
+    /// Lends the tracker to layer `l`'s context if the layer declares skips.
+    fn lend(&mut self, l: usize, ctx: &mut Context) {
+        if let Some(decl) = self.decls.get(l).and_then(Option::as_ref) {
+            if let Some(tracker) = self.tracker.take() {
+                ctx.attach_skips(tracker, Arc::clone(decl));
+            }
+        }
+    }
+
+    /// Takes the tracker back from a context it was lent to (also after a failure).
+    fn take_back(&mut self, ctx: &mut Context) {
+        if let Some(tracker) = ctx.detach_skips::<T>() {
+            self.tracker = Some(tracker);
+        }
     }
 
     fn site(&self, l: usize, task: Task) -> Site {
@@ -163,9 +190,11 @@ impl<T: Tensor> StageCall<'_, T> {
         let mut x = input;
         for l in 0..self.layers.len() {
             let mut ctx = self.context(l, phase, keep == Keep::Input);
+            self.lend(l, &mut ctx);
             let layer = &mut self.layers[l];
-            let (y, state) =
-                guard(|| layer.forward(x, &mut ctx)).map_err(|e| e.at(self.site(l, task)))?;
+            let result = guard(|| layer.forward(x, &mut ctx));
+            self.take_back(&mut ctx);
+            let (y, state) = result.map_err(|e| e.at(self.site(l, task)))?;
             if keep == Keep::Saved {
                 saved.push(state);
             }
@@ -184,9 +213,11 @@ impl<T: Tensor> StageCall<'_, T> {
         for l in (0..self.layers.len()).rev() {
             let state = saved.pop().unwrap_or_else(Saved::none);
             let mut ctx = self.context(l, Phase::Backward, false);
+            self.lend(l, &mut ctx);
             let layer = &mut self.layers[l];
-            g = guard(|| layer.backward(g, state, &mut ctx))
-                .map_err(|e| e.at(self.site(l, Task::Backward)))?;
+            let result = guard(|| layer.backward(g, state, &mut ctx));
+            self.take_back(&mut ctx);
+            g = result.map_err(|e| e.at(self.site(l, Task::Backward)))?;
         }
         Ok(g)
     }

@@ -3,6 +3,7 @@
 use std::fmt;
 use std::time::Duration;
 
+use crate::layer::Phase;
 use crate::schedule::Action;
 use crate::tensor::Device;
 
@@ -334,6 +335,64 @@ pub enum Error {
     /// A user layer's own error (see [`Error::custom`]).
     #[error(transparent)]
     Custom(BoxError),
+
+    /// Skip connections: the declarations do not pair up (when the pipe is built, with
+    /// every problem at once), or a layer broke its declaration at run time (a stash or
+    /// pop of an undeclared name, a declared name not stashed or popped).
+    #[error(transparent)]
+    Skip(#[from] skip::Error),
+    /// A layer asked its context for skips, but no tracker is attached: it declares no
+    /// skip ([`Layer::skips`](crate::Layer::skips)), or it runs outside a pipe without
+    /// [`Context::attach_skips`](crate::Context::attach_skips).
+    #[error("layer {layer} asked for its skips, but no skip tracker is attached (does it declare them in Layer::skips?)")]
+    NoSkipTracker {
+        /// The layer's global index.
+        layer: usize,
+    },
+    /// The attached skip tracker carries another tensor type than the layer asked for.
+    #[error("layer {layer} asked for skips of another tensor type than its tracker carries")]
+    SkipType {
+        /// The layer's global index.
+        layer: usize,
+    },
+    /// Stash and pop belong to forward passes, skip gradients to backward passes.
+    #[error("layer {layer} asked for the skip handle of the other pass in its {phase:?} phase (Context::skips in forward, Context::skip_grads in backward)")]
+    SkipPhase {
+        /// The layer's global index.
+        layer: usize,
+        /// The phase it was in.
+        phase: Phase,
+    },
+    /// A micro-batch's skip tracker still held values or gradients after its backward pass
+    /// on a partition: a layer popped without handing in a gradient it had, or did not
+    /// finish its skip handles.
+    #[error("partition {partition}, micro-batch {micro_batch}: {held} skip value(s) or gradient(s) left behind after the backward pass")]
+    SkipsLeftBehind {
+        /// The partition.
+        partition: usize,
+        /// The micro-batch.
+        micro_batch: usize,
+        /// Values plus gradients still held.
+        held: usize,
+    },
+
+    /// Block partition into no partitions.
+    #[error("partitions must be a positive integer ({partitions} < 1)")]
+    Partitions {
+        /// The number asked for.
+        partitions: usize,
+    },
+    /// Block partition of a sequence shorter than the number of partitions.
+    #[error("sequence is shorter than intended partitions ({len} < {partitions})")]
+    SequenceTooShort {
+        /// Length of the sequence.
+        len: usize,
+        /// The number of partitions.
+        partitions: usize,
+    },
+    /// Profiling for a balance needs repetitions.
+    #[error("profiling needs at least one repetition")]
+    NoRepetitions,
 }
 
 impl Error {

@@ -16,10 +16,13 @@ use std::sync::mpsc::{channel, Sender};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use skip::{Moves, Tracker};
+
 use crate::checkpoint::{panic_message, Kept};
 use crate::error::Error;
 use crate::layer::Layer;
 use crate::microbatch::{Batch, MicroBatch};
+use crate::portal::{held_bytes, SkipPlan};
 use crate::record::Span;
 use crate::schedule::Schedule;
 use crate::tensor::{Device, Tensor};
@@ -33,16 +36,33 @@ pub(crate) type LossFn<'a, T> =
 /// A callback run on a stage's worker right after the stage's last backward action.
 pub(crate) type FinalHook<T> = dyn Fn(usize, &mut [Box<dyn Layer<T>>]) + Send + Sync;
 
-/// Bytes a partition holds between forward and backward passes: saved states, or the inputs
-/// of checkpointed micro-batches. Counted through [`Tensor::size_bytes`] at action
-/// boundaries.
+/// Bytes a partition holds between forward and backward passes: saved states, the inputs
+/// of checkpointed micro-batches, and skip values and gradients waiting in its trackers.
+/// Counted through [`Tensor::size_bytes`] at action boundaries and when a skip arrives.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Memory {
-    /// Held now.
+    /// Held now (skips included).
     pub held: usize,
     /// The most held at once since the pending forward began (or the last step began).
     pub peak: usize,
+    /// Of `held`, the bytes of skip values and gradients in the partition's trackers:
+    /// a value waits there from its arrival until it is popped (under checkpointing, until
+    /// the recomputation pops it again), a gradient until it is sent back or taken.
+    pub skips: usize,
 }
+
+impl Memory {
+    /// Adjusts the skip bytes from `old` to `new`, and the totals with them.
+    pub(crate) fn set_skips(&mut self, old: usize, new: usize) {
+        self.held = (self.held + new).saturating_sub(old);
+        self.skips = (self.skips + new).saturating_sub(old);
+        self.peak = self.peak.max(self.held);
+    }
+}
+
+/// Per micro-batch, a stage's skip tracker (absent where it has no skip layers or the
+/// micro-batch has not reached it).
+pub(crate) type Trackers<T> = Vec<Option<Box<Tracker<T>>>>;
 
 /// A stage as the executor receives it.
 pub(crate) struct StageSlot<'a, T> {
@@ -53,6 +73,8 @@ pub(crate) struct StageSlot<'a, T> {
     /// Per micro-batch, what an earlier run kept (for a backward-only run); all `None`
     /// otherwise.
     pub kept: Vec<Option<Kept<T>>>,
+    /// Per micro-batch, the skip trackers an earlier run left (for a backward-only run).
+    pub trackers: Trackers<T>,
     pub memory: Memory,
 }
 
@@ -74,6 +96,7 @@ pub(crate) struct Job<'a, 'l, T> {
     /// Record spans measured from this instant.
     pub record: Option<Instant>,
     pub on_final: Option<&'a FinalHook<T>>,
+    pub skips: &'a SkipPlan,
 }
 
 /// What a successful run leaves.
@@ -84,6 +107,10 @@ pub(crate) struct Outcome<T> {
     pub input_grads: Vec<Option<Batch<T>>>,
     /// Per stage, per micro-batch, what is still kept for a later backward.
     pub kept: Vec<Vec<Option<Kept<T>>>>,
+    /// Per stage, the skip trackers still needed by a later backward.
+    pub trackers: Vec<Trackers<T>>,
+    /// The skip moves of the trackers this run finished with.
+    pub moves: Moves,
     pub memory: Vec<Memory>,
     pub spans: Vec<Vec<Span>>,
 }
@@ -99,10 +126,10 @@ pub(crate) struct Common<'a> {
     pub checkpoint_stop: usize,
     pub timeout: Duration,
     pub record: Option<Instant>,
+    pub skips: &'a SkipPlan,
 }
 
-/// A message between workers. (The skip integration adds a variant that carries a skip
-/// value from its stashing stage straight to its popping stage.)
+/// A message between workers.
 pub(crate) enum Msg<T> {
     /// A stage's input for a micro-batch, from the previous stage.
     Activation {
@@ -115,6 +142,21 @@ pub(crate) enum Msg<T> {
         stage: usize,
         mb: usize,
         batch: Batch<T>,
+    },
+    /// A skip value (or the stash of nothing) for micro-batch `mb`, straight from the
+    /// stashing stage to the popping `stage`, along `skips.routes[route]`.
+    Skip {
+        stage: usize,
+        mb: usize,
+        route: usize,
+        value: Option<T>,
+    },
+    /// A skip's gradient (or none), back from the popping stage to the stashing `stage`.
+    SkipGrad {
+        stage: usize,
+        mb: usize,
+        route: usize,
+        grad: Option<T>,
     },
     /// Stop: another worker failed.
     Abort,
@@ -176,17 +218,27 @@ pub(crate) fn execute<T: Tensor>(job: Job<'_, '_, T>) -> Result<Outcome<T>, Erro
         checkpoint_stop: job.checkpoint_stop,
         timeout: job.timeout,
         record: job.record,
+        skips: job.skips,
     };
     let none = || -> Vec<Option<Batch<T>>> { (0..m).map(|_| None).collect() };
     let mut hosted: Vec<Vec<Hosted<'_, T>>> = (0..workers).map(|_| Vec::new()).collect();
     let (mut inputs, mut grads) = (Some(job.inputs), Some(job.grads));
     for (stage, slot) in job.stages.into_iter().enumerate() {
         let worker = schedule.worker_of(stage).unwrap_or(0);
+        // Trackers left by a forward-only run hold what the memory already counts.
+        let mut skip_bytes = vec![0; m];
+        for (bytes, tracker) in skip_bytes.iter_mut().zip(&slot.trackers) {
+            *bytes = tracker.as_deref().map_or(0, held_bytes);
+        }
         hosted[worker].push(Hosted {
             stage,
             slot,
             inputs: if stage == 0 { inputs.take() } else { None }.unwrap_or_else(none),
             grads: if stage + 1 == n { grads.take() } else { None }.unwrap_or_else(none),
+            values_in: vec![0; m],
+            grads_in: vec![0; m],
+            skip_bytes,
+            moves: Moves::default(),
         });
     }
     let mut loss = job.loss;
@@ -240,6 +292,8 @@ pub(crate) fn execute<T: Tensor>(job: Job<'_, '_, T>) -> Result<Outcome<T>, Erro
         outputs: none(),
         input_grads: none(),
         kept: (0..n).map(|_| Vec::new()).collect(),
+        trackers: (0..n).map(|_| Vec::new()).collect(),
+        moves: Moves::default(),
         memory: vec![Memory::default(); n],
         spans: Vec::with_capacity(workers),
     };
@@ -252,6 +306,8 @@ pub(crate) fn execute<T: Tensor>(job: Job<'_, '_, T>) -> Result<Outcome<T>, Erro
         };
         for stage in out.stages {
             outcome.kept[stage.stage] = stage.kept;
+            outcome.trackers[stage.stage] = stage.trackers;
+            outcome.moves = outcome.moves + stage.moves;
             outcome.memory[stage.stage] = stage.memory;
         }
         if let Some(outputs) = out.outputs {

@@ -7,6 +7,18 @@
 //! decides what to keep: the saved state (no checkpoint), only the stage's input
 //! (checkpoint: `forward` is re-run with the same context before `backward`), or nothing
 //! (evaluation).
+//!
+//! A layer with skip connections declares them ([`Layer::skips`]) and reaches them through
+//! its context: [`Context::skips`] in its forward pass (stash and pop) and
+//! [`Context::skip_grads`] in its backward pass (hand in a popped value's gradient, take a
+//! stashed value's gradient). The pipe attaches the micro-batch's tracker to the context of
+//! every layer that declares a skip, and only to those.
+
+use std::any::Any;
+use std::fmt;
+use std::sync::Arc;
+
+use skip::{Declaration, Grads, Skips, Tracker};
 
 use crate::error::Error;
 use crate::microbatch::{Batch, MicroBatch};
@@ -26,29 +38,67 @@ pub enum Phase {
 }
 
 /// What a layer call may know about its circumstances: train or eval, the step, its
-/// global layer index, the micro-batch, the phase, and the random stream keyed by those.
+/// global layer index, the micro-batch (and how many there are), the phase, the random
+/// stream keyed by those, and, for a layer that declares skips, the micro-batch's skip
+/// tracker.
 ///
 /// The random stream depends on (seed, step, global layer index, global sample index) only,
 /// never on the chunking, the balance, the schedule or the phase, so a recomputed forward
 /// draws exactly what the first one drew.
 ///
-/// Later additions (the skip handle of the `skip` integration) arrive as new accessors;
-/// layers take the context as `&mut Context`, so they can be handed mutable per-call state.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Layers take the context as `&mut Context`: the skip handles borrow it mutably.
+/// Cloning a context leaves the skip tracker behind (it belongs to one call).
 pub struct Context {
     train: bool,
     seed: u64,
     step: u64,
     layer: usize,
     micro_batch: MicroBatch,
+    micro_batches: usize,
     phase: Phase,
     checkpointing: bool,
+    profiling: bool,
+    skips: Option<SkipSlot>,
+}
+
+/// The skip tracker lent to one layer call, with the layer's declaration. The tracker is
+/// a `skip::Tracker<T>` for the pipe's tensor type `T`, kept as `Any` so that `Context`
+/// stays one type for every tensor type.
+struct SkipSlot {
+    tracker: Box<dyn Any + Send>,
+    decl: Arc<Declaration>,
+}
+
+impl Clone for Context {
+    fn clone(&self) -> Self {
+        Context {
+            skips: None,
+            ..*self
+        }
+    }
+}
+
+impl fmt::Debug for Context {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Context")
+            .field("train", &self.train)
+            .field("seed", &self.seed)
+            .field("step", &self.step)
+            .field("layer", &self.layer)
+            .field("micro_batch", &self.micro_batch)
+            .field("micro_batches", &self.micro_batches)
+            .field("phase", &self.phase)
+            .field("checkpointing", &self.checkpointing)
+            .field("profiling", &self.profiling)
+            .field("skips", &self.skips.as_ref().map(|s| &s.decl))
+            .finish()
+    }
 }
 
 impl Context {
     /// A context for a forward call of layer 0 on a micro-batch of `len` samples starting
-    /// at sample 0. Pipes build their own; this is for running layers outside a pipe (a
-    /// reference model, a test).
+    /// at sample 0, the only micro-batch of its mini-batch. Pipes build their own; this is
+    /// for running layers outside a pipe (a reference model, a test).
     pub fn new(train: bool, seed: u64, step: u64, len: usize) -> Self {
         Context {
             train,
@@ -60,8 +110,11 @@ impl Context {
                 offset: 0,
                 len,
             },
+            micro_batches: 1,
             phase: Phase::Forward,
             checkpointing: false,
+            profiling: false,
+            skips: None,
         }
     }
 
@@ -77,6 +130,12 @@ impl Context {
         self
     }
 
+    /// The same context in a mini-batch of `count` micro-batches (at least 1).
+    pub fn with_micro_batches(mut self, count: usize) -> Self {
+        self.micro_batches = count.max(1);
+        self
+    }
+
     /// The same context in another phase.
     pub fn with_phase(mut self, phase: Phase) -> Self {
         self.phase = phase;
@@ -87,6 +146,13 @@ impl Context {
     /// it returns as [`Saved`] will be dropped).
     pub fn with_checkpointing(mut self, checkpointing: bool) -> Self {
         self.checkpointing = checkpointing;
+        self
+    }
+
+    /// The same context, marked as a profiling call (see [`balance`](crate::balance)):
+    /// the layer computes as in training but must leave its running state alone.
+    pub fn with_profiling(mut self, profiling: bool) -> Self {
+        self.profiling = profiling;
         self
     }
 
@@ -115,6 +181,12 @@ impl Context {
         self.micro_batch
     }
 
+    /// How many micro-batches the mini-batch was split into (the actual number, which
+    /// is `min(chunks, batch)`): what deferred batch norm counts to before it commits.
+    pub fn micro_batches(&self) -> usize {
+        self.micro_batches
+    }
+
     /// The phase.
     pub fn phase(&self) -> Phase {
         self.phase
@@ -132,6 +204,18 @@ impl Context {
         self.phase == Phase::Recompute
     }
 
+    /// Whether this call only profiles the layer (its cost, for balancing).
+    pub fn is_profiling(&self) -> bool {
+        self.profiling
+    }
+
+    /// Whether a layer with running state (batch-norm statistics) should update it: a
+    /// first forward pass in training that is not profiling. Recomputations, evaluation
+    /// and profiling leave it alone.
+    pub fn updates_running_stats(&self) -> bool {
+        self.train && self.phase == Phase::Forward && !self.profiling
+    }
+
     /// Whether what `forward` returns as [`Saved`] will be kept for `backward` (training,
     /// not a checkpointed first pass). A layer may skip building its state otherwise.
     pub fn keeps_state(&self) -> bool {
@@ -147,6 +231,71 @@ impl Context {
     /// `offset + row`).
     pub fn sample_rng(&self, row: usize) -> SampleStream {
         self.rng().sample((self.micro_batch.offset + row) as u64)
+    }
+
+    /// Lends this call a skip tracker (one per micro-batch, per partition in a pipe) and the
+    /// layer's declaration. The pipe does this for every layer that declares skips; outside
+    /// a pipe (a reference run, a profiler) the caller does, then takes the tracker back
+    /// with [`detach_skips`](Context::detach_skips).
+    pub fn attach_skips<T: Tensor>(&mut self, tracker: Box<Tracker<T>>, decl: Arc<Declaration>) {
+        self.skips = Some(SkipSlot { tracker, decl });
+    }
+
+    /// Takes back the tracker lent by [`attach_skips`](Context::attach_skips): `None` if
+    /// none is attached or it holds values of another tensor type (then it stays attached).
+    pub fn detach_skips<T: Tensor>(&mut self) -> Option<Box<Tracker<T>>> {
+        let slot = self.skips.take()?;
+        match slot.tracker.downcast::<Tracker<T>>() {
+            Ok(tracker) => Some(tracker),
+            Err(tracker) => {
+                self.skips = Some(SkipSlot {
+                    tracker,
+                    decl: slot.decl,
+                });
+                None
+            }
+        }
+    }
+
+    /// Whether a skip tracker is attached.
+    pub fn has_skips(&self) -> bool {
+        self.skips.is_some()
+    }
+
+    fn tracker<T: Tensor>(&mut self) -> Result<(&mut Tracker<T>, &Declaration), Error> {
+        let layer = self.layer;
+        let slot = self.skips.as_mut().ok_or(Error::NoSkipTracker { layer })?;
+        let tracker = slot
+            .tracker
+            .downcast_mut::<Tracker<T>>()
+            .ok_or(Error::SkipType { layer })?;
+        Ok((tracker, &slot.decl))
+    }
+
+    /// The layer's skip handle for this forward pass (or its recomputation): stash and
+    /// pop the names it declared, then [`Skips::finish`]. Errors: no tracker attached
+    /// ([`Error::NoSkipTracker`]), called in the backward phase ([`Error::SkipPhase`]),
+    /// or the tracker's own checks ([`Error::Skip`]: a declared pop not stashed).
+    pub fn skips<T: Tensor>(&mut self) -> Result<Skips<'_, T>, Error> {
+        let (layer, phase) = (self.layer, self.phase);
+        let (tracker, decl) = self.tracker::<T>()?;
+        match phase {
+            Phase::Forward => Ok(tracker.forward(layer, decl)?),
+            Phase::Recompute => Ok(tracker.recompute(layer, decl)?),
+            Phase::Backward => Err(Error::SkipPhase { layer, phase }),
+        }
+    }
+
+    /// The layer's skip-gradient handle for this backward pass: a popping layer hands in
+    /// the gradient of each value it popped, a stashing layer takes the gradient of each
+    /// value it stashed and adds it to its input's; then [`Grads::finish`].
+    pub fn skip_grads<T: Tensor>(&mut self) -> Result<Grads<'_, T>, Error> {
+        let (layer, phase) = (self.layer, self.phase);
+        if phase != Phase::Backward {
+            return Err(Error::SkipPhase { layer, phase });
+        }
+        let (tracker, decl) = self.tracker::<T>()?;
+        Ok(tracker.backward(layer, decl)?)
     }
 }
 
@@ -253,6 +402,26 @@ pub trait Layer<T: Tensor>: Send {
 
     /// Sets the accumulated gradients to zero. Default: nothing to do.
     fn zero_grad(&mut self) {}
+
+    /// The skips this layer stashes and pops (torchgpipe's `@skippable`), fixed before any
+    /// run: the pipe reads it once when it is built, verifies the whole sequence and
+    /// routes each skip from its stashing partition to its popping one. A layer that
+    /// declares skips reaches them through [`Context::skips`] and
+    /// [`Context::skip_grads`]. Default: none.
+    fn skips(&self) -> Declaration {
+        Declaration::new()
+    }
+
+    /// Switches a batch-norm layer to deferred running statistics (torchgpipe's
+    /// `DeferredBatchNorm`): accumulated over every micro-batch of a mini-batch and
+    /// committed once per mini-batch, so they equal plain batch norm's over the whole
+    /// batch. Returns whether the layer has running statistics to defer. The pipe calls it
+    /// on every layer when built with
+    /// [`deferred_batch_norm(true)`](crate::PipeBuilder::deferred_batch_norm). Default: not
+    /// a batch norm, `false`.
+    fn defer_batch_norm(&mut self) -> bool {
+        false
+    }
 }
 
 fn short_type_name(full: &str) -> &str {

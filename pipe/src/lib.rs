@@ -5,15 +5,22 @@
 //! - [`Tensor`]: what the pipeline needs from a tensor (split, concatenate, size, add,
 //!   move). [`CpuTensor`] implements it on `ndarray`.
 //! - [`Layer`]: `forward` returns the output and what `backward` needs ([`Saved`]);
-//!   `backward` returns the input gradient and accumulates parameter gradients. Layers for
-//!   tests and examples: [`Linear`], [`ReLU`], [`Dropout`], [`BatchNorm`].
+//!   `backward` returns the input gradient and accumulates parameter gradients; a layer
+//!   declares the skips it stashes and pops ([`Layer::skips`], the [`skip`] crate). Layers
+//!   for tests and examples: [`Linear`], [`ReLU`], [`Dropout`], [`BatchNorm`] (plain or
+//!   deferred), and the residual block through skips ([`StashInput`], [`AddSkip`],
+//!   [`residual`]).
 //! - [`Context`]: per call, train/eval, the step, the layer's global index, the micro-batch
 //!   and a counter-based random [`Stream`] keyed by (seed, step, layer, sample): dropout
-//!   masks do not depend on the chunking, and recomputation reproduces them bit for bit.
+//!   masks do not depend on the chunking, and recomputation reproduces them bit for bit. A
+//!   layer with skips reaches them through it ([`Context::skips`],
+//!   [`Context::skip_grads`]).
 //! - [`Schedule`]: per worker, an ordered list of [`Action`]s, validated before it runs;
 //!   [`Schedule::gpipe`] and [`Schedule::one_f_one_b`] generate them.
-//! - [`Pipe`]: the partitions, the micro-batching, the checkpoint mode; `forward` /
-//!   `backward`, or `step` with a per-micro-batch loss.
+//! - [`Pipe`]: the partitions, the micro-batching, the checkpoint mode, deferred batch
+//!   norm; `forward` / `backward`, or `step` with a per-micro-batch loss. Skips that cross
+//!   partitions move straight from the stashing partition to the popping one.
+//! - [`balance`]: balances by time or size, with torchgpipe's block partition.
 //!
 //! A two-partition pipe, checked against the same layers run as one model:
 //!
@@ -65,14 +72,24 @@
 //!   the layer and the micro-batch, every wait between workers is bounded by the timeout,
 //!   no worker thread outlives the call, and a panic poisons the pipe.
 //! - **Dataflow** (`dataflow.rs`): a worker waits only for the data its next action needs.
+//! - **Skips** (`skips.rs`): declarations are verified when the pipe is built (every
+//!   mismatch at once); a skip crossing partitions moves once per micro-batch each way,
+//!   straight between the two partitions, and recomputation moves nothing again
+//!   ([`Pipe::skip_moves`]); results are bit-identical to the model with its residual adds
+//!   written out; no skip value or gradient is held after a step ([`Memory::skips`]).
+//! - **Deferred batch norm** (`deferred_batch_norm.rs`): running statistics after a step
+//!   equal plain batch norm's over the whole batch within 1e-6, whatever the chunks.
+//! - **Balance** (`balance.rs`): torchgpipe's block partitions and errors exactly;
+//!   profiling works on layers with skips and leaves the layers as it found them.
 //!
 //! Why explicit backward passes: Rust has no autograd to hook checkpointing and
 //! cross-partition ordering into, so torchgpipe's fork/join tricks become data: a schedule
-//! says which backward runs when, and a checkpointed micro-batch keeps its input and re-runs
-//! `forward` with the same [`Context`]. Skip connections across partitions and deferred
-//! batch norm build on this engine in later work.
+//! says which backward runs when, a checkpointed micro-batch keeps its input and re-runs
+//! `forward` with the same [`Context`], and a skip's gradient travels back through the same
+//! trackers that carried its value (torchgpipe's portals).
 #![deny(missing_docs)]
 
+pub mod balance;
 mod checkpoint;
 mod cpu;
 mod error;
@@ -82,6 +99,7 @@ mod layers;
 mod microbatch;
 mod pin;
 mod pipe;
+mod portal;
 mod record;
 mod rng;
 mod schedule;
@@ -93,7 +111,7 @@ pub use crate::cpu::CpuTensor;
 pub use crate::error::{BoxError, Error, Site, Task};
 pub use crate::executor::Memory;
 pub use crate::layer::{Context, Layer, Param, ParamMut, Phase, Saved};
-pub use crate::layers::{BatchNorm, Dropout, Linear, ReLU};
+pub use crate::layers::{residual, AddSkip, BatchNorm, Dropout, Linear, ReLU, StashInput};
 pub use crate::microbatch::{Batch, Item, MicroBatch};
 pub use crate::pipe::{Pipe, PipeBuilder, StepOutput, DEFAULT_TIMEOUT};
 pub use crate::record::{Record, Span, SpanKind};
@@ -101,3 +119,4 @@ pub use crate::rng::{SampleStream, Stream};
 pub use crate::schedule::{clock_cycles, Action, Schedule, ScheduleKind, Work};
 pub use crate::tensor::{Device, Tensor};
 pub use ndarray;
+pub use skip;

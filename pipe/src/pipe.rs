@@ -3,11 +3,14 @@
 
 use std::time::{Duration, Instant};
 
+use skip::{Declaration, Moves};
+
 use crate::checkpoint::{Checkpoint, Kept};
 use crate::error::{Error, Site};
-use crate::executor::{execute, FinalHook, LossFn, Memory, Outcome, StageSlot};
+use crate::executor::{execute, FinalHook, LossFn, Memory, Outcome, StageSlot, Trackers};
 use crate::layer::Layer;
 use crate::microbatch::{Batch, MicroBatch};
+use crate::portal::{moves_of, SkipPlan};
 use crate::record::Record;
 use crate::schedule::{Action, Schedule, ScheduleKind, Work};
 use crate::tensor::{Device, Tensor};
@@ -26,6 +29,7 @@ pub struct PipeBuilder<T: Tensor> {
     timeout: Duration,
     seed: u64,
     record: bool,
+    deferred_batch_norm: bool,
 }
 
 impl<T: Tensor> PipeBuilder<T> {
@@ -73,8 +77,19 @@ impl<T: Tensor> PipeBuilder<T> {
         self
     }
 
-    /// Checks the arguments, in torchgpipe's order, and splits the layers.
-    pub fn build(self) -> Result<Pipe<T>, Error> {
+    /// torchgpipe's `deferred_batch_norm`: when on, every batch-norm layer accumulates its
+    /// running statistics over all micro-batches of a mini-batch and commits them once per
+    /// mini-batch ([`Layer::defer_batch_norm`]), so they equal plain batch norm's over the
+    /// whole batch. Normalisation itself still uses each micro-batch's statistics.
+    /// Default off.
+    pub fn deferred_batch_norm(mut self, on: bool) -> Self {
+        self.deferred_batch_norm = on;
+        self
+    }
+
+    /// Checks the arguments, in torchgpipe's order, verifies the layers' skip
+    /// declarations (every mismatch at once, [`Error::Skip`]) and splits the layers.
+    pub fn build(mut self) -> Result<Pipe<T>, Error> {
         if self.chunks == 0 {
             return Err(Error::Chunks(self.chunks));
         }
@@ -102,6 +117,13 @@ impl<T: Tensor> PipeBuilder<T> {
         if self.timeout.is_zero() {
             return Err(Error::ZeroTimeout);
         }
+        let decls: Vec<Declaration> = self.layers.iter().map(|l| l.skips()).collect();
+        let skips = SkipPlan::new(decls, &self.balance)?;
+        if self.deferred_batch_norm {
+            for layer in &mut self.layers {
+                layer.defer_batch_norm();
+            }
+        }
         let mut layers = self.layers.into_iter();
         let mut first_layer = Vec::with_capacity(n);
         let mut partitions = Vec::with_capacity(n);
@@ -128,6 +150,8 @@ impl<T: Tensor> PipeBuilder<T> {
             record: self.record.then(|| Record::new(Instant::now(), n)),
             recording: self.record,
             on_final: None,
+            skips,
+            moves: Moves::default(),
         })
     }
 }
@@ -143,10 +167,15 @@ pub struct StepOutput<T, L> {
     pub losses: Vec<L>,
 }
 
+/// Per stage, per micro-batch, what a forward-only run left for its backward: the kept
+/// state and the skip trackers.
+type Earlier<T> = (Vec<Vec<Option<Kept<T>>>>, Vec<Trackers<T>>);
+
 /// A training forward whose backward has not run yet.
 struct Pending<T> {
     plan: Vec<MicroBatch>,
     kept: Vec<Vec<Option<Kept<T>>>>,
+    trackers: Vec<Trackers<T>>,
     batch_len: usize,
 }
 
@@ -185,6 +214,8 @@ pub struct Pipe<T: Tensor> {
     record: Option<Record>,
     recording: bool,
     on_final: Option<Box<FinalHook<T>>>,
+    skips: SkipPlan,
+    moves: Moves,
 }
 
 impl<T: Tensor> Pipe<T> {
@@ -201,6 +232,7 @@ impl<T: Tensor> Pipe<T> {
             timeout: DEFAULT_TIMEOUT,
             seed: 0,
             record: false,
+            deferred_batch_norm: false,
         }
     }
 
@@ -224,6 +256,7 @@ impl<T: Tensor> Pipe<T> {
             self.pending = Some(Pending {
                 plan,
                 kept: outcome.kept,
+                trackers: outcome.trackers,
                 batch_len,
             });
         }
@@ -252,10 +285,16 @@ impl<T: Tensor> Pipe<T> {
             self.pending = Some(pending);
             return Err(Error::GradientLength { expected, got });
         }
-        let Pending { plan, kept, .. } = pending;
+        let Pending {
+            plan,
+            kept,
+            trackers,
+            ..
+        } = pending;
         let grads = self.on_device(grad_output.split_as(&plan)?, n - 1)?;
         let schedule = Schedule::gpipe_backward(plan.len(), n)?;
-        let outcome = self.run(&schedule, &plan, Vec::new(), grads, Some(kept), None)?;
+        let earlier = Some((kept, trackers));
+        let outcome = self.run(&schedule, &plan, Vec::new(), grads, earlier, None)?;
         self.step += 1;
         Batch::gather_gradients(complete(outcome.input_grads, 0, Work::Backward)?)
     }
@@ -350,13 +389,16 @@ impl<T: Tensor> Pipe<T> {
         plan: &[MicroBatch],
         inputs: Vec<Option<Batch<T>>>,
         grads: Vec<Option<Batch<T>>>,
-        kept: Option<Vec<Vec<Option<Kept<T>>>>>,
+        earlier: Option<Earlier<T>>,
         loss: Option<&mut LossFn<'_, T>>,
     ) -> Result<Outcome<T>, Error> {
         let n = self.partitions.len();
         let m = plan.len();
-        let none = |_| (0..m).map(|_| None).collect::<Vec<_>>();
-        let kept = kept.unwrap_or_else(|| (0..n).map(none).collect());
+        let (kept, trackers) = earlier.unwrap_or_else(|| {
+            let kept = (0..n).map(|_| (0..m).map(|_| None).collect()).collect();
+            let trackers = (0..n).map(|_| (0..m).map(|_| None).collect()).collect();
+            (kept, trackers)
+        });
         let fill = |mut v: Vec<Option<Batch<T>>>| {
             v.resize_with(m, || None);
             v
@@ -370,13 +412,14 @@ impl<T: Tensor> Pipe<T> {
         let stages = self
             .partitions
             .iter_mut()
-            .zip(kept)
+            .zip(kept.into_iter().zip(trackers))
             .enumerate()
-            .map(|(j, (layers, kept))| StageSlot {
+            .map(|(j, (layers, (kept, trackers)))| StageSlot {
                 layers: layers.as_mut_slice(),
                 first_layer: self.first_layer[j],
                 device: self.devices[j],
                 kept,
+                trackers,
                 memory: self.memory[j],
             })
             .collect();
@@ -398,9 +441,11 @@ impl<T: Tensor> Pipe<T> {
             timeout: self.timeout,
             record: origin,
             on_final: self.on_final.as_deref(),
+            skips: &self.skips,
         };
         match execute(job) {
             Ok(mut outcome) => {
+                self.moves = self.moves + outcome.moves;
                 self.memory.clone_from(&outcome.memory);
                 if let (Some(record), true) = (self.record.as_mut(), self.recording) {
                     record.extend(std::mem::take(&mut outcome.spans));
@@ -444,8 +489,21 @@ impl<T: Tensor> Pipe<T> {
 
     /// Drops the pending forward's state, if any (and resets the memory peaks).
     pub fn discard_pending(&mut self) {
-        self.pending = None;
+        if let Some(pending) = self.pending.take() {
+            let trackers = pending.trackers.iter().flatten().flatten();
+            self.moves = self.moves + moves_of(trackers.map(|t| &**t));
+        }
         self.memory.iter_mut().for_each(|m| *m = Memory::default());
+    }
+
+    /// The skip moves made since the pipe was built, summed over every micro-batch's
+    /// trackers: values and gradients sent between partitions (each crossing skip once
+    /// each way per micro-batch in training, once forward in evaluation), and recomputed
+    /// stashes dropped because their first value had already moved. Counted when a
+    /// micro-batch's trackers are done with (after its backward pass, or its forward pass
+    /// in evaluation).
+    pub fn skip_moves(&self) -> Moves {
+        self.moves
     }
 
     /// Whether a training forward awaits its backward.

@@ -4,11 +4,14 @@
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::time::Instant;
 
+use skip::{Moves, Tracker};
+
 use crate::checkpoint::{guard, Keep, Kept, StageCall};
 use crate::error::{Error, Site, Task};
-use crate::executor::{Common, FinalHook, LossFn, Memory, Msg, Shared, StageSlot};
+use crate::executor::{Common, FinalHook, LossFn, Memory, Msg, Shared, StageSlot, Trackers};
 use crate::microbatch::Batch;
 use crate::pin::pin_current_thread;
+use crate::portal::{held_bytes, new_tracker};
 use crate::record::{Span, SpanKind};
 use crate::schedule::{Action, Work};
 use crate::tensor::{Device, Tensor};
@@ -21,6 +24,14 @@ pub(crate) struct Hosted<'a, T> {
     pub inputs: Vec<Option<Batch<T>>>,
     /// Output gradients by micro-batch, taken by the backward actions.
     pub grads: Vec<Option<Batch<T>>>,
+    /// Per micro-batch, skip values received this run (the forward waits for all).
+    pub values_in: Vec<usize>,
+    /// Per micro-batch, skip gradients received this run (the backward waits for all).
+    pub grads_in: Vec<usize>,
+    /// Per micro-batch, the bytes its tracker held when last counted.
+    pub skip_bytes: Vec<usize>,
+    /// Moves of the trackers finished with in this run.
+    pub moves: Moves,
 }
 
 /// A hosted stage at the end of a run.
@@ -28,6 +39,10 @@ pub(crate) struct StageOut<T> {
     pub stage: usize,
     /// Per micro-batch, what it still keeps for a later backward.
     pub kept: Vec<Option<Kept<T>>>,
+    /// Per micro-batch, the skip trackers a later backward needs.
+    pub trackers: Trackers<T>,
+    /// Moves of the trackers finished with in this run.
+    pub moves: Moves,
     pub memory: Memory,
 }
 
@@ -159,6 +174,8 @@ impl<'a, 'l, 's, T: Tensor> Worker<'a, 'l, 's, T> {
                 .map(|h| StageOut {
                     stage: h.stage,
                     kept: h.slot.kept,
+                    trackers: h.slot.trackers,
+                    moves: h.moves,
                     memory: h.slot.memory,
                 })
                 .collect(),
@@ -166,16 +183,71 @@ impl<'a, 'l, 's, T: Tensor> Worker<'a, 'l, 's, T> {
         }
     }
 
-    fn call<'c>(common: &Common<'_>, host: &'c mut Hosted<'a, T>, mb: usize) -> StageCall<'c, T> {
+    fn call<'c>(
+        common: &'c Common<'_>,
+        host: &'c mut Hosted<'a, T>,
+        mb: usize,
+        tracker: Option<Box<Tracker<T>>>,
+    ) -> StageCall<'c, T> {
+        let first = host.slot.first_layer;
+        let count = host.slot.layers.len();
         StageCall {
             stage: host.stage,
-            first_layer: host.slot.first_layer,
+            first_layer: first,
             layers: &mut *host.slot.layers,
+            decls: common.skips.decls.get(first..first + count).unwrap_or(&[]),
+            tracker,
             train: common.train,
             seed: common.seed,
             step: common.step,
             micro_batch: common.micro_batches[mb],
+            micro_batches: common.micro_batches.len(),
         }
+    }
+
+    /// Whether micro-batch `mb` is checkpointed (its trackers keep incoming values until
+    /// the recomputation).
+    fn checkpointed(&self, mb: usize) -> bool {
+        self.common.train && mb < self.common.checkpoint_stop
+    }
+
+    /// Recounts the bytes the tracker of (`host`, `mb`) holds into the stage's memory.
+    fn recount(&mut self, host: usize, mb: usize) {
+        let hosted = &mut self.stages[host];
+        let now = hosted.slot.trackers[mb].as_deref().map_or(0, held_bytes);
+        let before = std::mem::replace(&mut hosted.skip_bytes[mb], now);
+        hosted.slot.memory.set_skips(before, now);
+    }
+
+    /// Finishes with the tracker of (`host`, `mb`): it must hold nothing; its moves are
+    /// counted.
+    fn retire(&mut self, host: usize, mb: usize, tracker: Box<Tracker<T>>) -> Result<(), Halt> {
+        let hosted = &mut self.stages[host];
+        hosted.moves = hosted.moves + tracker.moves();
+        let held = tracker.len();
+        drop(tracker);
+        self.recount(host, mb);
+        if held > 0 {
+            return Err(Halt::Failed(Error::SkipsLeftBehind {
+                partition: self.stages[host].stage,
+                micro_batch: mb,
+                held,
+            }));
+        }
+        Ok(())
+    }
+
+    /// A skip error of the engine's own moves, at the action that made them.
+    fn skip_failure(action: Action, task: Task, error: impl Into<Error>) -> Halt {
+        Halt::Failed(Error::Failed {
+            site: Site {
+                partition: action.stage,
+                layer: None,
+                micro_batch: Some(action.micro_batch),
+                task,
+            },
+            source: Box::new(error.into()),
+        })
     }
 
     fn forward(&mut self, action: Action) -> Result<(), Halt> {
@@ -190,8 +262,16 @@ impl<'a, 'l, 's, T: Tensor> Worker<'a, 'l, 's, T> {
             Keep::Saved
         };
         let host = self.host(s)?;
+        let tracker = common.skips.stage_has_skips(s).then(|| {
+            let checkpointed = self.checkpointed(i);
+            self.stages[host].slot.trackers[i]
+                .take()
+                .unwrap_or_else(|| new_tracker(checkpointed))
+        });
         let start = Instant::now();
-        let result = Self::call(common, &mut self.stages[host], i).forward(input, keep);
+        let mut call = Self::call(common, &mut self.stages[host], i, tracker);
+        let result = call.forward(input, keep);
+        let tracker = call.tracker.take();
         self.span(action, SpanKind::Forward, start);
         let (output, kept) = result?;
         let slot = &mut self.stages[host].slot;
@@ -199,6 +279,16 @@ impl<'a, 'l, 's, T: Tensor> Worker<'a, 'l, 's, T> {
             slot.memory.held += kept.size_bytes();
             slot.memory.peak = slot.memory.peak.max(slot.memory.held);
             slot.kept[i] = Some(kept);
+        }
+        if let Some(mut tracker) = tracker {
+            self.send_skips(action, &mut tracker)?;
+            if common.train {
+                self.stages[host].slot.trackers[i] = Some(tracker);
+                self.recount(host, i);
+            } else {
+                // Evaluation has no backward: the tracker is done with.
+                self.retire(host, i, tracker)?;
+            }
         }
         if s + 1 < common.schedule.stages() {
             let output = self.moved(output, s + 1, action)?;
@@ -236,6 +326,54 @@ impl<'a, 'l, 's, T: Tensor> Worker<'a, 'l, 's, T> {
         Ok(())
     }
 
+    /// After a forward pass: sends every skip value stashed here for a later stage straight
+    /// to that stage, on its device.
+    fn send_skips(&mut self, action: Action, tracker: &mut Tracker<T>) -> Result<(), Halt> {
+        let plan = self.common.skips;
+        for &r in &plan.outgoing[action.stage] {
+            let route = &plan.routes[r];
+            let value = tracker
+                .take_outgoing(route.ns, &route.name)
+                .map_err(|e| Self::skip_failure(action, Task::Forward, e))?;
+            let value = value
+                .map(|v| v.to_device(&self.common.devices[route.dest]))
+                .transpose()
+                .map_err(|e| Self::skip_failure(action, Task::Forward, e))?;
+            let msg = Msg::Skip {
+                stage: route.dest,
+                mb: action.micro_batch,
+                route: r,
+                value,
+            };
+            self.route(route.dest, msg)?;
+        }
+        Ok(())
+    }
+
+    /// After a backward pass: sends the gradient of every skip popped here that came from
+    /// an earlier stage straight back to that stage, on its device.
+    fn send_skip_grads(&mut self, action: Action, tracker: &mut Tracker<T>) -> Result<(), Halt> {
+        let plan = self.common.skips;
+        for &r in &plan.incoming[action.stage] {
+            let route = &plan.routes[r];
+            let grad = tracker
+                .take_outgoing_grad(route.ns, &route.name)
+                .map_err(|e| Self::skip_failure(action, Task::Backward, e))?;
+            let grad = grad
+                .map(|g| g.to_device(&self.common.devices[route.source]))
+                .transpose()
+                .map_err(|e| Self::skip_failure(action, Task::Backward, e))?;
+            let msg = Msg::SkipGrad {
+                stage: route.source,
+                mb: action.micro_batch,
+                route: r,
+                grad,
+            };
+            self.route(route.source, msg)?;
+        }
+        Ok(())
+    }
+
     fn backward(&mut self, action: Action) -> Result<(), Halt> {
         let (s, i) = (action.stage, action.micro_batch);
         let grad = self.receive(action)?;
@@ -246,19 +384,34 @@ impl<'a, 'l, 's, T: Tensor> Worker<'a, 'l, 's, T> {
             action: Action::forward(s, i),
         })?;
         slot.memory.held = slot.memory.held.saturating_sub(kept.size_bytes());
+        let mut tracker = if common.skips.stage_has_skips(s) {
+            Some(slot.trackers[i].take().ok_or(Error::MissingAction {
+                action: Action::forward(s, i),
+            })?)
+        } else {
+            None
+        };
         let saved = match kept {
             Kept::Saved(saved) => saved,
             Kept::Input(input) => {
                 let start = Instant::now();
-                let result = Self::call(common, &mut self.stages[host], i).recompute(input);
+                let mut call = Self::call(common, &mut self.stages[host], i, tracker);
+                let result = call.recompute(input);
+                tracker = call.tracker.take();
                 self.span(action, SpanKind::Recompute, start);
                 result?
             }
         };
         let start = Instant::now();
-        let result = Self::call(common, &mut self.stages[host], i).backward(grad, saved);
+        let mut call = Self::call(common, &mut self.stages[host], i, tracker);
+        let result = call.backward(grad, saved);
+        let tracker = call.tracker.take();
         self.span(action, SpanKind::Backward, start);
         let grad_input = result?;
+        if let Some(mut tracker) = tracker {
+            self.send_skip_grads(action, &mut tracker)?;
+            self.retire(host, i, tracker)?;
+        }
         if s == 0 {
             self.input_grads[i] = Some(grad_input);
             return Ok(());
@@ -328,10 +481,7 @@ impl<'a, 'l, 's, T: Tensor> Worker<'a, 'l, 's, T> {
     /// Sends a message to the worker of `stage`, or files it here if that is this worker.
     fn route(&mut self, stage: usize, msg: Msg<T>) -> Result<(), Halt> {
         match self.common.schedule.worker_of(stage) {
-            Some(w) if w == self.index => {
-                self.deliver(msg);
-                Ok(())
-            }
+            Some(w) if w == self.index => self.deliver(msg),
             // A closed inbox means its worker returned, which before the end of a valid
             // schedule happens only when the run is stopping.
             Some(w) => self.shared.senders[w].send(msg).map_err(|_| Halt::Stopped),
@@ -339,11 +489,25 @@ impl<'a, 'l, 's, T: Tensor> Worker<'a, 'l, 's, T> {
         }
     }
 
-    fn deliver(&mut self, msg: Msg<T>) {
+    /// Files a message where the action that needs it will look: inputs and gradients in
+    /// their slots, skip values and gradients in the micro-batch's tracker.
+    fn deliver(&mut self, msg: Msg<T>) -> Result<(), Halt> {
         let (stage, mb, batch, work) = match msg {
             Msg::Activation { stage, mb, batch } => (stage, mb, batch, Work::Forward),
             Msg::Gradient { stage, mb, batch } => (stage, mb, batch, Work::Backward),
-            Msg::Abort => return,
+            Msg::Skip {
+                stage,
+                mb,
+                route,
+                value,
+            } => return self.deliver_skip(stage, mb, route, value, Work::Forward),
+            Msg::SkipGrad {
+                stage,
+                mb,
+                route,
+                grad,
+            } => return self.deliver_skip(stage, mb, route, grad, Work::Backward),
+            Msg::Abort => return Ok(()),
         };
         if let Some(p) = self.position.get(stage).copied().flatten() {
             let slots = match work {
@@ -354,27 +518,88 @@ impl<'a, 'l, 's, T: Tensor> Worker<'a, 'l, 's, T> {
                 *slot = Some(batch);
             }
         }
+        Ok(())
+    }
+
+    /// Puts a skip value (`Work::Forward`) or gradient (`Work::Backward`) that arrived for
+    /// (`stage`, `mb`) into its tracker.
+    fn deliver_skip(
+        &mut self,
+        stage: usize,
+        mb: usize,
+        route: usize,
+        value: Option<T>,
+        work: Work,
+    ) -> Result<(), Halt> {
+        let host = self.host(stage)?;
+        let checkpointed = self.checkpointed(mb);
+        let action = Action {
+            stage,
+            micro_batch: mb,
+            work,
+        };
+        let Some(r) = self.common.skips.routes.get(route) else {
+            return Err(Halt::Failed(Error::MissingAction { action }));
+        };
+        let hosted = &mut self.stages[host];
+        let result = match work {
+            Work::Forward => {
+                hosted.values_in[mb] += 1;
+                hosted.slot.trackers[mb]
+                    .get_or_insert_with(|| new_tracker(checkpointed))
+                    .insert_incoming(r.ns, &r.name, value)
+            }
+            Work::Backward => {
+                hosted.grads_in[mb] += 1;
+                match hosted.slot.trackers[mb].as_mut() {
+                    Some(tracker) => tracker.insert_incoming_grad(r.ns, &r.name, value),
+                    None => {
+                        return Err(Halt::Failed(Error::MissingAction {
+                            action: Action::forward(stage, mb),
+                        }))
+                    }
+                }
+            }
+        };
+        let task = match work {
+            Work::Forward => Task::Forward,
+            Work::Backward => Task::Backward,
+        };
+        result.map_err(|e| Self::skip_failure(action, task, e))?;
+        self.recount(host, mb);
+        Ok(())
     }
 
     /// Waits for the data `action` needs: its input (forward) or its output gradient
-    /// (backward), at most the pipe's timeout.
+    /// (backward), and every skip value (forward) or skip gradient (backward) that comes
+    /// to its stage from another one, at most the pipe's timeout.
     fn receive(&mut self, action: Action) -> Result<Batch<T>, Halt> {
         let timeout = self.common.timeout;
         let deadline = Instant::now().checked_add(timeout);
         let host = self.host(action.stage)?;
+        let plan = self.common.skips;
+        let (mb, stage) = (action.micro_batch, action.stage);
         loop {
             let hosted = &mut self.stages[host];
-            let slot = match action.work {
-                Work::Forward => &mut hosted.inputs[action.micro_batch],
-                Work::Backward => &mut hosted.grads[action.micro_batch],
+            let (slot, skips_ready) = match action.work {
+                Work::Forward => (
+                    &mut hosted.inputs[mb],
+                    hosted.values_in[mb] >= plan.values_in(stage),
+                ),
+                Work::Backward => (
+                    &mut hosted.grads[mb],
+                    hosted.grads_in[mb] >= plan.grads_in(stage),
+                ),
             };
-            if let Some(batch) = slot.take() {
-                return Ok(batch);
+            if skips_ready {
+                if let Some(batch) = slot.take() {
+                    return Ok(batch);
+                }
             }
             let left = deadline.map_or(timeout, |d| d.saturating_duration_since(Instant::now()));
             match self.inbox.recv_timeout(left) {
                 Ok(Msg::Abort) | Err(RecvTimeoutError::Disconnected) => return Err(Halt::Stopped),
-                Ok(msg) => self.deliver(msg),
+                Ok(msg) => self.deliver(msg)?,
                 Err(RecvTimeoutError::Timeout) => {
                     return Err(Halt::Failed(Error::Timeout {
                         partition: action.stage,

@@ -347,6 +347,13 @@ impl<T> Tracker<T> {
         self.grads.contains(ns, name)
     }
 
+    /// Every value and gradient held (stashes of nothing left out), for an engine to
+    /// count the memory its trackers hold.
+    pub fn held(&self) -> impl Iterator<Item = &T> + '_ {
+        let values = self.values.iter().filter_map(|(_, _, h)| h.value.as_ref());
+        values.chain(self.grads.iter().map(|(_, _, g)| g))
+    }
+
     /// Number of values plus gradients held.
     pub fn len(&self) -> usize {
         self.values.len() + self.grads.len()

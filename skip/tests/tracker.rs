@@ -391,3 +391,35 @@ fn trackers_and_moves_cross_threads() {
     assert_eq!(stash_backward(&mut p0, 0), 70);
     assert!(p0.is_empty());
 }
+
+/// `held` lists what an engine counts as memory: values waiting (stashes of nothing left
+/// out) and gradients waiting.
+#[test]
+fn held_lists_waiting_values_and_gradients() {
+    let decls = [
+        Declaration::new().stash(["a", "none"]),
+        Declaration::new().pop(["a", "none"]),
+    ];
+    let mut t = Tracker::<f64>::new();
+    let skips = t.forward(0, &decls[0]).unwrap();
+    skips.stash("a", 2.0).unwrap();
+    skips.stash("none", None).unwrap();
+    skips.finish().unwrap();
+    assert_eq!(t.held().copied().collect::<Vec<_>>(), vec![2.0]);
+    assert_eq!(t.len(), 2, "the stash of nothing is held too, without a value");
+    let skips = t.forward(1, &decls[1]).unwrap();
+    skips.pop("a").unwrap();
+    skips.pop("none").unwrap();
+    skips.finish().unwrap();
+    assert_eq!(t.held().count(), 0);
+    let mut grads = t.backward(1, &decls[1]).unwrap();
+    grads.put_grad("a", 5.0).unwrap();
+    grads.finish().unwrap();
+    assert_eq!(t.held().copied().collect::<Vec<_>>(), vec![5.0]);
+    let mut grads = t.backward(0, &decls[0]).unwrap();
+    assert_eq!(grads.take_grad("a").unwrap(), Some(5.0));
+    assert_eq!(grads.take_grad("none").unwrap(), None);
+    grads.finish().unwrap();
+    assert_eq!(t.held().count(), 0);
+    assert!(t.is_empty());
+}

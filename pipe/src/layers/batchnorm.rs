@@ -1,4 +1,6 @@
-//! [`BatchNorm`]: normalisation with per-micro-batch statistics.
+//! [`BatchNorm`]: normalisation with per-micro-batch statistics, and its deferred mode
+//! (torchgpipe's `DeferredBatchNorm`): running statistics accumulated over a whole
+//! mini-batch and committed once.
 
 use super::same_shape;
 use crate::cpu::CpuTensor;
@@ -13,8 +15,22 @@ use crate::tensor::Tensor;
 /// In training it normalises each micro-batch with that micro-batch's statistics (so, like
 /// torchgpipe's plain batch norm, it is *not* transparent to chunking) and folds them into
 /// running statistics with `momentum`: the running variance uses the unbiased estimate, as
-/// PyTorch's does. A recomputation (checkpointing) leaves the running statistics alone. In
-/// evaluation it normalises with the running statistics.
+/// PyTorch's does. A recomputation (checkpointing) and a profiling pass leave the running
+/// statistics alone ([`Context::updates_running_stats`]). In evaluation it normalises with
+/// the running statistics. Statistics are reduced in `f64`.
+///
+/// # Deferred running statistics
+///
+/// [`BatchNorm::deferred`] (or [`Layer::defer_batch_norm`], which a pipe built with
+/// [`deferred_batch_norm(true)`](crate::PipeBuilder::deferred_batch_norm) calls) is
+/// torchgpipe's `DeferredBatchNorm`: each micro-batch's sums of `x` and `x²` are
+/// accumulated, and once the last micro-batch of the mini-batch has been seen
+/// ([`Context::micro_batches`], the actual count) the running statistics are updated
+/// once, with the mean and unbiased variance of the whole mini-batch. They then equal
+/// those of plain batch norm run on the whole batch. (torchgpipe commits the biased
+/// variance, which differs from `nn.BatchNorm`'s by `N / (N - 1)`; this one matches plain
+/// batch norm.) Accumulation restarts when the step changes, so a failed step leaves no
+/// partial sums in the next one.
 #[derive(Debug, Clone)]
 pub struct BatchNorm {
     momentum: f32,
@@ -25,6 +41,20 @@ pub struct BatchNorm {
     bias_grad: CpuTensor,
     running_mean: CpuTensor,
     running_var: CpuTensor,
+    deferred: Option<Deferred>,
+}
+
+/// The sums a deferred batch norm accumulates over one mini-batch's micro-batches.
+#[derive(Debug, Clone, Default)]
+struct Deferred {
+    /// The step the sums belong to.
+    step: Option<u64>,
+    sum: Vec<f64>,
+    sum_squares: Vec<f64>,
+    /// Elements reduced per feature.
+    count: usize,
+    /// Micro-batches seen.
+    tracked: usize,
 }
 
 /// A `[batch, features, rest]` layout of a tensor, as row-major data.
@@ -95,7 +125,79 @@ impl BatchNorm {
             bias_grad: CpuTensor::zeros(&[features]),
             running_mean: CpuTensor::zeros(&[features]),
             running_var: CpuTensor::ones(&[features]),
+            deferred: None,
         }
+    }
+
+    /// Batch norm with PyTorch's defaults and deferred running statistics (torchgpipe's
+    /// `DeferredBatchNorm`; see the [type docs](BatchNorm#deferred-running-statistics)).
+    pub fn deferred(features: usize) -> Self {
+        let mut bn = BatchNorm::new(features);
+        bn.defer();
+        bn
+    }
+
+    /// Switches to deferred running statistics (nothing changes if already deferred).
+    pub fn defer(&mut self) {
+        self.deferred.get_or_insert_with(Deferred::default);
+    }
+
+    /// Whether the running statistics are deferred.
+    pub fn is_deferred(&self) -> bool {
+        self.deferred.is_some()
+    }
+
+    /// Folds a mini-batch's mean and biased variance over `count` elements per feature
+    /// into the running statistics.
+    fn update_running(&mut self, mean: &[f64], var: &[f64], count: usize) {
+        let unbiased = if count > 1 {
+            count as f64 / (count - 1) as f64
+        } else {
+            1.0
+        };
+        let m = f64::from(self.momentum);
+        let rm = self.running_mean.array_mut();
+        rm.iter_mut()
+            .zip(mean)
+            .for_each(|(r, &v)| *r = ((1.0 - m) * f64::from(*r) + m * v) as f32);
+        let rv = self.running_var.array_mut();
+        rv.iter_mut()
+            .zip(var)
+            .for_each(|(r, &v)| *r = ((1.0 - m) * f64::from(*r) + m * v * unbiased) as f32);
+    }
+
+    /// Deferred mode: adds one micro-batch's sums, and commits once the mini-batch's last
+    /// micro-batch is in.
+    fn track(&mut self, data: &[f32], layout: &Layout, ctx: &Context) {
+        let Some(mut acc) = self.deferred.take() else {
+            return;
+        };
+        if acc.step != Some(ctx.step()) || acc.sum.len() != layout.c {
+            acc = Deferred {
+                step: Some(ctx.step()),
+                sum: vec![0.0; layout.c],
+                sum_squares: vec![0.0; layout.c],
+                count: 0,
+                tracked: 0,
+            };
+        }
+        layout.each(|ch, k| {
+            let v = f64::from(data[k]);
+            acc.sum[ch] += v;
+            acc.sum_squares[ch] += v * v;
+        });
+        acc.count += layout.count();
+        acc.tracked += 1;
+        if acc.tracked >= ctx.micro_batches() {
+            let cnt = acc.count.max(1) as f64;
+            let mean: Vec<f64> = acc.sum.iter().map(|s| s / cnt).collect();
+            let var: Vec<f64> = (acc.sum_squares.iter().zip(&mean))
+                .map(|(sq, m)| (sq / cnt - m * m).max(0.0))
+                .collect();
+            self.update_running(&mean, &var, acc.count);
+            acc = Deferred::default();
+        }
+        self.deferred = Some(acc);
     }
 
     /// The running mean.
@@ -132,24 +234,23 @@ impl Layer<CpuTensor> for BatchNorm {
             });
             return Ok((Batch::single(tensor(x.shape(), y)?), Saved::none()));
         }
-        let mut mean = vec![0.0f32; layout.c];
-        layout.each(|ch, k| mean[ch] += data[k]);
-        mean.iter_mut().for_each(|m| *m /= cnt);
-        let mut var = vec![0.0f32; layout.c];
-        layout.each(|ch, k| var[ch] += (data[k] - mean[ch]).powi(2));
-        var.iter_mut().for_each(|v| *v /= cnt);
-        let inv_std: Vec<f32> = var.iter().map(|v| 1.0 / (v + self.eps).sqrt()).collect();
-        if !ctx.is_recomputing() {
-            let unbiased = if cnt > 1.0 { cnt / (cnt - 1.0) } else { 1.0 };
-            let m = self.momentum;
-            let rm = self.running_mean.array_mut();
-            rm.iter_mut()
-                .zip(&mean)
-                .for_each(|(r, &v)| *r = (1.0 - m) * *r + m * v);
-            let rv = self.running_var.array_mut();
-            rv.iter_mut()
-                .zip(&var)
-                .for_each(|(r, &v)| *r = (1.0 - m) * *r + m * v * unbiased);
+        let mut sum = vec![0.0f64; layout.c];
+        layout.each(|ch, k| sum[ch] += f64::from(data[k]));
+        let mean64: Vec<f64> = sum.iter().map(|s| s / f64::from(cnt)).collect();
+        let mut sq = vec![0.0f64; layout.c];
+        layout.each(|ch, k| sq[ch] += (f64::from(data[k]) - mean64[ch]).powi(2));
+        let var: Vec<f64> = sq.iter().map(|s| s / f64::from(cnt)).collect();
+        let inv_std: Vec<f32> = var
+            .iter()
+            .map(|v| (1.0 / (v + f64::from(self.eps)).sqrt()) as f32)
+            .collect();
+        let mean: Vec<f32> = mean64.iter().map(|&m| m as f32).collect();
+        if ctx.updates_running_stats() {
+            if self.deferred.is_some() {
+                self.track(&data, &layout, ctx);
+            } else {
+                self.update_running(&mean64, &var, layout.count());
+            }
         }
         let mut x_hat = vec![0.0; data.len()];
         let mut y = vec![0.0; data.len()];
@@ -234,5 +335,10 @@ impl Layer<CpuTensor> for BatchNorm {
     fn zero_grad(&mut self) {
         self.weight_grad.array_mut().fill(0.0);
         self.bias_grad.array_mut().fill(0.0);
+    }
+
+    fn defer_batch_norm(&mut self) -> bool {
+        self.defer();
+        true
     }
 }
