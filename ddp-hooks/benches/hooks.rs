@@ -1,8 +1,8 @@
 //! Hook and accumulation benchmarks on thread ranks, priced at several link speeds.
 //!
 //! `hooks` suite: per hook, on 4 x Linear(1024, 1024) (the hook called directly on one
-//! 16.8 MB bucket), ResNet-50 and BERT-base (through the reducer with default buckets,
-//! synthetic gradients): the hook time per step (from the first bucket's launch to the
+//! 16.8 MB bucket), ResNet-50, BERT-base and GPT-2 small (through the reducer with default
+//! buckets, synthetic gradients; `--quick`: 4 x Linear only): the hook time per step (from the first bucket's launch to the
 //! last bucket's result, on 2 ranks with one CPU thread each), the bytes each rank sends,
 //! the compression ratio, and the step time at 1, 10 and 100 Gbit/s. Link time is
 //! **accounted**, not slept: step time = measured hook time + the ring cost of every
@@ -16,20 +16,19 @@
 //!
 //! Arguments: `hooks` or `accum` (default both), `--quick`, `--json`.
 
+#[path = "measure/mod.rs"]
+mod measure;
 #[path = "models/mod.rs"]
 mod models;
 
 use accum::{Accumulator, GradSync};
-use collectives::link::{Charge, Link, LinkOp, Linked};
+use collectives::link::{Charge, Link, Linked};
 use collectives::{run_local, ProcessGroup};
-use ddp_hooks::{CommHook, GradBucket, HookSpec, Layout, Reducer, ReducerConfig};
-use lowrank::{CpuBackend, NormalRng};
-use std::hint::black_box;
+use ddp_hooks::{CommHook, HookSpec, Reducer, ReducerConfig};
+use lowrank::CpuBackend;
+use measure::{median, read_bandwidth, synthetic, BOUND_PASSES, LATENCY, RANKS};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-const RANKS: usize = 2;
-const LATENCY: Duration = Duration::from_micros(20);
 
 struct Args {
     quick: bool,
@@ -38,112 +37,12 @@ struct Args {
     accum: bool,
 }
 
-fn median(mut v: Vec<Duration>) -> Duration {
-    v.sort();
-    v[v.len() / 2]
-}
-
-/// Single-thread read bandwidth (bytes/s): a sum over 256 MiB with 16 independent
-/// accumulators (so the compiler vectorises it), best of 3.
-fn read_bandwidth() -> f64 {
-    let v = vec![1.0f32; 64 << 20];
-    (0..3)
-        .map(|_| {
-            let t = Instant::now();
-            let mut acc = [0.0f32; 16];
-            for c in v.chunks_exact(16) {
-                for (a, x) in acc.iter_mut().zip(c) {
-                    *a += x;
-                }
-            }
-            black_box(acc);
-            v.len() as f64 * 4.0 / t.elapsed().as_secs_f64()
-        })
-        .fold(0.0, f64::max)
-}
-
-fn synthetic(shapes: &[Vec<usize>], rank: usize) -> Vec<Vec<f32>> {
-    shapes
-        .iter()
-        .enumerate()
-        .map(|(i, s)| {
-            let mut v = vec![0.0; s.iter().product()];
-            NormalRng::new((rank * 1000 + i) as u64).fill(&mut v);
-            v
-        })
-        .collect()
-}
-
-/// (median step time over ranks, collectives of one step) for `spec` on `shapes`.
-fn measure(
-    shapes: &[Vec<usize>],
-    spec: &HookSpec,
-    direct: bool,
-    steps: usize,
-) -> (Duration, Vec<LinkOp>) {
-    let warmup = 3; // PowerSGD below starts at iteration 2; step 2 allocates its memory
-    let out = run_local(RANKS, |g| {
-        let rank = g.rank();
-        let linked = Linked::new(g, Link::gbit(1.0, LATENCY).unwrap(), Charge::Account);
-        let log = linked.log_handle();
-        let be = Arc::new(CpuBackend::new().with_threads(1).expect("threads"));
-        let mut hook = spec
-            .build(be.clone(), Arc::new(linked) as Arc<dyn ProcessGroup>)
-            .expect("hook");
-        let grads = synthetic(shapes, rank);
-        let mut times = Vec::new();
-        if direct {
-            let layout = Arc::new(Layout::packed(shapes).unwrap());
-            let flat: Vec<f32> = grads.concat();
-            for step in 0..warmup + steps {
-                let bucket = GradBucket::new(0, 1, flat.clone(), layout.clone()).expect("bucket");
-                if step == warmup {
-                    log.lock().expect("log").clear();
-                }
-                let t = Instant::now();
-                black_box(hook.run(bucket).wait().expect("hook"));
-                times.push(t.elapsed());
-            }
-        } else {
-            let mut reducer =
-                Reducer::new(be, shapes, hook, ReducerConfig::default()).expect("reducer");
-            for step in 0..warmup + steps {
-                for (p, g) in grads.iter().enumerate() {
-                    reducer.grad_mut(p).expect("grad").copy_from_slice(g);
-                }
-                if step == warmup {
-                    log.lock().expect("log").clear();
-                }
-                let t = Instant::now();
-                for p in (0..shapes.len()).rev() {
-                    reducer.mark_ready(p).expect("ready");
-                }
-                reducer.finish().expect("finish");
-                times.push(t.elapsed());
-            }
-        }
-        let ops = std::mem::take(&mut *log.lock().expect("log"));
-        (median(times[warmup..].to_vec()), ops)
-    })
-    .expect("ranks");
-    let results: Vec<_> = out.into_iter().map(|r| r.expect("rank")).collect();
-    let time = results.iter().map(|r| r.0).max().unwrap_or_default();
-    let per_step: Vec<LinkOp> = results[0]
-        .1
-        .iter()
-        .copied()
-        .take(results[0].1.len() / steps.max(1))
-        .collect();
-    (time, per_step)
-}
-
 fn hooks_suite(a: &Args) {
     let bw = read_bandwidth();
     let steps = if a.quick { 3 } else { 7 };
-    let mut models = vec![("linear4x1024", models::linear4(), true)];
-    if !a.quick {
-        models.push(("resnet50", models::resnet50(), false));
-        models.push(("bert-base", models::bert_base(), false));
+    let mut models = models::presets();
+    if a.quick {
+        models.truncate(1);
     }
     let specs = [
         ("allreduce", "allreduce", 0),
@@ -172,24 +71,19 @@ fn hooks_suite(a: &Args) {
             "bound"
         );
     }
-    for (model, shapes, direct) in &models {
-        let grad_bytes = 4 * models::params(shapes);
+    for (model, shapes, direct) in models {
+        let shapes = shapes();
+        let grad_bytes = 4 * models::params(&shapes);
+        let grads = measure::synthetic_ranks(&shapes);
         for (hook, spec, r) in specs {
             let spec: HookSpec = spec.parse().expect("spec");
-            let (t, ops) = measure(shapes, &spec, *direct, steps);
-            let sent: usize = ops.iter().map(LinkOp::bytes).sum();
+            let m = measure::measure(&shapes, &grads, &spec, direct, steps);
+            let sent = m.bytes_sent();
             let ratio = grad_bytes as f64 / sent.max(1) as f64;
-            let hook_ms = t.as_secs_f64() * 1e3;
-            let at = |gbit: f64| {
-                let link = Link::gbit(gbit, LATENCY).unwrap();
-                hook_ms
-                    + ops
-                        .iter()
-                        .map(|&op| link.cost(RANKS, op).as_secs_f64() * 1e3)
-                        .sum::<f64>()
-            };
+            let hook_ms = m.median().as_secs_f64() * 1e3;
+            let at = |gbit: f64| hook_ms + m.link_time(gbit).as_secs_f64() * 1e3;
             let bound = if r > 0 {
-                Some(hook_ms / (7.0 * grad_bytes as f64 / bw * 1e3))
+                Some(hook_ms / (BOUND_PASSES * grad_bytes as f64 / bw * 1e3))
             } else {
                 None
             };

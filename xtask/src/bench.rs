@@ -1,40 +1,92 @@
 //! `cargo xtask bench [SUITE] [--quick] [--json]`: the crates' own benchmarks, in release
-//! builds. Each suite prints a table (or, with `--json`, one JSON object per line);
-//! `--quick` keeps a suite's run under a minute, not counting compilation.
+//! builds.
+//!
+//! With no suite, the compression-throughput report (`report.rs`, measured by
+//! `ddp-hooks/benches/report.rs`): a table on the terminal, `target/bench/report.jsonl`
+//! and `target/bench/speedup.svg`. A named suite prints its own table (or, with `--json`,
+//! one JSON object per line); `--quick` keeps a suite's run under a minute and the report
+//! under 90 seconds, not counting compilation.
 
-use crate::{cargo, run_status, Failure};
+mod report;
+mod svg;
 
-const SUITES: &[&str] = &["lowrank", "collectives", "hooks", "accum"];
+use crate::{cargo, run_status, workspace_root, Failure};
 
-pub fn run(args: &[String]) -> Result<(), Failure> {
-    let mut quick = false;
-    let mut json = false;
-    let mut suites = Vec::new();
+/// The suites `bench SUITE` runs; `report` is the default.
+const SUITES: &[&str] = &["report", "lowrank", "collectives", "hooks", "accum", "pipe"];
+
+/// What `cargo xtask bench` was asked to do.
+pub struct Options {
+    quick: bool,
+    json: bool,
+    suites: Vec<String>,
+}
+
+/// Parses the arguments of `bench`; an unknown one is an error for the usage message.
+pub fn parse(args: &[String]) -> Result<Options, String> {
+    let mut o = Options {
+        quick: false,
+        json: false,
+        suites: Vec::new(),
+    };
     for a in args {
         match a.as_str() {
-            "--quick" => quick = true,
-            "--json" => json = true,
-            s if SUITES.contains(&s) => suites.push(s.to_string()),
+            "--quick" => o.quick = true,
+            "--json" => o.json = true,
+            s if SUITES.contains(&s) => o.suites.push(s.to_string()),
             other => {
-                return Err(Failure(format!(
-                    "unknown bench argument `{other}`; suites: {}",
+                return Err(format!(
+                    "unknown bench argument `{other}`; suites: {} (default: report); flags: --quick, --json",
                     SUITES.join(", ")
-                )))
+                ))
             }
         }
     }
-    if suites.is_empty() {
-        suites = SUITES.iter().map(|s| s.to_string()).collect();
+    if o.suites.is_empty() {
+        o.suites.push("report".into());
     }
-    for suite in &suites {
+    Ok(o)
+}
+
+/// Runs the suites in the order given.
+pub fn run(o: Options) -> Result<(), Failure> {
+    for suite in &o.suites {
         match suite.as_str() {
-            "lowrank" => lowrank(quick, json)?,
-            "collectives" => collectives(quick, json)?,
-            "hooks" | "accum" => ddp_hooks(suite, quick, json)?,
-            _ => unreachable!("suites are checked above"),
+            "report" => report::run(o.quick, o.json)?,
+            "lowrank" => lowrank(o.quick, o.json)?,
+            "collectives" => collectives(o.quick, o.json)?,
+            "hooks" | "accum" => ddp_hooks(suite, o.quick, o.json)?,
+            "pipe" => pipe(o.quick, o.json)?,
+            other => return Err(Failure(format!("no suite `{other}`"))),
         }
     }
     Ok(())
+}
+
+/// The `pipe` crate's benchmarks, once it has some (`pipe/benches/*.rs`).
+fn pipe(quick: bool, json: bool) -> Result<(), Failure> {
+    let dir = workspace_root().join("pipe").join("benches");
+    let has_bench = std::fs::read_dir(&dir)
+        .map(|entries| {
+            entries
+                .filter_map(|e| e.ok())
+                .any(|e| e.path().extension().is_some_and(|x| x == "rs"))
+        })
+        .unwrap_or(false);
+    if !has_bench {
+        return Err(Failure(format!(
+            "the pipe suite has no benchmark yet ({} holds no .rs file); the other suites: lowrank, collectives, hooks, accum",
+            dir.display()
+        )));
+    }
+    let mut args = vec!["bench", "-q", "-p", "pipe", "--benches", "--"];
+    if quick {
+        args.push("--quick");
+    }
+    if json {
+        args.push("--json");
+    }
+    run_status(cargo(&args))
 }
 
 /// The bandwidth table (cold cache, against a SIMD-sum reference and `gemm`), then the

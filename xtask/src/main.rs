@@ -3,7 +3,11 @@
 //!
 //! - `cargo xtask test`: the whole test suite, plus optional suites whose system software
 //!   is installed (and one line for each one skipped).
-//! - `cargo xtask bench [SUITE] [--quick] [--json]`: benchmarks, always in release builds.
+//! - `cargo xtask bench [SUITE] [--quick] [--json]`: benchmarks, always in release builds;
+//!   with no suite, the compression-throughput report (table, `target/bench/report.jsonl`,
+//!   `target/bench/speedup.svg`).
+//! - `cargo xtask train [...]`: thread ranks (or `mpirun` processes) train the
+//!   teacher-student MLP with a hook chosen by name; `--compare`, `--resume-at K`.
 //! - `cargo xtask gpu-check`: builds the CUDA tests and benchmarks into `gpu-check/` with a
 //!   script that runs them on a GPU machine.
 
@@ -11,6 +15,7 @@ mod bench;
 mod gpu_check;
 mod sanitize;
 mod test;
+mod train;
 
 use std::process::{Command, ExitCode};
 
@@ -21,14 +26,31 @@ commands:
   test                      cargo test --workspace, the CUDA tests (they skip without a GPU),
                             and the optional suites whose system software is installed
   bench [SUITE] [--quick] [--json]
-                            benchmarks in release builds; SUITE is one of: lowrank, collectives, hooks, accum
-                            (default: all)
+                            benchmarks in release builds. Without SUITE: the compression-throughput
+                            report (every hook on 4 x Linear, ResNet-50, BERT-base, GPT-2 small, priced
+                            at 1-400 Gbit/s; writes target/bench/report.jsonl and speedup.svg).
+                            SUITE: report, lowrank, collectives, hooks, accum, pipe
+  train [--hook SPEC] [--ranks N] [--steps N] [--accumulate K] [--batch N]
+        [--compare | --resume-at K | --backend threads|mpi]
+                            N thread ranks (default 4) train the teacher-student MLP through the
+                            ddp-hooks reducer with the hook SPEC (default allreduce; e.g.
+                            powersgd:rank=2,start_iter=10, fp16+powersgd:rank=4,start_iter=10);
+                            --compare: allreduce vs PowerSGD ranks 1, 2, 4 as a table;
+                            --resume-at K: save at step K, restart from the files, check the end
+                            is identical; --backend mpi: the same under mpirun -np N, checked
+                            against the thread ranks
   sanitize                  the collectives and lowrank tests under AddressSanitizer (needs
                             nightly; skipped with a message where it is not installed)
   loom                      the loom models of the thread backend's rendezvous and work handles
   gpu-check                 build the CUDA test binaries and benchmarks into gpu-check/,
                             with gpu-check/run.sh to run them on a GPU machine
 ";
+
+/// Bad command-line input: the reason, the usage, exit status 2.
+fn usage(why: &str) -> ExitCode {
+    eprint!("xtask: {why}\n\n{USAGE}");
+    ExitCode::from(2)
+}
 
 /// A failed step, with what to tell the user.
 #[derive(Debug)]
@@ -44,7 +66,18 @@ fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let result = match args.first().map(String::as_str) {
         Some("test") => test::run(&args[1..]),
-        Some("bench") => bench::run(&args[1..]),
+        Some("bench") => match bench::parse(&args[1..]) {
+            Ok(options) => bench::run(options),
+            Err(why) => return usage(&why),
+        },
+        Some("train") => match train::parse(&args[1..]) {
+            Ok(options) => match train::run(options) {
+                Ok(()) => Ok(()),
+                Err(train::TrainError::Usage(why)) => return usage(&why),
+                Err(train::TrainError::Failed(f)) => Err(f),
+            },
+            Err(why) => return usage(&why),
+        },
         Some("gpu-check") => gpu_check::run(&args[1..]),
         Some("sanitize") => sanitize::sanitize(&args[1..]),
         Some("loom") => sanitize::loom(&args[1..]),
@@ -88,6 +121,13 @@ pub fn run_status(mut cmd: Command) -> Result<(), Failure> {
     } else {
         Err(Failure(format!("{shown} failed with {status}")))
     }
+}
+
+/// Cargo's target folder: `CARGO_TARGET_DIR`, or `target` in the workspace root.
+pub fn target_dir() -> std::path::PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join("target"))
 }
 
 /// The workspace root (the parent of this crate's directory).

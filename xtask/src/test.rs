@@ -36,7 +36,8 @@ const OPTIONAL: &[Optional] = &[Optional {
 }];
 
 /// Compiles the MPI backend's doc example, builds `collectives/tests/mpi.rs` (one process
-/// per rank, `harness = false`) and runs it on two processes under `mpirun`.
+/// per rank, `harness = false`) and runs it on two processes under `mpirun`; then a short
+/// `cargo xtask train --backend mpi` run (2 processes) checked against thread ranks.
 fn mpi_suite() -> Result<(), Failure> {
     run_status(cargo(&[
         "test",
@@ -55,7 +56,9 @@ fn mpi_suite() -> Result<(), Failure> {
     )?;
     let mut cmd = crate::mpirun(2);
     cmd.arg(exe);
-    run_status(cmd)
+    run_status(cmd)?;
+    // The training example across processes, against the same run on thread ranks.
+    crate::train::mpi_check()
 }
 
 pub fn run(args: &[String]) -> Result<(), Failure> {

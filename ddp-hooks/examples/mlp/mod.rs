@@ -1,13 +1,20 @@
 //! A small tanh MLP with a hand-written backward pass, and the teacher-student regression
-//! task that PyTorch's PowerSGD was measured on here. Shared by the `train` example, the
-//! convergence test and the benchmarks (included with `#[path]`).
+//! task that PyTorch's PowerSGD was measured on here. Shared by the `train` and
+//! `train_mpi` examples and the convergence test (included with `#[path]`).
+//!
+//! - `trainer`: one rank's training loop over any process group (accumulation, link
+//!   accounting, checkpoints), and the thread-rank driver;
+//! - `checkpoint`: the per-rank checkpoint file;
+//! - `cli`: the examples' shared arguments.
 
 #![allow(dead_code)]
 
-use collectives::{run_local, ProcessGroup};
-use ddp_hooks::{HookSpec, Reducer, ReducerConfig};
-use lowrank::{CpuBackend, NormalRng};
-use std::sync::Arc;
+pub mod checkpoint;
+pub mod cli;
+pub mod trainer;
+
+use ddp_hooks::HookSpec;
+use lowrank::NormalRng;
 
 /// Layer widths: 64 -> 128 -> 128 -> 32.
 pub const WIDTHS: [usize; 4] = [64, 128, 128, 32];
@@ -161,7 +168,8 @@ pub fn teacher_data(teacher: &Mlp, samples: usize, noise: f32, seed: u64) -> (Ve
 pub struct Sgd {
     pub lr: f32,
     pub momentum: f32,
-    velocity: Vec<Vec<f32>>,
+    /// The momentum buffers, one per parameter (saved in checkpoints).
+    pub velocity: Vec<Vec<f32>>,
 }
 
 impl Sgd {
@@ -185,52 +193,18 @@ impl Sgd {
     }
 }
 
-/// Trains on `ranks` thread ranks for `steps` steps with `hook`; returns the final and
-/// the initial held-out loss (identical on every rank).
+/// Trains on `ranks` thread ranks for `steps` steps with `hook` (batch 64, 2048 samples
+/// per rank, no accumulation); returns the final and the initial held-out loss
+/// (identical on every rank).
 pub fn train(ranks: usize, steps: usize, hook: &HookSpec) -> (f32, f32) {
-    let teacher = Mlp::random(&WIDTHS, 1);
-    let (tx, ty) = teacher_data(&teacher, 512, 0.01, 10_000);
-    let out = run_local(ranks, |g| {
-        let rank = g.rank();
-        let (x, y) = teacher_data(&teacher, 2048, 0.01, 100 + rank as u64);
-        let be = Arc::new(CpuBackend::new().with_threads(1).expect("threads"));
-        let hook = hook
-            .build(be.clone(), Arc::new(g) as Arc<dyn ProcessGroup>)
-            .expect("hook");
-        let shapes = shapes(&WIDTHS);
-        let mut reducer =
-            Reducer::new(be, &shapes, hook, ReducerConfig::default()).expect("reducer");
-        let mut model = Mlp::random(&WIDTHS, 2);
-        let initial = model.loss(&tx, &ty);
-        let mut opt = Sgd::new(&model, 0.05, 0.9);
-        let mut grads: Vec<Vec<f32>> = model.params.iter().map(|p| vec![0.0; p.len()]).collect();
-        let (batch, din, dout) = (64, WIDTHS[0], WIDTHS[3]);
-        for step in 0..steps {
-            let s = (step * batch) % 2048;
-            model.loss_and_grad(
-                &x[s * din..(s + batch) * din],
-                &y[s * dout..(s + batch) * dout],
-                batch,
-                &mut grads,
-            );
-            for p in (0..shapes.len()).rev() {
-                reducer
-                    .grad_mut(p)
-                    .expect("grad")
-                    .copy_from_slice(&grads[p]);
-                reducer.mark_ready(p).expect("ready");
-            }
-            reducer.finish().expect("finish");
-            for (p, _) in shapes.iter().enumerate() {
-                let g = reducer.grad(p).expect("grad").to_vec();
-                opt.step(&mut model, p, &g);
-            }
-        }
-        (model.loss(&tx, &ty), initial)
-    })
-    .expect("ranks");
-    out.into_iter()
-        .map(|r| r.expect("rank"))
-        .next()
-        .unwrap_or((f32::NAN, f32::NAN))
+    let config = trainer::Config {
+        ranks,
+        steps,
+        hook: hook.clone(),
+        ..trainer::Config::default()
+    };
+    match trainer::run_threads(&config, &trainer::Plan::default(), &|_| {}) {
+        Ok(out) => (out.final_loss, out.initial_loss),
+        Err(e) => panic!("training failed: {e}"),
+    }
 }

@@ -1,0 +1,169 @@
+//! How the hook benchmarks measure, written once for the `hooks` suite and the
+//! compression report (included with `#[path]`): thread ranks with one CPU thread each,
+//! synthetic gradients, the link accounted (never slept), and the read-bandwidth
+//! reference that `bound_ratio` divides by.
+
+#![allow(dead_code)]
+
+use collectives::link::{Charge, Link, LinkOp, Linked};
+use collectives::{run_local, ProcessGroup};
+use ddp_hooks::{GradBucket, HookSpec, Layout, Reducer, ReducerConfig};
+use lowrank::{CpuBackend, NormalRng};
+use std::hint::black_box;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Ranks of every hook measurement.
+pub const RANKS: usize = 2;
+/// Per-message latency of the modelled link.
+pub const LATENCY: Duration = Duration::from_micros(20);
+/// Steps run before timing: PowerSGD is measured with `start_iter=2`, and step 2 (its
+/// first compressed step) allocates its memory.
+pub const WARMUP: usize = 3;
+/// Passes over the gradient memory that the fused PowerSGD algorithm makes; the bound
+/// that `bound_ratio` compares the hook time with.
+pub const BOUND_PASSES: f64 = 7.0;
+
+/// The median of `v` (the upper one of an even count).
+pub fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v.get(v.len() / 2).copied().unwrap_or_default()
+}
+
+/// Single-thread read bandwidth (bytes/s): a sum over 256 MiB with 16 independent
+/// accumulators (so the compiler vectorises it), best of 3.
+pub fn read_bandwidth() -> f64 {
+    let v = vec![1.0f32; 64 << 20];
+    (0..3)
+        .map(|_| {
+            let t = Instant::now();
+            let mut acc = [0.0f32; 16];
+            for c in v.chunks_exact(16) {
+                for (a, x) in acc.iter_mut().zip(c) {
+                    *a += x;
+                }
+            }
+            black_box(acc);
+            v.len() as f64 * 4.0 / t.elapsed().as_secs_f64()
+        })
+        .fold(0.0, f64::max)
+}
+
+/// Normal gradients for every parameter, seeded by rank and parameter.
+pub fn synthetic(shapes: &[Vec<usize>], rank: usize) -> Vec<Vec<f32>> {
+    shapes
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let mut v = vec![0.0; s.iter().product()];
+            NormalRng::new((rank * 1000 + i) as u64).fill(&mut v);
+            v
+        })
+        .collect()
+}
+
+/// [`synthetic`] for every rank, one thread per rank.
+pub fn synthetic_ranks(shapes: &[Vec<usize>]) -> Vec<Vec<Vec<f32>>> {
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..RANKS)
+            .map(|r| s.spawn(move || synthetic(shapes, r)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("gradient generation"))
+            .collect()
+    })
+}
+
+/// One hook's measurement.
+pub struct Measured {
+    /// Per timed step, the slowest rank's hook time.
+    pub steps: Vec<Duration>,
+    /// The collectives of one step, as rank 0 issued them.
+    pub ops: Vec<LinkOp>,
+}
+
+impl Measured {
+    /// Median hook time over the timed steps.
+    pub fn median(&self) -> Duration {
+        median(self.steps.clone())
+    }
+
+    /// Payload bytes one rank sends per step.
+    pub fn bytes_sent(&self) -> usize {
+        self.ops.iter().map(LinkOp::bytes).sum()
+    }
+
+    /// Modelled link time of one step at `gbit` Gbit/s.
+    pub fn link_time(&self, gbit: f64) -> Duration {
+        let link = Link::gbit(gbit, LATENCY).expect("benchmark link speeds are positive");
+        self.ops.iter().map(|&op| link.cost(RANKS, op)).sum()
+    }
+}
+
+/// Runs `spec` on `shapes` for [`WARMUP`] + `steps` steps on [`RANKS`] thread ranks,
+/// rank `r` reducing `grads[r]`. `direct`: the hook is called on one bucket holding every
+/// parameter; otherwise the reducer buckets them (DDP's default sizes) and the time runs
+/// from the first `mark_ready` to the end of `finish`.
+pub fn measure(
+    shapes: &[Vec<usize>],
+    grads: &[Vec<Vec<f32>>],
+    spec: &HookSpec,
+    direct: bool,
+    steps: usize,
+) -> Measured {
+    let out = run_local(RANKS, |g| {
+        let rank = g.rank();
+        let link = Link::gbit(1.0, LATENCY).expect("a positive link speed");
+        let linked = Linked::new(g, link, Charge::Account);
+        let log = linked.log_handle();
+        let be = Arc::new(CpuBackend::new().with_threads(1).expect("threads"));
+        let mut hook = spec
+            .build(be.clone(), Arc::new(linked) as Arc<dyn ProcessGroup>)
+            .expect("hook");
+        let grads = &grads[rank];
+        let mut times = Vec::with_capacity(steps);
+        if direct {
+            let layout = Arc::new(Layout::packed(shapes).expect("layout"));
+            let flat: Vec<f32> = grads.concat();
+            for step in 0..WARMUP + steps {
+                let bucket = GradBucket::new(0, 1, flat.clone(), layout.clone()).expect("bucket");
+                if step == WARMUP {
+                    log.lock().expect("log").clear();
+                }
+                let t = Instant::now();
+                black_box(hook.run(bucket).wait().expect("hook"));
+                times.push(t.elapsed());
+            }
+        } else {
+            let mut reducer =
+                Reducer::new(be, shapes, hook, ReducerConfig::default()).expect("reducer");
+            for step in 0..WARMUP + steps {
+                for (p, g) in grads.iter().enumerate() {
+                    reducer.grad_mut(p).expect("grad").copy_from_slice(g);
+                }
+                if step == WARMUP {
+                    log.lock().expect("log").clear();
+                }
+                let t = Instant::now();
+                for p in (0..shapes.len()).rev() {
+                    reducer.mark_ready(p).expect("ready");
+                }
+                reducer.finish().expect("finish");
+                times.push(t.elapsed());
+            }
+        }
+        let ops = std::mem::take(&mut *log.lock().expect("log"));
+        (times.split_off(WARMUP), ops)
+    })
+    .expect("ranks");
+    let results: Vec<_> = out.into_iter().map(|r| r.expect("rank")).collect();
+    let steps_max = (0..steps)
+        .map(|i| results.iter().map(|r| r.0[i]).max().unwrap_or_default())
+        .collect();
+    let per_step = results[0].1.len() / steps.max(1);
+    Measured {
+        steps: steps_max,
+        ops: results[0].1[..per_step].to_vec(),
+    }
+}

@@ -1,0 +1,257 @@
+//! The compression-throughput report: what each hook buys on this machine, at a given
+//! network speed. Driven by `cargo xtask bench` (no suite), which draws the progress
+//! bar, the table and the chart from the JSON lines this prints.
+//!
+//! Per model preset (4 x Linear(1024, 1024), ResNet-50, BERT-base, GPT-2 small) and per
+//! hook, on 2 thread ranks with one CPU thread each and synthetic gradients (measured as
+//! the `hooks` suite measures, `measure/mod.rs`):
+//! - the hook time: median over the timed steps of the slowest rank, with the fastest
+//!   and slowest step;
+//! - the gradient throughput (gradient bytes per rank over the hook time), the payload
+//!   bytes each rank sends per step and the compression ratio (gradient bytes over them);
+//! - PowerSGD rows: `bound_ratio`, the hook time over 7 passes of the gradient memory at
+//!   the single-thread read bandwidth measured at the start;
+//! - the step time at 1, 10, 100 and 400 Gbit/s: hook time plus the ring cost of every
+//!   collective of one step from `collectives::link` (20 us per message, no overlap
+//!   assumed), and the speedup over allreduce at each;
+//! - the break-even bandwidth: step time is `a + b / bandwidth` for every hook, so the
+//!   speed at which a hook and allreduce take equally long is solved exactly; it is
+//!   given where the hook wins below it and loses above it, `null` where one of them
+//!   wins at every speed.
+//!
+//! Output, one JSON object per line: `{"kind":"machine",...}` (CPU, cores, instruction
+//! set, read bandwidth), `{"kind":"plan","rows":N}`, then per row `{"kind":"start",...}`
+//! before it is measured and `{"kind":"row",...}` after.
+//!
+//! Arguments: `--quick` (4 x Linear and BERT-base, fewer steps), `--models a,b`,
+//! `--steps N` (timed steps of every model).
+
+#[path = "measure/mod.rs"]
+mod measure;
+#[path = "models/mod.rs"]
+mod models;
+
+use collectives::link::{Link, LinkOp};
+use ddp_hooks::HookSpec;
+use lowrank::CpuBackend;
+use measure::{BOUND_PASSES, LATENCY, RANKS};
+use serde_json::{json, Value};
+use std::io::Write;
+
+/// The link speeds of the report, in Gbit/s.
+const SPEEDS: [f64; 4] = [1.0, 10.0, 100.0, 400.0];
+
+/// The hooks of the report: (name in the report, spec, PowerSGD rank or 0).
+const HOOKS: [(&str, &str, usize); 8] = [
+    ("allreduce", "allreduce", 0),
+    ("fp16", "fp16", 0),
+    ("bf16", "bf16", 0),
+    ("powersgd", "powersgd:rank=1,start_iter=2", 1),
+    ("powersgd", "powersgd:rank=2,start_iter=2", 2),
+    ("powersgd", "powersgd:rank=4,start_iter=2", 4),
+    (
+        "batched_powersgd",
+        "batched_powersgd:rank=2,start_iter=2",
+        2,
+    ),
+    ("fp16+powersgd", "fp16+powersgd:rank=2,start_iter=2", 2),
+];
+
+struct Args {
+    quick: bool,
+    models: Option<Vec<String>>,
+    steps: Option<usize>,
+}
+
+fn args() -> Result<Args, String> {
+    let mut a = Args {
+        quick: false,
+        models: None,
+        steps: None,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(arg) = it.next() {
+        match arg.as_str() {
+            "--quick" => a.quick = true,
+            "--models" => {
+                let v = it.next().ok_or("--models needs a list")?;
+                a.models = Some(v.split(',').map(str::to_string).collect());
+            }
+            "--steps" => {
+                let v = it.next().ok_or("--steps needs a number")?;
+                a.steps = Some(
+                    v.parse()
+                        .ok()
+                        .filter(|&n| n > 0)
+                        .ok_or(format!("--steps {v}: expected a positive integer"))?,
+                );
+            }
+            // `cargo bench` passes `--bench` to every benchmark.
+            "--bench" => {}
+            other => return Err(format!("unknown argument `{other}`")),
+        }
+    }
+    Ok(a)
+}
+
+/// Timed steps per model: enough for a stable median, within the report's time budget.
+fn steps_for(model: &str, quick: bool) -> usize {
+    match (model, quick) {
+        ("linear4x1024", false) => 15,
+        ("linear4x1024", true) => 7,
+        ("resnet50", false) => 9,
+        (_, false) => 5,
+        (_, true) => 3,
+    }
+}
+
+/// `"model name"` of `/proc/cpuinfo`, where there is one.
+fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, v)| v.trim().to_string())
+        })
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string())
+}
+
+/// Step time as `fixed + per_gbit / bandwidth` (ms, bandwidth in Gbit/s), from the link
+/// model: every cost is linear in the inverse bandwidth, so two speeds determine it.
+fn step_model(hook_ms: f64, ops: &[LinkOp]) -> (f64, f64) {
+    let cost = |gbit: f64| {
+        let link = Link::gbit(gbit, LATENCY).expect("positive link speeds");
+        ops.iter()
+            .map(|&op| link.cost(RANKS, op).as_secs_f64() * 1e3)
+            .sum::<f64>()
+    };
+    let (at1, at2) = (cost(1.0), cost(2.0));
+    let per_gbit = 2.0 * (at1 - at2);
+    (hook_ms + at1 - per_gbit, per_gbit)
+}
+
+/// The bandwidth below which the hook's step (`a_h + b_h / x`) is faster than
+/// allreduce's (`a_a + b_a / x`), if the two cross with the hook winning on the slow
+/// side; `None` where one wins at every speed (or the hook wins only on the fast side).
+fn break_even((a_h, b_h): (f64, f64), (a_a, b_a): (f64, f64)) -> Option<f64> {
+    let (da, db) = (a_h - a_a, b_a - b_h);
+    (da > 0.0 && db > 0.0).then(|| db / da)
+}
+
+fn keyed(values: impl Iterator<Item = f64>) -> Value {
+    Value::Object(
+        SPEEDS
+            .iter()
+            .zip(values)
+            .map(|(g, v)| (format!("{g}"), json!(round(v, 4))))
+            .collect(),
+    )
+}
+
+fn round(x: f64, digits: i32) -> f64 {
+    let s = 10f64.powi(digits);
+    (x * s).round() / s
+}
+
+fn emit(v: Value) {
+    let mut out = std::io::stdout().lock();
+    // A closed pipe (the driver gone) ends the run.
+    if writeln!(out, "{v}").and_then(|_| out.flush()).is_err() {
+        std::process::exit(1);
+    }
+}
+
+fn main() {
+    let a = match args() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("report: {e}");
+            std::process::exit(2);
+        }
+    };
+    let mut presets = models::presets();
+    if let Some(wanted) = &a.models {
+        if let Some(bad) = wanted
+            .iter()
+            .find(|w| !presets.iter().any(|(n, ..)| n == w))
+        {
+            let known: Vec<_> = presets.iter().map(|(n, ..)| *n).collect();
+            eprintln!("report: unknown model `{bad}`; known: {}", known.join(", "));
+            std::process::exit(2);
+        }
+        presets.retain(|(n, ..)| wanted.iter().any(|w| w == n));
+    } else if a.quick {
+        presets.retain(|(n, ..)| matches!(*n, "linear4x1024" | "bert-base"));
+    }
+    for (name, shapes, _) in &presets {
+        let published = models::PUBLISHED.iter().find(|(n, _)| n == name);
+        let count = models::params(&shapes());
+        if published.map(|&(_, c)| c) != Some(count) {
+            eprintln!(
+                "report: preset {name} has {count} parameters, not the published {published:?}"
+            );
+            std::process::exit(1);
+        }
+    }
+    let bw = measure::read_bandwidth();
+    let isa = CpuBackend::new().isa();
+    emit(json!({
+        "kind": "machine",
+        "cpu": cpu_model(),
+        "cores": std::thread::available_parallelism().map_or(1, |n| n.get()),
+        "isa": isa.name(),
+        "read_gbps": round(bw / 1e9, 2),
+        "ranks": RANKS,
+        "threads_per_rank": 1,
+        "latency_us": LATENCY.as_secs_f64() * 1e6,
+        "link": "accounted",
+        "quick": a.quick,
+    }));
+    emit(json!({"kind": "plan", "rows": presets.len() * HOOKS.len()}));
+    for (model, shapes, direct) in presets {
+        let shapes = shapes();
+        let params = models::params(&shapes);
+        let grad_bytes = 4 * params;
+        let steps = a.steps.unwrap_or_else(|| steps_for(model, a.quick));
+        let grads = measure::synthetic_ranks(&shapes);
+        let mut base: Option<((f64, f64), Vec<f64>)> = None;
+        for (hook, spec, rank) in HOOKS {
+            emit(json!({"kind": "start", "model": model, "hook": hook, "rank": rank}));
+            let parsed: HookSpec = spec.parse().expect("the report's specs parse");
+            let m = measure::measure(&shapes, &grads, &parsed, direct, steps);
+            let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+            let hook_ms = ms(m.median());
+            let sent = m.bytes_sent();
+            let at: Vec<f64> = SPEEDS
+                .iter()
+                .map(|&g| hook_ms + ms(m.link_time(g)))
+                .collect();
+            let line = step_model(hook_ms, &m.ops);
+            let (base_line, base_at) = base.get_or_insert_with(|| (line, at.clone())).clone();
+            let bound = (rank > 0).then(|| hook_ms / (BOUND_PASSES * grad_bytes as f64 / bw * 1e3));
+            emit(json!({
+                "kind": "row",
+                "model": model,
+                "hook": hook,
+                "rank": rank,
+                "ranks": RANKS,
+                "hook_ms": round(hook_ms, 4),
+                "hook_ms_min": round(ms(*m.steps.iter().min().expect("steps")), 4),
+                "hook_ms_max": round(ms(*m.steps.iter().max().expect("steps")), 4),
+                "steps": steps,
+                "params": params,
+                "gbps": round(grad_bytes as f64 / (hook_ms / 1e3) / 1e9, 4),
+                "bytes_sent": sent,
+                "compression_ratio": round(grad_bytes as f64 / sent.max(1) as f64, 3),
+                "bound_ratio": bound.map(|b| round(b, 3)),
+                "step_ms_at": keyed(at.iter().copied()),
+                "speedup_at": keyed(base_at.iter().zip(&at).map(|(b, s)| b / s)),
+                "break_even_gbit": break_even(line, base_line).map(|b| round(b, 3)),
+                "fixed_ms": round(line.0, 6),
+                "ms_gbit": round(line.1, 6),
+            }));
+        }
+    }
+}

@@ -1,0 +1,217 @@
+//! The arguments of the `train` and `train_mpi` examples, and how they print: plain
+//! lines for people, or one JSON object per line (`--json`) for `cargo xtask train`.
+
+use super::trainer::{Config, Event, Outcome, Plan};
+use serde_json::json;
+use std::io::Write;
+use std::path::PathBuf;
+
+/// The examples' usage.
+pub const USAGE: &str = "\
+arguments:
+  --ranks N          thread ranks (default 4; train_mpi: the MPI world's size)
+  --steps N          optimizer steps (default 1000)
+  --hook SPEC        a registry spec: allreduce, fp16, bf16, powersgd:rank=2,start_iter=10,
+                     fp16+powersgd:rank=4,start_iter=10, batched_powersgd:... (default allreduce)
+  --accumulate K     micro-steps per optimizer step, synchronising only the last (default 1)
+  --batch N          samples per micro-step and rank (default 64; divides 2048)
+  --compare          allreduce, then PowerSGD at ranks 1, 2 and 4 (start_iter=10)
+  --save-at K --checkpoint DIR
+                     also save every rank's checkpoint after K steps
+  --resume DIR       continue from the checkpoints in DIR
+  --json             one JSON object per line (events, then the result)";
+
+/// Parsed arguments.
+pub struct Cli {
+    /// The run (for `--compare`, the first of them).
+    pub config: Config,
+    /// Checkpointing.
+    pub plan: Plan,
+    /// The hooks to train with, in order (one unless `--compare`).
+    pub hooks: Vec<String>,
+    /// JSON lines instead of text.
+    pub json: bool,
+}
+
+/// Parses `args` (without the program name); `default_ranks` is the thread examples' 4
+/// or the MPI world's size. The error says what is wrong.
+pub fn parse(args: &[String], default_ranks: usize) -> Result<Cli, String> {
+    let mut config = Config {
+        ranks: default_ranks,
+        ..Config::default()
+    };
+    let mut hook = None;
+    let mut compare = false;
+    let mut json = false;
+    let (mut save_at, mut checkpoint, mut resume) = (None, None, None);
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let mut value = |name: &str| {
+            it.next()
+                .cloned()
+                .ok_or_else(|| format!("{name} needs a value"))
+        };
+        let number = |name: &str, v: String| -> Result<usize, String> {
+            v.parse::<usize>()
+                .ok()
+                .filter(|&n| n > 0)
+                .ok_or_else(|| format!("{name} {v}: expected a positive integer"))
+        };
+        match a.as_str() {
+            "--ranks" => config.ranks = number(a, value(a)?)?,
+            "--steps" => config.steps = number(a, value(a)?)?,
+            "--accumulate" => config.accumulate = number(a, value(a)?)?,
+            "--batch" => config.batch = number(a, value(a)?)?,
+            "--hook" => hook = Some(value(a)?),
+            "--compare" => compare = true,
+            "--save-at" => save_at = Some(number(a, value(a)?)?),
+            "--checkpoint" => checkpoint = Some(PathBuf::from(value(a)?)),
+            "--resume" => resume = Some(PathBuf::from(value(a)?)),
+            "--json" => json = true,
+            other => return Err(format!("unknown argument `{other}`")),
+        }
+    }
+    let hooks = match (compare, hook) {
+        (true, Some(_)) => return Err("--compare chooses its hooks; drop --hook".into()),
+        (true, None) => [
+            "allreduce",
+            "powersgd:rank=1,start_iter=10",
+            "powersgd:rank=2,start_iter=10",
+            "powersgd:rank=4,start_iter=10",
+        ]
+        .map(String::from)
+        .to_vec(),
+        (false, h) => vec![h.unwrap_or_else(|| "allreduce".into())],
+    };
+    let plan = Plan {
+        save_at: match (save_at, checkpoint.clone()) {
+            (Some(k), Some(dir)) => Some((k, dir)),
+            (None, None) => None,
+            (Some(_), None) => return Err("--save-at needs --checkpoint DIR".into()),
+            (None, Some(_)) if resume.is_none() => {
+                return Err("--checkpoint needs --save-at K".into())
+            }
+            (None, Some(_)) => None,
+        },
+        resume,
+    };
+    if compare && (plan.save_at.is_some() || plan.resume.is_some()) {
+        return Err("--compare does not checkpoint".into());
+    }
+    if let Some((k, _)) = &plan.save_at {
+        if *k >= config.steps {
+            return Err(format!(
+                "--save-at {k}: must be below --steps {}",
+                config.steps
+            ));
+        }
+    }
+    config.hook_text = hooks[0].clone();
+    config.hook = spec(&hooks[0])?;
+    config.validate()?;
+    Ok(Cli {
+        config,
+        plan,
+        hooks,
+        json,
+    })
+}
+
+/// Parses a hook spec; the error is the registry's.
+pub fn spec(text: &str) -> Result<ddp_hooks::HookSpec, String> {
+    text.parse().map_err(|e: ddp_hooks::Error| e.to_string())
+}
+
+/// A note when PowerSGD would not start compressing within the run (its `start_iter`
+/// defaults to PyTorch's 1000).
+pub fn start_iter_note(config: &Config) -> Option<String> {
+    use ddp_hooks::HookSpec::*;
+    let inner = match &config.hook {
+        Fp16Wrapped(h) | Bf16Wrapped(h) => h.as_ref(),
+        h => h,
+    };
+    match inner {
+        PowerSgd(c) | BatchedPowerSgd(c) if c.start_powersgd_iter as usize >= config.steps => {
+            Some(format!(
+                "note: PowerSGD compresses from step start_iter = {} on, and this run has {} steps: it is allreduce throughout (set start_iter, e.g. powersgd:rank=2,start_iter=10)",
+                c.start_powersgd_iter, config.steps
+            ))
+        }
+        _ => None,
+    }
+}
+
+/// Prints one event (rank 0 only).
+pub fn print_event(json_lines: bool, event: Event) {
+    let line = match (json_lines, event) {
+        (true, Event::Step { step, loss }) => {
+            json!({"event": "step", "step": step, "loss": loss}).to_string()
+        }
+        (true, Event::Saved { step }) => json!({"event": "saved", "step": step}).to_string(),
+        (false, Event::Step { step, loss }) => format!("step {step}: running loss {loss:.6}"),
+        (false, Event::Saved { step }) => format!("step {step}: checkpoint saved"),
+    };
+    emit(&line);
+}
+
+/// Prints the start of a run.
+pub fn print_start(json_lines: bool, config: &Config, backend: &str) {
+    let line = if json_lines {
+        json!({
+            "event": "start",
+            "hook": config.hook_text,
+            "ranks": config.ranks,
+            "steps": config.steps,
+            "accumulate": config.accumulate,
+            "batch": config.batch,
+            "backend": backend,
+        })
+        .to_string()
+    } else {
+        format!(
+            "{}: {} {backend} ranks, {} steps, accumulate {}, batch {}",
+            config.hook_text, config.ranks, config.steps, config.accumulate, config.batch
+        )
+    };
+    emit(&line);
+}
+
+/// Prints how a run ended.
+pub fn print_done(json_lines: bool, config: &Config, out: &Outcome) {
+    let line = if json_lines {
+        json!({
+            "event": "done",
+            "hook": config.hook_text,
+            "ranks": config.ranks,
+            "steps": config.steps,
+            "accumulate": config.accumulate,
+            "start_step": out.start_step,
+            "final_loss": out.final_loss,
+            "initial_loss": out.initial_loss,
+            "bytes_per_step": out.bytes_per_step(config),
+            "step_ms_1gbit": out.step_ms_at(config, 1.0),
+            "step_ms_10gbit": out.step_ms_at(config, 10.0),
+            "seconds": out.elapsed.as_secs_f64(),
+            "digest": format!("{:016x}", out.digest),
+        })
+        .to_string()
+    } else {
+        format!(
+            "{}: final loss {:.6} (from {:.6}), {:.0} bytes sent per rank and step, predicted {:.2} ms/step at 1 Gbit/s, {:.2} at 10 Gbit/s, model digest {:016x} [{:.1} s]",
+            config.hook_text,
+            out.final_loss,
+            out.initial_loss,
+            out.bytes_per_step(config),
+            out.step_ms_at(config, 1.0),
+            out.step_ms_at(config, 10.0),
+            out.digest,
+            out.elapsed.as_secs_f64()
+        )
+    };
+    emit(&line);
+}
+
+fn emit(line: &str) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}").and_then(|_| out.flush());
+}

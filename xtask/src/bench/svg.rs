@@ -1,0 +1,241 @@
+//! `speedup.svg`, written by hand: speedup over allreduce against link bandwidth, both
+//! axes logarithmic, one line per hook, one panel each for 4 x Linear(1024, 1024) and
+//! BERT-base. Lines follow the link model between the report's speeds (`fixed + k /
+//! bandwidth` per hook); dots mark the four speeds of the table.
+
+use super::report::{Machine, Row, SPEEDS};
+use std::fmt::Write as _;
+
+/// The panels: (model in the report, title).
+const PANELS: [(&str, &str); 2] = [
+    ("linear4x1024", "4 x Linear(1024, 1024)"),
+    ("bert-base", "BERT-base"),
+];
+/// The x axis, Gbit/s: decades from 10^X_MIN to 10^X_MAX.
+const X_MIN: i32 = -1;
+const X_MAX: i32 = 3;
+const COLORS: [&str; 8] = [
+    "#1f77b4", "#17becf", "#d62728", "#ff7f0e", "#bcbd22", "#9467bd", "#2ca02c", "#8c564b",
+];
+const WIDTH: f64 = 1000.0;
+const HEIGHT: f64 = 500.0;
+const PLOT_W: f64 = 380.0;
+const PLOT_H: f64 = 300.0;
+const TOP: f64 = 80.0;
+
+fn escape(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+}
+
+/// Tick values of a log axis from `10^lo` to `10^hi`: every decade, plus 2 and 5 when
+/// the axis spans at most two decades.
+fn ticks(lo: i32, hi: i32) -> Vec<f64> {
+    let mut t = Vec::new();
+    for d in lo..=hi {
+        let base = 10f64.powi(d);
+        t.push(base);
+        if hi - lo <= 2 && d < hi {
+            t.push(2.0 * base);
+            t.push(5.0 * base);
+        }
+    }
+    t
+}
+
+fn tick_label(v: f64) -> String {
+    if v >= 1.0 {
+        format!("{v:.0}")
+    } else {
+        let s = format!("{v:.3}");
+        s.trim_end_matches('0').to_string()
+    }
+}
+
+/// The chart for `rows` (those of the panels' models; a panel without rows is left out).
+pub fn chart(machine: &Machine, rows: &[Row]) -> String {
+    let mut labels: Vec<String> = Vec::new();
+    for r in rows {
+        let l = r.label();
+        if r.str("hook") != "allreduce" && !labels.contains(&l) {
+            labels.push(l);
+        }
+    }
+    let color = |label: &str| {
+        let i = labels.iter().position(|l| l == label).unwrap_or(0);
+        COLORS[i % COLORS.len()]
+    };
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" viewBox="0 0 {WIDTH} {HEIGHT}" font-family="sans-serif" font-size="12">"#
+    );
+    let _ = writeln!(
+        s,
+        r#"<rect width="{WIDTH}" height="{HEIGHT}" fill="white"/>"#
+    );
+    let _ = writeln!(
+        s,
+        r#"<text x="{}" y="24" text-anchor="middle" font-size="16">Speedup over allreduce vs link bandwidth (measured hook time + link model)</text>"#,
+        WIDTH / 2.0
+    );
+    let _ = writeln!(
+        s,
+        r##"<text x="{}" y="44" text-anchor="middle" fill="#555">{}</text>"##,
+        WIDTH / 2.0,
+        escape(&machine.describe())
+    );
+    let panels: Vec<_> = PANELS
+        .iter()
+        .filter(|(m, _)| rows.iter().any(|r| r.str("model") == *m))
+        .collect();
+    for (i, (model, title)) in panels.iter().enumerate() {
+        let left = 80.0 + i as f64 * (PLOT_W + 110.0);
+        let model_rows: Vec<&Row> = rows.iter().filter(|r| r.str("model") == *model).collect();
+        let Some(base) = model_rows.iter().find(|r| r.str("hook") == "allreduce") else {
+            continue;
+        };
+        panel(&mut s, left, title, base, &model_rows, &color);
+    }
+    // The legend, under the panels.
+    let mut x = 80.0;
+    let y = TOP + PLOT_H + 70.0;
+    let _ = writeln!(
+        s,
+        r#"<line x1="{x}" y1="{y}" x2="{}" y2="{y}" stroke="black" stroke-dasharray="4 3"/><text x="{}" y="{}">allreduce</text>"#,
+        x + 24.0,
+        x + 30.0,
+        y + 4.0
+    );
+    x += 110.0;
+    for (n, l) in labels.iter().enumerate() {
+        if n == 4 {
+            x = 80.0;
+        }
+        let y = if n < 4 { y } else { y + 22.0 };
+        let _ = writeln!(
+            s,
+            r#"<line x1="{x}" y1="{y}" x2="{}" y2="{y}" stroke="{}" stroke-width="2.5"/><text x="{}" y="{}">{}</text>"#,
+            x + 24.0,
+            color(l),
+            x + 30.0,
+            y + 4.0,
+            escape(l)
+        );
+        x += 190.0;
+    }
+    s.push_str("</svg>\n");
+    s
+}
+
+/// One panel: axes, grid, the allreduce line at 1 and a curve per hook.
+fn panel(
+    s: &mut String,
+    left: f64,
+    title: &str,
+    base: &Row,
+    rows: &[&Row],
+    color: &dyn Fn(&str) -> &'static str,
+) {
+    let xs: Vec<f64> = (0..=96)
+        .map(|k| 10f64.powf(X_MIN as f64 + (X_MAX - X_MIN) as f64 * k as f64 / 96.0))
+        .collect();
+    let curves: Vec<(&Row, Vec<f64>)> = rows
+        .iter()
+        .filter(|r| r.str("hook") != "allreduce")
+        .map(|r| {
+            let ys = xs.iter().map(|&x| base.step_ms(x) / r.step_ms(x)).collect();
+            (*r, ys)
+        })
+        .collect();
+    let finite = curves
+        .iter()
+        .flat_map(|(_, ys)| ys.iter().copied())
+        .filter(|y| y.is_finite() && *y > 0.0);
+    let (lo, hi) = finite.fold((1.0f64, 1.0f64), |(lo, hi), y| (lo.min(y), hi.max(y)));
+    let (y_lo, y_hi) = (lo.log10().floor() as i32, hi.log10().ceil() as i32);
+    let y_hi = y_hi.max(y_lo + 1);
+    let px = |x: f64| left + (x.log10() - X_MIN as f64) / (X_MAX - X_MIN) as f64 * PLOT_W;
+    let py = |y: f64| TOP + PLOT_H - (y.log10() - y_lo as f64) / (y_hi - y_lo) as f64 * PLOT_H;
+    let _ = writeln!(
+        s,
+        r#"<text x="{}" y="{}" text-anchor="middle" font-size="14">{}</text>"#,
+        left + PLOT_W / 2.0,
+        TOP - 12.0,
+        escape(title)
+    );
+    for x in ticks(X_MIN, X_MAX) {
+        let _ = writeln!(
+            s,
+            r##"<line x1="{0:.1}" y1="{TOP}" x2="{0:.1}" y2="{1}" stroke="#ddd"/><text x="{0:.1}" y="{2}" text-anchor="middle">{3}</text>"##,
+            px(x),
+            TOP + PLOT_H,
+            TOP + PLOT_H + 16.0,
+            tick_label(x)
+        );
+    }
+    for y in ticks(y_lo, y_hi) {
+        let _ = writeln!(
+            s,
+            r##"<line x1="{left}" y1="{0:.1}" x2="{1}" y2="{0:.1}" stroke="#ddd"/><text x="{2}" y="{3:.1}" text-anchor="end">{4}x</text>"##,
+            py(y),
+            left + PLOT_W,
+            left - 6.0,
+            py(y) + 4.0,
+            tick_label(y)
+        );
+    }
+    let _ = writeln!(
+        s,
+        r#"<rect x="{left}" y="{TOP}" width="{PLOT_W}" height="{PLOT_H}" fill="none" stroke="black"/>"#
+    );
+    let _ = writeln!(
+        s,
+        r#"<text x="{}" y="{}" text-anchor="middle">link bandwidth (Gbit/s)</text>"#,
+        left + PLOT_W / 2.0,
+        TOP + PLOT_H + 36.0
+    );
+    let _ = writeln!(
+        s,
+        r#"<text transform="translate({},{}) rotate(-90)" text-anchor="middle">speedup over allreduce</text>"#,
+        left - 48.0,
+        TOP + PLOT_H / 2.0
+    );
+    let _ = writeln!(
+        s,
+        r#"<line x1="{left}" y1="{0:.1}" x2="{1}" y2="{0:.1}" stroke="black" stroke-dasharray="4 3"/>"#,
+        py(1.0),
+        left + PLOT_W
+    );
+    for (r, ys) in &curves {
+        let c = color(&r.label());
+        let points: Vec<String> = xs
+            .iter()
+            .zip(ys)
+            .filter(|(_, y)| y.is_finite() && **y > 0.0)
+            .map(|(&x, &y)| format!("{:.1},{:.1}", px(x), py(y)))
+            .collect();
+        let _ = writeln!(
+            s,
+            r#"<polyline points="{}" fill="none" stroke="{c}" stroke-width="2"><title>{}</title></polyline>"#,
+            points.join(" "),
+            escape(&r.label())
+        );
+        for speed in SPEEDS {
+            let (x, y) = (
+                speed.parse::<f64>().unwrap_or(1.0),
+                r.at("speedup_at", speed),
+            );
+            if y.is_finite() && y > 0.0 {
+                let _ = writeln!(
+                    s,
+                    r#"<circle cx="{:.1}" cy="{:.1}" r="3" fill="{c}"><title>{} at {speed} Gbit/s: {y:.2}x</title></circle>"#,
+                    px(x),
+                    py(y),
+                    escape(&r.label())
+                );
+            }
+        }
+    }
+}

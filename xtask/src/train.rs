@@ -1,0 +1,426 @@
+//! `cargo xtask train`: trains the teacher-student MLP with the crates together.
+//!
+//! The training itself is the `ddp-hooks` example `train` (thread ranks) or `train_mpi`
+//! (one process per rank under `mpirun`, built with `collectives/mpi`): the model code
+//! lives next to the crate it exercises, and this file only builds the examples, runs
+//! them with `--json`, draws a progress bar from their events, and compares runs
+//! (`--compare`, the resume check, the MPI check). xtask stays free of the library
+//! crates.
+
+use crate::{cargo, on_path, workspace_root, Failure};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::Value;
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+
+/// How far the MPI run's final loss may be from the thread run's (relative): the
+/// reductions may add in another order.
+const MPI_TOLERANCE: f64 = 1e-5;
+
+/// The PowerSGD runs of `--compare`, after allreduce.
+const COMPARE: [&str; 4] = [
+    "allreduce",
+    "powersgd:rank=1,start_iter=10",
+    "powersgd:rank=2,start_iter=10",
+    "powersgd:rank=4,start_iter=10",
+];
+
+/// Where the process group lives.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Backend {
+    Threads,
+    Mpi,
+}
+
+/// What `cargo xtask train` was asked to do.
+pub struct Options {
+    ranks: usize,
+    steps: usize,
+    hook: String,
+    accumulate: usize,
+    batch: Option<usize>,
+    compare: bool,
+    resume_at: Option<usize>,
+    backend: Backend,
+}
+
+/// Why `train` stopped.
+pub enum TrainError {
+    /// Bad input (exit status 2): xtask's own flags, or the example's verdict on them.
+    Usage(String),
+    /// A step failed.
+    Failed(Failure),
+}
+
+impl From<Failure> for TrainError {
+    fn from(f: Failure) -> Self {
+        TrainError::Failed(f)
+    }
+}
+
+impl From<std::io::Error> for TrainError {
+    fn from(e: std::io::Error) -> Self {
+        TrainError::Failed(Failure(e.to_string()))
+    }
+}
+
+/// Parses the flags of `train`; the error is for the usage message.
+pub fn parse(args: &[String]) -> Result<Options, String> {
+    let mut o = Options {
+        ranks: 4,
+        steps: 1000,
+        hook: "allreduce".into(),
+        accumulate: 1,
+        batch: None,
+        compare: false,
+        resume_at: None,
+        backend: Backend::Threads,
+    };
+    let mut hook_given = false;
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let mut value = || {
+            it.next()
+                .cloned()
+                .ok_or_else(|| format!("`{a}` needs a value"))
+        };
+        let number = |v: String| -> Result<usize, String> {
+            v.parse::<usize>()
+                .ok()
+                .filter(|&n| n > 0)
+                .ok_or_else(|| format!("`{a} {v}`: expected a positive integer"))
+        };
+        match a.as_str() {
+            "--ranks" => o.ranks = number(value()?)?,
+            "--steps" => o.steps = number(value()?)?,
+            "--accumulate" => o.accumulate = number(value()?)?,
+            "--batch" => o.batch = Some(number(value()?)?),
+            "--resume-at" => o.resume_at = Some(number(value()?)?),
+            "--hook" => {
+                o.hook = value()?;
+                hook_given = true;
+            }
+            "--compare" => o.compare = true,
+            "--backend" => {
+                o.backend = match value()?.as_str() {
+                    "threads" => Backend::Threads,
+                    "mpi" => Backend::Mpi,
+                    other => return Err(format!("unknown backend `{other}`; known: threads, mpi")),
+                }
+            }
+            other => return Err(format!("unknown train argument `{other}`")),
+        }
+    }
+    if o.compare && hook_given {
+        return Err("--compare trains allreduce and PowerSGD ranks 1, 2, 4; drop --hook".into());
+    }
+    let modes = [o.compare, o.resume_at.is_some(), o.backend == Backend::Mpi];
+    if modes.iter().filter(|&&m| m).count() > 1 {
+        return Err(
+            "--compare, --resume-at and --backend mpi are separate runs: one at a time".into(),
+        );
+    }
+    if let Some(k) = o.resume_at {
+        if k >= o.steps {
+            return Err(format!(
+                "--resume-at {k}: must be below --steps {}",
+                o.steps
+            ));
+        }
+    }
+    Ok(o)
+}
+
+/// Runs what `o` asks for.
+pub fn run(o: Options) -> Result<(), TrainError> {
+    if o.compare {
+        return compare(&o);
+    }
+    if let Some(k) = o.resume_at {
+        return resume_check(&o, k);
+    }
+    if o.backend == Backend::Mpi {
+        let (threads, mpi) = mpi_pair(&o, true)?;
+        summary(&threads);
+        summary(&mpi);
+        return mpi_verdict(&threads, &mpi);
+    }
+    let exe = build_example("train", &[], true)?;
+    let done = run_child(example(&exe, &o, &o.hook), &o.hook)?;
+    summary(&done);
+    Ok(())
+}
+
+/// The short MPI run of `cargo xtask test`: 2 processes under `mpirun`, PowerSGD with
+/// accumulation, against the thread backend (test builds, shared with `cargo test`).
+pub fn mpi_check() -> Result<(), Failure> {
+    let o = Options {
+        ranks: 2,
+        steps: 60,
+        hook: "powersgd:rank=2,start_iter=10".into(),
+        accumulate: 2,
+        batch: None,
+        compare: false,
+        resume_at: None,
+        backend: Backend::Mpi,
+    };
+    let result = mpi_pair(&o, false).and_then(|(threads, mpi)| mpi_verdict(&threads, &mpi));
+    match result {
+        Ok(()) => Ok(()),
+        Err(TrainError::Failed(f)) => Err(f),
+        Err(TrainError::Usage(why)) => Err(Failure(why)),
+    }
+}
+
+/// Builds `cargo build [--release] -p ddp-hooks --example NAME` and returns the binary.
+fn build_example(name: &str, features: &[&str], release: bool) -> Result<PathBuf, Failure> {
+    let mut args = vec!["build", "-p", "ddp-hooks", "--example", name];
+    if release {
+        args.push("--release");
+    }
+    for f in features {
+        args.extend(["--features", f]);
+    }
+    args.push("--message-format=json-render-diagnostics");
+    let mut cmd = cargo(&args);
+    cmd.stdout(Stdio::piped()).stderr(Stdio::inherit());
+    eprintln!("xtask: running {cmd:?}");
+    let out = cmd.output()?;
+    if !out.status.success() {
+        return Err(Failure(format!("{cmd:?} failed with {}", out.status)));
+    }
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|line| serde_json::from_str::<Value>(line).ok())
+        .filter(|m| m["reason"] == "compiler-artifact" && m["target"]["name"] == name)
+        .find_map(|m| m["executable"].as_str().map(PathBuf::from))
+        .ok_or_else(|| Failure(format!("{cmd:?} named no executable for `{name}`")))
+}
+
+/// The example's arguments for one run of `hook`.
+fn run_args(o: &Options, hook: &str, with_ranks: bool) -> Vec<String> {
+    let mut a = vec![
+        "--json".to_string(),
+        "--steps".into(),
+        o.steps.to_string(),
+        "--hook".into(),
+        hook.to_string(),
+        "--accumulate".into(),
+        o.accumulate.to_string(),
+    ];
+    if with_ranks {
+        a.extend(["--ranks".into(), o.ranks.to_string()]);
+    }
+    if let Some(b) = o.batch {
+        a.extend(["--batch".into(), b.to_string()]);
+    }
+    a
+}
+
+/// The thread example, run in the workspace root.
+fn example(exe: &PathBuf, o: &Options, hook: &str) -> Command {
+    let mut cmd = Command::new(exe);
+    cmd.args(run_args(o, hook, true))
+        .current_dir(workspace_root());
+    cmd
+}
+
+/// Runs a training child, drawing its progress; returns its `done` event. The example
+/// rejecting its arguments (status 2) is a usage error.
+fn run_child(mut cmd: Command, label: &str) -> Result<Value, TrainError> {
+    cmd.stdout(Stdio::piped()).stderr(Stdio::inherit());
+    let mut child = cmd
+        .spawn()
+        .map_err(|e| Failure(format!("could not start {cmd:?}: {e}")))?;
+    let stdout = child.stdout.take().expect("stdout is piped");
+    let bar = ProgressBar::new(0).with_style(
+        ProgressStyle::with_template("{elapsed:>4} [{bar:30}] {pos}/{len} steps {msg}")
+            .expect("a valid template")
+            .progress_chars("=> "),
+    );
+    let mut done = None;
+    for line in BufReader::new(stdout).lines() {
+        let line = line?;
+        let Ok(v) = serde_json::from_str::<Value>(&line) else {
+            bar.println(line);
+            continue;
+        };
+        match v["event"].as_str() {
+            Some("start") => {
+                bar.set_length(v["steps"].as_u64().unwrap_or(0));
+                bar.set_message(format!(
+                    "{label} ({} {} ranks)",
+                    v["backend"].as_str().unwrap_or("?"),
+                    v["ranks"]
+                ));
+            }
+            Some("step") => {
+                bar.set_position(v["step"].as_u64().unwrap_or(0));
+                bar.set_message(format!(
+                    "{label}: running loss {:.5}",
+                    v["loss"].as_f64().unwrap_or(f64::NAN)
+                ));
+            }
+            Some("saved") => bar.println(format!(
+                "{label}: checkpoint saved after step {}",
+                v["step"]
+            )),
+            Some("done") => done = Some(v),
+            _ => bar.println(line),
+        }
+    }
+    let status = child.wait()?;
+    bar.finish_and_clear();
+    if status.code() == Some(2) {
+        return Err(TrainError::Usage(format!(
+            "the training example rejected its arguments (see above): {cmd:?}"
+        )));
+    }
+    if !status.success() {
+        return Err(Failure(format!("{cmd:?} failed with {status}")).into());
+    }
+    done.ok_or_else(|| Failure(format!("{cmd:?} ended without a result")).into())
+}
+
+fn num(v: &Value, key: &str) -> f64 {
+    v[key].as_f64().unwrap_or(f64::NAN)
+}
+
+/// One run's result, in a few lines.
+fn summary(d: &Value) {
+    let backend = if d["backend"].is_string() {
+        d["backend"].as_str().unwrap_or("")
+    } else {
+        ""
+    };
+    println!(
+        "{}{}: {} ranks, {} steps, accumulate {}: final loss {:.6} (from {:.6})",
+        d["hook"].as_str().unwrap_or("?"),
+        backend,
+        d["ranks"],
+        d["steps"],
+        d["accumulate"],
+        num(d, "final_loss"),
+        num(d, "initial_loss"),
+    );
+    println!(
+        "  {:.0} bytes sent per rank and step; predicted {:.2} ms/step at 1 Gbit/s, {:.2} ms/step at 10 Gbit/s (measured compute + link model); {:.1} s",
+        num(d, "bytes_per_step"),
+        num(d, "step_ms_1gbit"),
+        num(d, "step_ms_10gbit"),
+        num(d, "seconds"),
+    );
+}
+
+/// `--compare`: allreduce and PowerSGD at ranks 1, 2, 4, then the table.
+fn compare(o: &Options) -> Result<(), TrainError> {
+    let exe = build_example("train", &[], true)?;
+    let mut results = Vec::new();
+    for hook in COMPARE {
+        results.push(run_child(example(&exe, o, hook), hook)?);
+    }
+    let base = num(&results[0], "final_loss");
+    println!(
+        "{} ranks, {} steps, accumulate {} (teacher-student MLP, held-out loss)",
+        o.ranks, o.steps, o.accumulate
+    );
+    println!(
+        "{:<30} {:>11} {:>13} {:>16} {:>12} {:>12}",
+        "hook", "final loss", "vs allreduce", "bytes/rank/step", "ms/step 1G", "ms/step 10G"
+    );
+    for r in &results {
+        println!(
+            "{:<30} {:>11.6} {:>12.4}x {:>16.0} {:>12.2} {:>12.2}",
+            r["hook"].as_str().unwrap_or("?"),
+            num(r, "final_loss"),
+            num(r, "final_loss") / base,
+            num(r, "bytes_per_step"),
+            num(r, "step_ms_1gbit"),
+            num(r, "step_ms_10gbit"),
+        );
+    }
+    println!("ms/step: measured compute per step on this machine + the link model's cost of the step's collectives (20 us per message)");
+    Ok(())
+}
+
+/// `--resume-at K`: an uninterrupted run that also saves at step K, then a fresh process
+/// that continues from those files; the two must end with bit-identical models.
+fn resume_check(o: &Options, k: usize) -> Result<(), TrainError> {
+    let exe = build_example("train", &[], true)?;
+    let dir = crate::target_dir().join("train").join("checkpoint");
+    if dir.exists() {
+        std::fs::remove_dir_all(&dir)?;
+    }
+    let dir_arg = dir.to_string_lossy().to_string();
+    let mut whole = example(&exe, o, &o.hook);
+    whole.args(["--save-at", &k.to_string(), "--checkpoint", &dir_arg]);
+    let a = run_child(whole, &format!("{} (uninterrupted)", o.hook))?;
+    let mut resumed = example(&exe, o, &o.hook);
+    resumed.args(["--resume", &dir_arg]);
+    let b = run_child(resumed, &format!("{} (resumed at {k})", o.hook))?;
+    summary(&a);
+    let same = a["digest"] == b["digest"] && a["final_loss"] == b["final_loss"];
+    println!(
+        "resume check: uninterrupted run: final loss {:.9}, model digest {}; restarted from step {k}'s files ({}): final loss {:.9}, model digest {}",
+        num(&a, "final_loss"),
+        a["digest"].as_str().unwrap_or("?"),
+        dir.display(),
+        num(&b, "final_loss"),
+        b["digest"].as_str().unwrap_or("?"),
+    );
+    if same {
+        println!("resume check: passed (identical models, bit for bit)");
+        Ok(())
+    } else {
+        Err(
+            Failure("resume check failed: the resumed run ended with a different model".into())
+                .into(),
+        )
+    }
+}
+
+/// The same run on thread ranks and under `mpirun`: (threads' result, MPI's result).
+fn mpi_pair(o: &Options, release: bool) -> Result<(Value, Value), TrainError> {
+    if !on_path("mpirun") {
+        return Err(Failure(
+            "--backend mpi needs Open MPI's mpirun (Debian: libopenmpi-dev openmpi-bin libclang-dev)"
+                .into(),
+        )
+        .into());
+    }
+    let threads_exe = build_example("train", &[], release)?;
+    let mpi_exe = build_example("train_mpi", &["collectives/mpi"], release)?;
+    let mut threads = run_child(
+        example(&threads_exe, o, &o.hook),
+        &format!("{} threads", o.hook),
+    )?;
+    threads["backend"] = " (threads)".into();
+    let mut cmd = crate::mpirun(o.ranks);
+    cmd.arg(&mpi_exe)
+        .args(run_args(o, &o.hook, false))
+        .current_dir(workspace_root());
+    let mut mpi = run_child(cmd, &format!("{} mpi", o.hook))?;
+    mpi["backend"] = " (mpi)".into();
+    Ok((threads, mpi))
+}
+
+/// The MPI run's final loss against the thread run's, printed; a gap over the tolerance
+/// is a failure.
+fn mpi_verdict(threads: &Value, mpi: &Value) -> Result<(), TrainError> {
+    let (a, b) = (num(threads, "final_loss"), num(mpi, "final_loss"));
+    let rel = (a - b).abs() / a.abs().max(f64::MIN_POSITIVE);
+    println!(
+        "mpi check: final loss {b:.9} under mpirun -np {} vs {a:.9} on thread ranks: relative difference {rel:.2e} (tolerance {MPI_TOLERANCE:.0e})",
+        mpi["ranks"]
+    );
+    if rel <= MPI_TOLERANCE {
+        println!("mpi check: passed");
+        Ok(())
+    } else {
+        Err(Failure(format!(
+            "mpi check failed: relative difference {rel:.2e} over {MPI_TOLERANCE:.0e} (with more than 2 ranks the backends add in different orders; PowerSGD carries such rounding differences into later steps, so long PowerSGD runs on 4 ranks drift apart: try fewer steps or 2 ranks)"
+        ))
+        .into())
+    }
+}
