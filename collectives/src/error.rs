@@ -85,6 +85,69 @@ pub enum Error {
         /// The ranks involved.
         ranks: Vec<usize>,
     },
+    /// An error raised above the collectives, in a work's continuation (a communication
+    /// hook's own error: a bad bucket, a configuration), kept typed instead of flattened
+    /// into a string. It prints as the error it holds; [`HookError::downcast_ref`]
+    /// recovers it (for `ddp-hooks`: `ddp_hooks::Error::from_comm`). A collective's own
+    /// failure inside a hook stays the collective's variant (`Timeout`, `PeerLost`, ...).
+    #[error(transparent)]
+    Hook(HookError),
+}
+
+/// The typed error carried by [`Error::Hook`]: shared (a clone is cheap), equal only to
+/// its clones (compared by identity), printed as the error it holds, whose `source` is
+/// its own.
+#[derive(Clone)]
+pub struct HookError(std::sync::Arc<dyn std::error::Error + Send + Sync + 'static>);
+
+impl HookError {
+    /// Wraps `error`.
+    pub fn new(error: impl std::error::Error + Send + Sync + 'static) -> Self {
+        HookError(std::sync::Arc::new(error))
+    }
+
+    /// The error held.
+    pub fn get_ref(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+        &*self.0
+    }
+
+    /// The error held, if it is an `E`.
+    pub fn downcast_ref<E: std::error::Error + 'static>(&self) -> Option<&E> {
+        self.0.downcast_ref::<E>()
+    }
+}
+
+impl Error {
+    /// An [`Error::Hook`] carrying `error`.
+    pub fn hook(error: impl std::error::Error + Send + Sync + 'static) -> Self {
+        Error::Hook(HookError::new(error))
+    }
+}
+
+impl PartialEq for HookError {
+    /// Identity: an error equals its clones. Errors above this crate need not be
+    /// comparable, and two failures with the same message are still two failures.
+    fn eq(&self, other: &Self) -> bool {
+        std::sync::Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl std::fmt::Debug for HookError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Debug::fmt(&*self.0, f)
+    }
+}
+
+impl std::fmt::Display for HookError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(&*self.0, f)
+    }
+}
+
+impl std::error::Error for HookError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.0.source()
+    }
 }
 
 fn missing_suffix(missing: &[usize]) -> String {

@@ -77,9 +77,12 @@ pub enum Error {
         /// Buckets in all.
         buckets: usize,
     },
-    /// An error of the communication layer.
+    /// An error of the communication layer (a collective that failed: `Timeout`,
+    /// `PeerLost`, ...). Converting a `collectives::Error` that carries one of this
+    /// crate's errors ([`collectives::Error::Hook`]) gives that error back instead (see
+    /// [`Error::from_comm`]).
     #[error(transparent)]
-    Comm(#[from] collectives::Error),
+    Comm(collectives::Error),
     /// An error of the kernel layer.
     #[error("lowrank: {0}")]
     Kernel(String),
@@ -132,11 +135,61 @@ impl From<lowrank::Error> for Error {
     }
 }
 
+impl Error {
+    /// The hook error carried by a work's error, if it is one.
+    ///
+    /// A hook's work completes with a `collectives::Error`. A failure of the collective
+    /// itself stays the collective's variant (`Timeout`, `PeerLost`, ...); an error of
+    /// the hook (a bad [`Error::Bucket`], [`Error::Config`], [`Error::State`], ...) is
+    /// carried typed in [`collectives::Error::Hook`], and this returns it:
+    ///
+    /// ```
+    /// use collectives::run_local;
+    /// use ddp_hooks::{CommHook, Error, GradBucket, Layout, PowerSgd, PowerSgdConfig};
+    /// use lowrank::CpuBackend;
+    /// use std::sync::Arc;
+    ///
+    /// let config = PowerSgdConfig { start_powersgd_iter: 2, ..Default::default() };
+    /// let errors = run_local(1, |group| {
+    ///     let mut hook = PowerSgd::new(Arc::new(CpuBackend::new()), Arc::new(group), config.clone())?;
+    ///     // The bucket's length changes while PowerSGD holds memory for it.
+    ///     for cols in [16, 16, 16, 17] {
+    ///         let layout = Arc::new(Layout::packed(&[vec![16, cols]])?);
+    ///         hook.run(GradBucket::new(0, 1, vec![1.0; 16 * cols], layout)?).wait()?;
+    ///     }
+    ///     Ok::<_, collectives::Error>(())
+    /// })
+    /// .unwrap();
+    /// let e = errors[0].clone().unwrap().unwrap_err(); // what `wait()` returned
+    /// assert!(matches!(Error::from_comm(&e), Some(Error::Bucket { index: 0, .. })));
+    /// assert!(matches!(Error::from(e), Error::Bucket { index: 0, .. })); // the same, owned
+    /// ```
+    pub fn from_comm(e: &collectives::Error) -> Option<&Error> {
+        match e {
+            collectives::Error::Hook(h) => h.downcast_ref::<Error>(),
+            _ => None,
+        }
+    }
+}
+
+impl From<collectives::Error> for Error {
+    /// A collective's failure becomes [`Error::Comm`]; a hook error carried through a
+    /// work ([`collectives::Error::Hook`] holding an [`Error`]) becomes that error again.
+    fn from(e: collectives::Error) -> Self {
+        match Error::from_comm(&e) {
+            Some(hook) => hook.clone(),
+            None => Error::Comm(e),
+        }
+    }
+}
+
 impl From<Error> for collectives::Error {
+    /// [`Error::Comm`] gives the collective's error back; every other error travels typed
+    /// as [`collectives::Error::Hook`], recovered by [`Error::from_comm`] or `From`.
     fn from(e: Error) -> Self {
         match e {
             Error::Comm(c) => c,
-            other => collectives::Error::Backend(other.to_string()),
+            other => collectives::Error::hook(other),
         }
     }
 }

@@ -190,7 +190,11 @@ fn powersgd_config(opts: Option<&str>) -> Result<PowerSgdConfig, String> {
 }
 
 impl HookSpec {
-    /// Builds the hook over `group`.
+    /// Builds the hook over `group`. The box is a whole hook: through [`CommHook`] alone
+    /// it saves and loads its state ([`CommHook::save_state`], [`CommHook::load_state`];
+    /// trivially for the stateless hooks), and reports its statistics and iteration
+    /// (PowerSGD's; `None` for the others). A wrapped spec (`fp16+<hook>`) builds the
+    /// inner hook over a [`HalfWire`] group, so these are the inner hook's own.
     pub fn build<B: CommBackend>(
         &self,
         backend: Arc<B>,

@@ -3,7 +3,7 @@
 //! the error-feedback identity, rank agreement, resumption and every validation error.
 
 use collectives::{run_local, ProcessGroup};
-use ddp_hooks::{CommHook, Error, GradBucket, Layout, PowerSgd, PowerSgdConfig};
+use ddp_hooks::{CommHook, CompressionStats, Error, GradBucket, Layout, PowerSgd, PowerSgdConfig};
 use lowrank::{CpuBackend, NormalRng};
 use std::sync::Arc;
 
@@ -261,7 +261,7 @@ fn compression_stats_follow_the_formula() {
     let out = run_local(2, |g| {
         let be = Arc::new(CpuBackend::new());
         let mut hook = PowerSgd::new(be, Arc::new(g), config(2, start)).unwrap();
-        assert_eq!(hook.compression_stats(), (0.0, 0, 0));
+        assert_eq!(hook.compression_stats(), CompressionStats::default());
         for s in 0..steps {
             let b = GradBucket::new(0, 1, random(layout.len(), s), layout.clone()).unwrap();
             hook.run(b).wait().unwrap();
@@ -273,7 +273,14 @@ fn compression_stats_follow_the_formula() {
     let before = compressed_steps * (32 * 48 + 32 + 6);
     let after = compressed_steps * ((32 + 48) * 2 + 32 + 6);
     for r in out {
-        assert_eq!(r.unwrap(), (before as f64 / after as f64, before, after));
+        assert_eq!(
+            r.unwrap(),
+            CompressionStats {
+                before,
+                after,
+                ratio: before as f64 / after as f64
+            }
+        );
     }
 }
 
@@ -436,7 +443,8 @@ fn batched_powersgd_compresses_a_non_square_bucket_and_loses_nothing() {
         .unwrap();
         let out: Vec<_> = out.into_iter().map(|r| r.unwrap()).collect();
         // Stats as PyTorch counts them: 1000 before, 2 * 32 * 1 after, per compressed step.
-        assert_eq!(out[0].2, (1000.0 / 64.0, 6000, 384));
+        assert_eq!(out[0].2, CompressionStats::new(6000, 384));
+        assert_eq!(out[0].2.ratio, 1000.0 / 64.0);
         let mut lhs = vec![0.0f64; 1000];
         for s in 0..steps {
             for (r, (outs, _, _)) in out.iter().enumerate() {

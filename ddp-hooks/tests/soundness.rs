@@ -455,7 +455,7 @@ fn iteration_counters_saturate_and_compression_continues() {
         // One rank: the exact all-reduce returns the gradient; PowerSGD approximates it.
         assert_ne!(grad, reduced, "step {s} fell back to the exact all-reduce");
     }
-    assert_eq!((stats.1, stats.2), (u64::MAX, u64::MAX));
+    assert_eq!((stats.before, stats.after), (u64::MAX, u64::MAX));
 }
 
 /// Bug: a bucket whose layout changed at the same length was reported as "was 256

@@ -8,11 +8,11 @@
 //! Error feedback covers the padded matrix, as in PyTorch (so the pad carries error).
 //! Without warm start the factor buffers are kept and `Q` is re-drawn each step.
 
-use super::progress::{in_flight, lock, Progress};
+use super::progress::{in_flight, lock, refill_zero_columns, Progress};
 use super::sequence::Sequencer;
 use super::state::SavedBucket;
 use super::{PowerSgdConfig, PowerSgdState};
-use crate::{CommBackend, CommHook, Error, GradBucket, Result};
+use crate::{CommBackend, CommHook, CompressionStats, Error, GradBucket, HookState, Result};
 use collectives::{ProcessGroup, ReduceOp, Work};
 use lowrank::{Backend, Dims};
 use std::collections::BTreeMap;
@@ -42,13 +42,15 @@ pub struct BatchedPowerSgd<B: CommBackend> {
     sequence: Sequencer,
 }
 
-/// `side = ceil(sqrt(len))`, exactly.
+/// `side = ceil(sqrt(len))`, exactly, for every `len` (squares in `u128`: a saved state
+/// may claim any length).
 fn side_of(len: usize) -> usize {
+    let square = |s: usize| (s as u128) * (s as u128);
     let mut s = (len as f64).sqrt() as usize;
-    while s * s < len {
+    while square(s) < len as u128 {
         s += 1;
     }
-    while s > 0 && (s - 1) * (s - 1) >= len {
+    while s > 0 && square(s - 1) >= len as u128 {
         s -= 1;
     }
     s
@@ -73,15 +75,100 @@ impl<B: CommBackend> BatchedPowerSgd<B> {
         })
     }
 
+    /// The hyperparameters.
+    pub fn config(&self) -> PowerSgdConfig {
+        lock(&self.inner).progress.config.clone()
+    }
+
     /// Synchronised steps seen so far.
     pub fn iteration(&self) -> u64 {
         lock(&self.inner).progress.iter
     }
 
-    /// `(rate, before, after)` as PyTorch counts them for the batched hook: the bucket
-    /// length before, `2 · side · rank` (the unclamped rank) after.
-    pub fn compression_stats(&self) -> (f64, u64, u64) {
+    /// The statistics as PyTorch counts them for the batched hook: the bucket length
+    /// before, `2 · side · rank` (the unclamped rank) after.
+    pub fn compression_stats(&self) -> CompressionStats {
         lock(&self.inner).progress.compression_stats()
+    }
+
+    /// A hook that continues from `state` (saved by [`BatchedPowerSgd::save`]) over
+    /// `group`, which may differ from the group it was saved with. The state is checked
+    /// first: a NaN or an infinity is [`Error::NonFinite`]; memories whose sizes do not
+    /// fit their bucket's padded matrix are [`Error::State`].
+    pub fn load(
+        backend: Arc<B>,
+        group: Arc<dyn ProcessGroup>,
+        state: PowerSgdState,
+    ) -> Result<Self> {
+        let hook = BatchedPowerSgd::new(backend, group, state.config.clone())?;
+        hook.restore(state)?;
+        Ok(hook)
+    }
+
+    /// Replaces this hook's state with `state` (same configuration), checked and uploaded
+    /// before anything changes, so a failure leaves the hook as it was.
+    fn restore(&self, state: PowerSgdState) -> Result<()> {
+        state.validate()?;
+        let config = self.config();
+        if state.config != config {
+            return Err(Error::State(format!(
+                "the state was saved with {:?}, this hook has {config:?}",
+                state.config
+            )));
+        }
+        let be = &*self.backend;
+        let r = config.matrix_approximation_rank;
+        let mut memory = BTreeMap::new();
+        for (&index, saved) in &state.buckets {
+            let side = side_of(saved.len);
+            let square = side.checked_mul(side);
+            let thin = side.checked_mul(r);
+            let error_len = if config.use_error_feedback {
+                square
+            } else {
+                Some(0)
+            };
+            for (what, has, needs) in [
+                ("error", saved.error.len(), error_len),
+                ("p", saved.p.len(), thin),
+                ("q", saved.q.len(), thin),
+            ] {
+                if Some(has) != needs {
+                    return Err(Error::State(format!(
+                        "bucket {index} of {} elements: the saved {what} holds {has} elements, the batched hook needs {}",
+                        saved.len,
+                        needs.map_or("more than fit in memory".into(), |n| n.to_string())
+                    )));
+                }
+            }
+            let error = if config.use_error_feedback {
+                Some(be.upload(&saved.error)?)
+            } else {
+                None
+            };
+            let padded = be.try_alloc(square.unwrap_or(usize::MAX))?;
+            memory.insert(
+                index,
+                Memory {
+                    len: saved.len,
+                    padded: Some(padded),
+                    error,
+                    p: Some(be.upload(&saved.p)?),
+                    q: Some(be.upload(&saved.q)?),
+                },
+            );
+        }
+        let mut g = lock(&self.inner);
+        if let Some((&index, _)) = g
+            .memory
+            .iter()
+            .find(|(_, m)| m.padded.is_none() || m.p.is_none() || m.q.is_none())
+        {
+            return Err(in_flight(index));
+        }
+        g.progress = Progress::from_state(&state);
+        g.memory = memory;
+        Ok(())
     }
 
     /// The whole state except the process group (same format as [`super::PowerSgd`]'s).
@@ -174,6 +261,8 @@ impl<B: CommBackend> BatchedPowerSgd<B> {
         }
         // PyTorch orthogonalises Q here without epsilon.
         be.orthogonalize(1, side, r, B::view_mut(q, ..)?, 0.0)?;
+        // A zero column would stay zero under warm start: redrawn from the shared stream.
+        refill_zero_columns(&*be, &mut g.progress.rng, q, [(0, side, r)], 0.0)?;
         match &m.error {
             Some(e) => be.add_mq(
                 dims,
@@ -273,6 +362,27 @@ impl<B: CommBackend> CommHook<B> for BatchedPowerSgd<B> {
             Err(e) => Work::ready(Err(e.into())),
         }
     }
+
+    /// [`HookState::BatchedPowerSgd`] holding [`BatchedPowerSgd::save`]'s state.
+    fn save_state(&self) -> Result<HookState> {
+        Ok(HookState::BatchedPowerSgd(Box::new(self.save()?)))
+    }
+
+    /// Loads a [`HookState::BatchedPowerSgd`] saved with the same configuration.
+    fn load_state(&self, state: HookState) -> Result<()> {
+        match state {
+            HookState::BatchedPowerSgd(s) => self.restore(*s),
+            other => Err(other.mismatch("a batched PowerSGD hook")),
+        }
+    }
+
+    fn compression_stats(&self) -> Option<CompressionStats> {
+        Some(BatchedPowerSgd::compression_stats(self))
+    }
+
+    fn iteration(&self) -> Option<u64> {
+        Some(BatchedPowerSgd::iteration(self))
+    }
 }
 
 #[cfg(test)]
@@ -289,6 +399,7 @@ mod tests {
             (10, 4),
             (1_000_000, 1000),
             (1_000_001, 1001),
+            (usize::MAX, 1 << (usize::BITS / 2)),
         ] {
             assert_eq!(super::side_of(len), side, "len {len}");
         }

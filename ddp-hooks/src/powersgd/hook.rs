@@ -1,11 +1,11 @@
 //! The per-layer PowerSGD hook.
 
 use super::plan::Plan;
-use super::progress::{in_flight, lock, Progress};
+use super::progress::{in_flight, lock, refill_zero_columns, Progress};
 use super::sequence::Sequencer;
 use super::state::SavedBucket;
 use super::{PowerSgdConfig, PowerSgdState};
-use crate::{CommBackend, CommHook, Error, GradBucket, Result};
+use crate::{CommBackend, CommHook, CompressionStats, Error, GradBucket, HookState, Result};
 use collectives::{ProcessGroup, ReduceOp, Work};
 use lowrank::Backend;
 use std::collections::BTreeMap;
@@ -65,16 +65,15 @@ impl<B: CommBackend> PowerSgd<B> {
         lock(&self.inner).progress.iter
     }
 
-    /// `(rate, before, after)`: elements before and after compression over all
-    /// compressed steps, and their ratio (0 before the first compressed step), as
-    /// PyTorch's `compression_stats()`.
-    pub fn compression_stats(&self) -> (f64, u64, u64) {
+    /// Elements before and after compression over all compressed steps, and their
+    /// ratio (0 before the first compressed step), as PyTorch's `compression_stats()`.
+    pub fn compression_stats(&self) -> CompressionStats {
         lock(&self.inner).progress.compression_stats()
     }
 
     /// The whole state except the process group, on the host. A memory holding a NaN
     /// or an infinity (from a non-finite gradient) is [`Error::NonFinite`]: such a state
-    /// is corrupt and would not load.
+    /// is corrupt and would not load. A step still in flight is [`Error::Bucket`].
     pub fn save(&self) -> Result<PowerSgdState> {
         let g = lock(&self.inner);
         let be = &*self.backend;
@@ -122,36 +121,66 @@ impl<B: CommBackend> PowerSgd<B> {
         group: Arc<dyn ProcessGroup>,
         state: PowerSgdState,
     ) -> Result<Self> {
-        state.validate()?;
         let hook = PowerSgd::new(backend, group, state.config.clone())?;
-        {
-            let mut g = lock(&hook.inner);
-            g.progress = Progress::from_state(&state);
-            for (index, saved) in state.buckets {
-                if !saved.error.is_empty() {
-                    let e = hook.backend.upload(&saved.error)?;
-                    g.errors.insert(index, (saved.len, e));
-                }
-                if !saved.p.is_empty() || !saved.q.is_empty() {
-                    let (p, q) = (
-                        hook.backend.upload(&saved.p)?,
-                        hook.backend.upload(&saved.q)?,
-                    );
-                    g.factors.insert(
-                        index,
-                        Factors {
-                            len: saved.len,
-                            p: Some(p),
-                            q: Some(q),
-                        },
-                    );
-                }
-            }
-        }
+        hook.restore(state)?;
         Ok(hook)
     }
 
+    /// Replaces this hook's state with `state` (same configuration), checked and uploaded
+    /// before anything changes, so a failure leaves the hook as it was.
+    fn restore(&self, state: PowerSgdState) -> Result<()> {
+        state.validate()?;
+        let config = self.config();
+        if state.config != config {
+            return Err(Error::State(format!(
+                "the state was saved with {:?}, this hook has {config:?}",
+                state.config
+            )));
+        }
+        let be = &*self.backend;
+        let mut errors = BTreeMap::new();
+        let mut factors = BTreeMap::new();
+        for (&index, saved) in &state.buckets {
+            if !saved.error.is_empty() {
+                errors.insert(index, (saved.len, be.upload(&saved.error)?));
+            }
+            if !saved.p.is_empty() || !saved.q.is_empty() {
+                let (p, q) = (be.upload(&saved.p)?, be.upload(&saved.q)?);
+                factors.insert(
+                    index,
+                    Factors {
+                        len: saved.len,
+                        p: Some(p),
+                        q: Some(q),
+                    },
+                );
+            }
+        }
+        let mut g = lock(&self.inner);
+        if let Some((&index, _)) = g
+            .factors
+            .iter()
+            .find(|(_, f)| f.p.is_none() || f.q.is_none())
+        {
+            return Err(in_flight(index));
+        }
+        g.progress = Progress::from_state(&state);
+        g.errors = errors;
+        g.factors = factors;
+        Ok(())
+    }
+
     /// Starts one bucket's reduction; errors here mean nothing was communicated.
+    ///
+    /// Everything that can fail (the plan, the memory checks, allocations, `Q`'s
+    /// orthogonalisation and the redraw of its zero columns) runs first. Then the
+    /// bucket's turn is taken in the [`Sequencer`]: when it comes, the uncompressed
+    /// tensors' all-reduce is launched at once, and `P`'s once the products are done.
+    /// The products run on this thread right after: when the turn has already come
+    /// (every earlier bucket has issued its collectives), the uncompressed all-reduce is
+    /// in flight while they run; otherwise they overlap the earlier buckets'
+    /// communication, and the uncompressed all-reduce is launched the moment the turn
+    /// comes.
     fn start(&self, bucket: GradBucket<B>) -> Result<Work<B::Buffer<f32>>> {
         let (be, group) = (self.backend.clone(), self.group.clone());
         let (index, is_last) = (bucket.index(), bucket.is_last());
@@ -168,6 +197,7 @@ impl<B: CommBackend> PowerSgd<B> {
             }));
         }
         let cfg = g.progress.config.clone();
+        let eps = cfg.orthogonalization_epsilon;
         let plan = Arc::new(Plan::new(
             &layout,
             cfg.matrix_approximation_rank,
@@ -175,9 +205,6 @@ impl<B: CommBackend> PowerSgd<B> {
         )?);
         check_memory(g, index, &plan)?;
 
-        g.progress.record(plan.before, plan.after, is_last);
-
-        // The uncompressed tensors go first, so their all-reduce overlaps the products.
         let mut u = be.alloc::<f32>(plan.u_len)?;
         let mut at = 0;
         for &(off, len) in &plan.uncompressed {
@@ -207,76 +234,123 @@ impl<B: CommBackend> PowerSgd<B> {
             );
         }
         let factors = g.factors.get_mut(&index).ok_or_else(|| in_flight(index))?;
-        let mut p = factors.p.take().ok_or_else(|| in_flight(index))?;
+        if factors.p.is_none() {
+            return Err(in_flight(index));
+        }
         let q = factors.q.as_mut().ok_or_else(|| in_flight(index))?;
         if randomize {
             be.fill_normal(&mut g.progress.rng, B::view_mut(q, ..)?)?;
         }
         for mat in &plan.compressed {
             let qs = mat.q_off..mat.q_off + mat.m * mat.r;
-            be.orthogonalize(
-                1,
-                mat.m,
-                mat.r,
-                B::view_mut(q, qs)?,
-                cfg.orthogonalization_epsilon,
-            )?;
+            be.orthogonalize(1, mat.m, mat.r, B::view_mut(q, qs)?, eps)?;
         }
-        for mat in &plan.compressed {
-            let d = mat.dims();
-            let xs = mat.offset..mat.offset + mat.n * mat.m;
-            let ps = mat.p_off..mat.p_off + mat.n * mat.r;
-            let qs = mat.q_off..mat.q_off + mat.m * mat.r;
-            match g.errors.get(&index) {
-                Some((_, e)) if cfg.use_error_feedback => {
-                    let es = mat.e_off..mat.e_off + mat.n * mat.m;
-                    be.add_mq(
-                        d,
-                        B::view_mut(&mut x, xs)?,
-                        B::view(e, es)?,
-                        B::view(q, qs)?,
-                        B::view_mut(&mut p, ps)?,
-                    )?;
-                }
-                _ => be.mq(
-                    d,
-                    B::view(&x, xs)?,
-                    B::view(q, qs)?,
-                    B::view_mut(&mut p, ps)?,
-                )?,
-            }
-        }
+        // A zero column of Q (from a zero or low-rank gradient) would stay zero under
+        // warm start; it is redrawn from the stream shared by every rank.
+        refill_zero_columns(
+            &*be,
+            &mut g.progress.rng,
+            q,
+            plan.compressed.iter().map(|mat| (mat.q_off, mat.m, mat.r)),
+            eps,
+        )?;
+        let mut p = factors.p.take().ok_or_else(|| in_flight(index))?;
+        g.progress.record(plan.before, plan.after, is_last);
         drop(guard);
 
         // Issue this bucket's collectives in the same order on every rank: the
         // uncompressed tensors first, then P (summed, not averaged: it is orthogonalised
-        // next), then Q from P's continuation.
-        let (inner1, inner2, plan1) = (self.inner.clone(), self.inner.clone(), plan.clone());
-        let eps = cfg.orthogonalization_epsilon;
-        Ok(self.sequence.next(move |issued| {
+        // next) once the products are done, then Q from P's continuation.
+        let (products, products_done) = Work::<(B::Buffer<f32>, B::Buffer<f32>)>::pending();
+        let (inner1, inner2) = (self.inner.clone(), self.inner.clone());
+        let (plan0, plan1) = (plan.clone(), plan.clone());
+        let work = self.sequence.next(move |issued| {
             let work_u = if plan.u_len > 0 {
                 be.all_reduce(&*group, u, ReduceOp::Avg)
             } else {
                 Work::ready(Ok(u))
             };
             let be1 = be.clone();
-            let chain = be.all_reduce(&*group, p, ReduceOp::Sum).and_then(move |p| {
-                let work = match compute_q(&*be1, &inner1, index, &plan1, eps, p, &x) {
-                    Ok(q) => be1
-                        .all_reduce(&*group, q, ReduceOp::Avg)
-                        .then(move |q| Ok((q?, x))),
-                    Err(e) => Work::ready(Err(e.into())),
-                };
-                issued.complete(Ok(()));
-                work
+            let chain = products.and_then(move |(p, x)| {
+                let be2 = be1.clone();
+                be1.all_reduce(&*group, p, ReduceOp::Sum)
+                    .and_then(move |p| {
+                        let work = match compute_q(&*be2, &inner1, index, &plan1, eps, p, &x) {
+                            Ok(q) => be2
+                                .all_reduce(&*group, q, ReduceOp::Avg)
+                                .then(move |q| Ok((q?, x))),
+                            Err(e) => Work::ready(Err(e.into())),
+                        };
+                        issued.complete(Ok(()));
+                        work
+                    })
             });
             chain.zip(work_u).then(move |r| {
                 let ((q, mut x), u) = r?;
                 decompress(&*be, &inner2, index, is_last, &plan, q, &mut x, &u)?;
                 Ok(x)
             })
-        }))
+        });
+        // The products, on this thread; their result releases P's all-reduce. On failure
+        // P goes back to the memory (the step fails as a whole, not the bucket forever).
+        match first_products(
+            &*self.backend,
+            &self.inner,
+            index,
+            &plan0,
+            &cfg,
+            &mut x,
+            &mut p,
+        ) {
+            Ok(()) => products_done.complete(Ok((p, x))),
+            Err(e) => {
+                if let Some(f) = lock(&self.inner).factors.get_mut(&index) {
+                    f.p = Some(p);
+                }
+                products_done.complete(Err(e.into()));
+            }
+        }
+        Ok(work)
     }
+}
+
+/// Error feedback and the first product of every compressed tensor: `X = G + E` in
+/// place, `P = X Q` (or `P = G Q` without error feedback).
+fn first_products<B: CommBackend>(
+    be: &B,
+    inner: &Mutex<Inner<B>>,
+    index: usize,
+    plan: &Plan,
+    cfg: &PowerSgdConfig,
+    x: &mut B::Buffer<f32>,
+    p: &mut B::Buffer<f32>,
+) -> Result<()> {
+    let g = lock(inner);
+    let q = g
+        .factors
+        .get(&index)
+        .and_then(|f| f.q.as_ref())
+        .ok_or_else(|| in_flight(index))?;
+    for mat in &plan.compressed {
+        let d = mat.dims();
+        let xs = mat.offset..mat.offset + mat.n * mat.m;
+        let ps = mat.p_off..mat.p_off + mat.n * mat.r;
+        let qs = mat.q_off..mat.q_off + mat.m * mat.r;
+        match g.errors.get(&index) {
+            Some((_, e)) if cfg.use_error_feedback => {
+                let es = mat.e_off..mat.e_off + mat.n * mat.m;
+                be.add_mq(
+                    d,
+                    B::view_mut(x, xs)?,
+                    B::view(e, es)?,
+                    B::view(q, qs)?,
+                    B::view_mut(p, ps)?,
+                )?;
+            }
+            _ => be.mq(d, B::view(x, xs)?, B::view(q, qs)?, B::view_mut(p, ps)?)?,
+        }
+    }
+    Ok(())
 }
 
 /// A bucket whose length changed, or whose layout no longer fits its memory, is an error
@@ -413,5 +487,26 @@ impl<B: CommBackend> CommHook<B> for PowerSgd<B> {
             Ok(work) => work,
             Err(e) => Work::ready(Err(e.into())),
         }
+    }
+
+    /// [`HookState::PowerSgd`] holding [`PowerSgd::save`]'s state.
+    fn save_state(&self) -> Result<HookState> {
+        Ok(HookState::PowerSgd(Box::new(self.save()?)))
+    }
+
+    /// Loads a [`HookState::PowerSgd`] saved with the same configuration.
+    fn load_state(&self, state: HookState) -> Result<()> {
+        match state {
+            HookState::PowerSgd(s) => self.restore(*s),
+            other => Err(other.mismatch("a PowerSGD hook")),
+        }
+    }
+
+    fn compression_stats(&self) -> Option<CompressionStats> {
+        Some(PowerSgd::compression_stats(self))
+    }
+
+    fn iteration(&self) -> Option<u64> {
+        Some(PowerSgd::iteration(self))
     }
 }

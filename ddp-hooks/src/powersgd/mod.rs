@@ -5,16 +5,29 @@
 //! One compressed step of a bucket, for each tensor `M` (`n x m`) that passes the
 //! compression test:
 //!
-//! 1. the uncompressed tensors are all-reduced first, overlapping the compression work;
-//! 2. error feedback and the first product in one pass: `X = G + E`, `P = X Q`;
-//! 3. `P` is summed over the ranks, then orthogonalised;
-//! 4. `Q = Xᵀ P̂`, averaged over the ranks;
-//! 5. decompression and the error update in one pass: `M̂ = P̂ Qᵀ`, `E = X - M̂`;
-//! 6. `Q` is kept for the next step (warm start).
+//! 1. `Q` (the previous step's under warm start, else a random one) is orthogonalised,
+//!    and any zero column it has is redrawn from the random stream shared by the ranks;
+//! 2. the uncompressed tensors' all-reduce is launched before the products, so it
+//!    overlaps them (when earlier buckets are still issuing their collectives, it is
+//!    launched as soon as they are done, and the products overlap their communication);
+//! 3. error feedback and the first product in one pass: `X = G + E`, `P = X Q`;
+//! 4. `P` is summed over the ranks, then orthogonalised;
+//! 5. `Q = Xᵀ P̂`, averaged over the ranks;
+//! 6. decompression and the error update in one pass: `M̂ = P̂ Qᵀ`, `E = X - M̂`;
+//! 7. `Q` is kept for the next step (warm start).
 //!
 //! Iterations before `start_powersgd_iter` use the exact all-reduce. Error feedback
 //! covers compressed tensors only (uncompressed ones are exact and carry no error), and a
 //! zero column never becomes NaN.
+//!
+//! **Zero columns recover.** Gram-Schmidt sets a column of `P` or `Q` that depends on the
+//! others to exactly zero (an all-zero gradient, say from a layer unused in a step, or
+//! one of lower rank than `r`). Under warm start a zero column of `Q` would give a zero
+//! column of `P` and again of `Q`, forever: the approximation would keep fewer than `r`
+//! directions, none after an all-zero step. So a zero column of `Q` is redrawn before it
+//! is used. Every rank holds the same `Q` and the same random stream, so every rank
+//! redraws the same columns with the same values; nothing is drawn while no column is
+//! zero. The batched hook does the same.
 
 mod batched;
 mod config;
@@ -27,4 +40,4 @@ mod state;
 pub use batched::BatchedPowerSgd;
 pub use config::PowerSgdConfig;
 pub use hook::PowerSgd;
-pub use state::PowerSgdState;
+pub use state::{PowerSgdState, SavedBucket};

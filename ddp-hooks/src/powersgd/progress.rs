@@ -3,8 +3,8 @@
 
 use super::state::SavedBucket;
 use super::{PowerSgdConfig, PowerSgdState};
-use crate::Error;
-use lowrank::NormalRng;
+use crate::{CompressionStats, Error, Result};
+use lowrank::{Backend, NormalRng};
 use std::collections::BTreeMap;
 use std::sync::{Mutex, MutexGuard};
 
@@ -78,9 +78,13 @@ impl Progress {
         self.total_before = self.total_before.saturating_add(before);
         self.total_after = self.total_after.saturating_add(after);
         if is_last && self.iter >= self.next_stats_report {
-            let (rate, b, a) = self.compression_stats();
+            let CompressionStats {
+                before,
+                after,
+                ratio,
+            } = self.compression_stats();
             tracing::info!(
-                "Compression stats: iter {}, total before compression {b}, total after compression {a}, rate {rate}",
+                "Compression stats: iter {}, total before compression {before}, total after compression {after}, rate {ratio}",
                 self.iter
             );
             self.next_stats_report = self
@@ -89,15 +93,68 @@ impl Progress {
         }
     }
 
-    /// `(rate, before, after)`, rate 0 before the first compressed step.
-    pub fn compression_stats(&self) -> (f64, u64, u64) {
-        let rate = if self.total_after > 0 {
-            self.total_before as f64 / self.total_after as f64
-        } else {
-            0.0
-        };
-        (rate, self.total_before, self.total_after)
+    /// The statistics, ratio 0 before the first compressed step.
+    pub fn compression_stats(&self) -> CompressionStats {
+        CompressionStats::new(self.total_before, self.total_after)
     }
+}
+
+/// Attempts at redrawing a factor's zero columns before giving up on them for this step.
+/// A redrawn column is zero again only if the random draw lies in the span of the other
+/// columns (probability zero), so more than one attempt is never expected.
+const REFILL_ATTEMPTS: usize = 3;
+
+/// Redraws the zero columns of orthogonalised `Q` factors from the shared random stream
+/// and orthogonalises them again; `mats` gives each factor's `(offset, rows, cols)`
+/// (column-major) in `q`.
+///
+/// Gram-Schmidt sets a column that depends on the earlier ones to exactly zero (a zero
+/// gradient, a gradient of lower rank than the factor). Under warm start such a column
+/// would stay zero forever: `P = M Q` gets a zero column, so does the next `Q = Mᵀ P̂`,
+/// and the approximation keeps fewer than `r` directions (none at all after an all-zero
+/// step). Redrawing it lets the power iteration find the missing directions again.
+///
+/// Ranks stay bit-identical: `Q` (random, or the previous step's all-reduced mean) is the
+/// same on every rank, so every rank finds the same zero columns and makes the same
+/// draws from its identical stream. Nothing is drawn when no column is zero, so the
+/// stream of a run without zero columns is unchanged. At most `min(rows, cols)` columns
+/// can be non-zero; only fewer than that triggers a redraw.
+pub(super) fn refill_zero_columns<B: Backend>(
+    be: &B,
+    rng: &mut NormalRng,
+    q: &mut B::Buffer<f32>,
+    mats: impl IntoIterator<Item = (usize, usize, usize)>,
+    eps: f32,
+) -> Result<()> {
+    let mut host = vec![0.0f32; B::buffer_len(q)];
+    be.download(B::view(q, ..)?, &mut host)?;
+    for (off, rows, cols) in mats {
+        let len = rows * cols;
+        let mut factor = match host.get(off..off + len) {
+            Some(f) => f.to_vec(),
+            None => {
+                return Err(Error::Kernel(format!(
+                    "a factor of {rows} x {cols} at {off} does not fit a Q of {} elements",
+                    host.len()
+                )))
+            }
+        };
+        for _ in 0..REFILL_ATTEMPTS {
+            let zero: Vec<usize> = (0..cols)
+                .filter(|&c| factor[c * rows..(c + 1) * rows].iter().all(|&x| x == 0.0))
+                .collect();
+            if cols - zero.len() >= rows.min(cols) {
+                break;
+            }
+            for &c in &zero {
+                let at = off + c * rows;
+                be.fill_normal(rng, B::view_mut(q, at..at + rows)?)?;
+            }
+            be.orthogonalize(1, rows, cols, B::view_mut(q, off..off + len)?, eps)?;
+            be.download(B::view(q, off..off + len)?, &mut factor)?;
+        }
+    }
+    Ok(())
 }
 
 /// Locks a hook's state. Every update completes before the lock is released (or the step

@@ -6,16 +6,46 @@ use lowrank::NormalRng;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
-/// The memory of one bucket, on the host.
+/// The memory of one bucket, on the host: where each value belongs in the bucket.
+///
+/// **Per-layer hook ([`PowerSgd`](crate::PowerSgd)).** Only the bucket's *compressed*
+/// parameters have memory: those whose matrix view `n x m` ([`ParamSlot::matrix`]) passes
+/// the compression test `(n + m) · r · min_compression_rate < n · m` with
+/// `r = min(n, m, matrix_approximation_rank)`. Taking them in the bucket's parameter
+/// order ([`Layout::params`]) and skipping the others:
+///
+/// - `error` is their `n x m` error matrices, row-major (the layout of the gradient
+///   itself), one after another: `n · m` values each;
+/// - `p` is their `n x r` factors `P̂` (the last step's, orthogonalised), column-major,
+///   one after another: column `j` of the `k`-th compressed parameter is
+///   `p[p_k + j·n .. p_k + (j+1)·n]`, `p_k` being the sum of `n · r` over the compressed
+///   parameters before it;
+/// - `q` is their `m x r` factors `Q` (the all-reduced mean of the last step, which warm
+///   start reuses), column-major in the same way.
+///
+/// Uncompressed parameters (biases, small matrices) are averaged exactly and carry no
+/// memory. Unlike PyTorch, whose memory is grouped by shape, the order is the
+/// parameters' order.
+///
+/// **Batched hook ([`BatchedPowerSgd`](crate::BatchedPowerSgd)).** The bucket of `len`
+/// elements is one `side x side` matrix, row-major, `side = ceil(sqrt(len))`, zero-padded
+/// at the end: bucket element `i` is at row `i / side`, column `i % side`, and positions
+/// `len..side²` are the pad. `error` is that padded matrix's error (`side²` values, the
+/// pad included, as in PyTorch); `p` and `q` are `side x r` column-major with the
+/// unclamped rank `r`.
+///
+/// [`ParamSlot::matrix`]: crate::ParamSlot::matrix
+/// [`Layout::params`]: crate::Layout::params
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct SavedBucket {
     /// The bucket's length when the memory was made.
     pub len: usize,
-    /// Error feedback of the compressed tensors (empty without error feedback).
+    /// Error feedback (empty without error feedback); layout above.
     pub error: Vec<f32>,
-    /// Warm-start factors (empty without warm start).
+    /// The orthogonalised factors `P̂` (empty for the per-layer hook without warm start);
+    /// layout above.
     pub p: Vec<f32>,
-    /// Warm-start factors (empty without warm start).
+    /// The factors `Q` (empty for the per-layer hook without warm start); layout above.
     pub q: Vec<f32>,
 }
 
