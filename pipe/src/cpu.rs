@@ -8,8 +8,9 @@ use crate::tensor::{Device, Tensor};
 /// A dense `f32` array in host memory; the first axis is the batch dimension.
 ///
 /// Cloning copies the data, so [`Tensor::size_bytes`] is an honest count of what each
-/// holder keeps. Matrix products go through `ndarray`'s single-threaded kernel, so one
-/// worker per partition uses one core.
+/// holder keeps. [`Linear`](crate::Linear)'s products run on one thread (the crate's
+/// AVX-512 kernel, or `ndarray`'s where AVX-512 is missing), so one worker per partition
+/// uses one core.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CpuTensor {
     data: ArrayD<f32>,

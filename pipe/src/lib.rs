@@ -96,6 +96,7 @@ mod error;
 mod executor;
 mod layer;
 mod layers;
+mod matmul;
 mod microbatch;
 mod pin;
 mod pipe;

@@ -139,8 +139,13 @@ fn balance_by_time_minimises_the_slowest_partition() {
         (&[1, 2, 3, 4, 5, 6, 7, 8, 9], 3, vec![5, 2, 2]),
     ] {
         assert_eq!(best_balance(costs, k), want, "{costs:?}");
-        let balance = balance_by_time(k, &mut delays(costs), &sample, 3).unwrap();
-        assert_eq!(balance, want, "{costs:?}");
+        // The answer holds for costs within 10% of the true ones; a busy machine can
+        // stretch a measurement further, so a few attempts are allowed.
+        let attempts: Vec<Vec<usize>> = (0..3)
+            .map(|_| balance_by_time(k, &mut delays(costs), &sample, 5).unwrap())
+            .take_while(|b| *b != want)
+            .collect();
+        assert!(attempts.len() < 3, "{costs:?}: {attempts:?}, want {want:?}");
     }
 }
 

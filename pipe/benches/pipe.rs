@@ -1,0 +1,482 @@
+//! The pipeline benchmark: how close a two-partition pipe comes to the ideal speedup on a
+//! compute-bound stack, what the executor costs per action, and a picture of the bubble.
+//!
+//! - **Throughput rows**: 8 × (Linear(1024, 1024) + ReLU), batch 256, `f32`, two partitions
+//!   of 8 layers each, one worker per core (pinned to cores 0 and 1), for m in
+//!   {1, 2, 4, 8, 16}, GPipe and 1F1B, checkpoint `never`, `except_last` and `always`.
+//!   `speedup` is the training-step throughput (forward and backward of the whole batch)
+//!   over the same layers run unpipelined on one thread on the whole batch; `ideal` is
+//!   n·m/(m + n − 1). `held_bytes` is the most the partitions held between forward and
+//!   backward during the step (saved activations, checkpointed inputs), summed.
+//! - **Overhead row**: with near-empty layers (8 × (Linear(4, 4) + ReLU), batch 8, m = 8,
+//!   GPipe), (pipelined step time − the same actions run directly in one thread) / the
+//!   number of actions on the busiest partition.
+//! - **Timeline**: `target/bench/pipe-timeline.svg`, one recorded m = 8 step per schedule
+//!   (`never`, and GPipe `except_last` to show recomputation) beside its ideal schedule.
+//!
+//! Every time is the best of several steps (the machine may be shared); the load average
+//! is printed with the figures. Arguments: `--quick` (m = 8, `never`, both schedules, the
+//! overhead row), `--json` (one JSON object per row), `--reps N`. Cargo's own `--bench`
+//! argument is ignored. Run by `cargo bench -p pipe --bench pipe -- [--quick] [--json]`
+//! (and `cargo xtask bench pipe`).
+
+#[path = "support/timeline.rs"]
+mod timeline;
+
+use std::fmt::Write as _;
+use std::hint::black_box;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use pipe::{
+    Batch, Checkpoint, Context, CpuTensor, Device, Error, Layer, Linear, MicroBatch, Phase, Pipe,
+    ReLU, Saved, ScheduleKind,
+};
+
+const BATCH: usize = 256;
+const WIDTH: usize = 1024;
+const BLOCKS: usize = 8;
+const PARTITIONS: usize = 2;
+
+struct Args {
+    quick: bool,
+    json: bool,
+    reps: usize,
+}
+
+fn args() -> Args {
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    let quick = argv.iter().any(|a| a == "--quick");
+    let reps = argv
+        .iter()
+        .position(|a| a == "--reps")
+        .and_then(|i| argv.get(i + 1))
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(if quick { 4 } else { 5 })
+        .max(1);
+    Args {
+        quick,
+        json: argv.iter().any(|a| a == "--json"),
+        reps,
+    }
+}
+
+type Layers = Vec<Box<dyn Layer<CpuTensor>>>;
+
+/// `blocks` × (Linear(width, width) + ReLU).
+fn stack(blocks: usize, width: usize) -> Layers {
+    (0..blocks)
+        .flat_map(|b| -> [Box<dyn Layer<CpuTensor>>; 2] {
+            [
+                Box::new(Linear::new(width, width, b as u64)),
+                Box::new(ReLU),
+            ]
+        })
+        .collect()
+}
+
+fn input(rows: usize, width: usize) -> CpuTensor {
+    let stream = pipe::Stream::new(1, 0, 0);
+    CpuTensor::new(
+        pipe::ndarray::Array2::from_shape_fn((rows, width), |(i, j)| {
+            stream.sample(i as u64).uniform(j as u64) - 0.5
+        })
+        .into_dyn(),
+    )
+}
+
+/// The loss: the sum of the outputs, whose gradient is all ones.
+fn ones_loss(_mb: MicroBatch, out: &Batch<CpuTensor>) -> Result<((), Batch<CpuTensor>), Error> {
+    let shape = out.tensor(0)?.shape().to_vec();
+    Ok(((), Batch::single(CpuTensor::ones(&shape))))
+}
+
+/// One training step of `layers` unpipelined on one thread: every layer forward on the
+/// micro-batch, then every layer backward.
+fn direct_step(layers: &mut [Box<dyn Layer<CpuTensor>>], x: &CpuTensor, mb: MicroBatch) {
+    let mut h = Batch::single(x.clone());
+    let mut saved: Vec<Saved<CpuTensor>> = Vec::with_capacity(layers.len());
+    for (l, layer) in layers.iter_mut().enumerate() {
+        let mut ctx = Context::new(true, 0, 0, mb.len)
+            .with_layer(l)
+            .with_micro_batch(mb);
+        let (y, s) = layer.forward(h, &mut ctx).expect("forward");
+        saved.push(s);
+        h = y;
+    }
+    let (_, mut g) = ones_loss(mb, &h).expect("loss");
+    for (l, layer) in layers.iter_mut().enumerate().rev() {
+        let mut ctx = Context::new(true, 0, 0, mb.len)
+            .with_layer(l)
+            .with_micro_batch(mb)
+            .with_phase(Phase::Backward);
+        let s = saved.pop().expect("saved state");
+        g = layer.backward(g, s, &mut ctx).expect("backward");
+    }
+    black_box(g);
+}
+
+/// Best of `reps` calls of `f`, after one warm-up call.
+fn best(reps: usize, mut f: impl FnMut()) -> Duration {
+    f();
+    (0..reps)
+        .map(|_| {
+            let start = Instant::now();
+            f();
+            start.elapsed()
+        })
+        .min()
+        .unwrap_or_default()
+}
+
+fn load() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().map(str::to_owned))
+        .unwrap_or_else(|| "?".into())
+}
+
+fn zero(layers: &mut [Box<dyn Layer<CpuTensor>>]) {
+    layers.iter_mut().for_each(|l| l.zero_grad());
+}
+
+struct Row {
+    schedule: ScheduleKind,
+    m: usize,
+    checkpoint: Checkpoint,
+    step: Duration,
+    speedup: f64,
+    ideal: f64,
+    held_bytes: usize,
+    recompute: Duration,
+}
+
+fn build(
+    layers: Layers,
+    m: usize,
+    checkpoint: Checkpoint,
+    schedule: ScheduleKind,
+) -> Pipe<CpuTensor> {
+    let per = layers.len() / PARTITIONS;
+    Pipe::builder(layers, &[per; PARTITIONS])
+        .devices(Device::cores(PARTITIONS))
+        .chunks(m)
+        .checkpoint(checkpoint)
+        .schedule(schedule)
+        .build()
+        .expect("a valid pipe")
+}
+
+/// Times pipelined steps of the stack; returns the row and the layers back.
+fn measure(
+    layers: Layers,
+    x: &CpuTensor,
+    m: usize,
+    checkpoint: Checkpoint,
+    schedule: ScheduleKind,
+    reps: usize,
+    baseline: Duration,
+) -> (Row, Layers) {
+    let mut pipe = build(layers, m, checkpoint, schedule);
+    let mut held_bytes = 0;
+    let step = best(reps, || {
+        pipe.step(Batch::single(x.clone()), ones_loss)
+            .expect("step");
+        held_bytes = pipe.memory().iter().map(|mem| mem.peak).sum();
+        pipe.zero_grad();
+    });
+    // One recorded step for the recomputation time on the busiest partition.
+    pipe.set_record(true);
+    pipe.step(Batch::single(x.clone()), ones_loss)
+        .expect("step");
+    let record = pipe.take_record().expect("recording");
+    let recompute = record
+        .workers()
+        .iter()
+        .map(|spans| {
+            spans
+                .iter()
+                .filter(|s| s.kind == pipe::SpanKind::Recompute)
+                .map(|s| s.end - s.start)
+                .sum::<Duration>()
+        })
+        .max()
+        .unwrap_or_default();
+    let mut layers = pipe.into_layers();
+    zero(&mut layers);
+    let n = PARTITIONS as f64;
+    let row = Row {
+        schedule,
+        m,
+        checkpoint,
+        step,
+        speedup: baseline.as_secs_f64() / step.as_secs_f64(),
+        ideal: n * m as f64 / (m as f64 + n - 1.0),
+        held_bytes,
+        recompute,
+    };
+    (row, layers)
+}
+
+/// The overhead row: near-empty layers, pipelined against the same actions run directly.
+fn overhead(reps: usize) -> (f64, usize, Duration, Duration) {
+    const M: usize = 8;
+    let x = input(M, 4);
+    let mut layers = stack(BLOCKS, 4);
+    let plan = MicroBatch::plan(M, M).expect("plan");
+    let direct = best(reps, || {
+        let parts = Batch::single(x.clone()).split_as(&plan).expect("split");
+        for (part, &mb) in parts.into_iter().zip(&plan) {
+            direct_step(&mut layers, &part.into_single().expect("single"), mb);
+        }
+    });
+    let mut pipe = build(layers, M, Checkpoint::Never, ScheduleKind::GPipe);
+    let pipelined = best(reps, || {
+        pipe.step(Batch::single(x.clone()), ones_loss)
+            .expect("step");
+    });
+    let actions = 2 * M; // a forward and a backward per micro-batch on each partition
+    let per_action = (pipelined.as_secs_f64() - direct.as_secs_f64()) / actions as f64;
+    (per_action * 1e6, actions, pipelined, direct)
+}
+
+/// One recorded step for the timeline.
+fn trace(
+    layers: Layers,
+    x: &CpuTensor,
+    schedule: ScheduleKind,
+    checkpoint: Checkpoint,
+) -> (timeline::Trace, Layers) {
+    const M: usize = 8;
+    let mut pipe = build(layers, M, checkpoint, schedule);
+    pipe.step(Batch::single(x.clone()), ones_loss)
+        .expect("warm-up step");
+    pipe.set_record(true);
+    pipe.take_record();
+    pipe.step(Batch::single(x.clone()), ones_loss)
+        .expect("step");
+    let record = pipe.take_record().expect("recording");
+    let trace = timeline::Trace {
+        title: format!("{schedule}, checkpoint {checkpoint}, m = {M}, n = {PARTITIONS}"),
+        schedule: schedule.generate(M, PARTITIONS).expect("schedule"),
+        record,
+        checkpoint_stop: checkpoint.stop(M),
+    };
+    let mut layers = pipe.into_layers();
+    zero(&mut layers);
+    (trace, layers)
+}
+
+fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("..")
+                .join("target")
+        })
+}
+
+/// GFLOP/s of Linear(1024, 1024)'s forward and backward at `rows` rows, for the note on
+/// micro-batch efficiency.
+fn linear_gflops(rows: usize, reps: usize) -> f64 {
+    let mut layer: Layers = vec![Box::new(Linear::new(WIDTH, WIDTH, 0))];
+    let x = input(rows, WIDTH);
+    let mb = MicroBatch {
+        index: 0,
+        offset: 0,
+        len: rows,
+    };
+    let t = best(reps.max(5), || direct_step(&mut layer, &x, mb));
+    3.0 * 2.0 * (rows * WIDTH * WIDTH) as f64 / t.as_secs_f64() / 1e9
+}
+
+fn main() {
+    let a = args();
+    let load_before = load();
+    let x = input(BATCH, WIDTH);
+    let mut layers = stack(BLOCKS, WIDTH);
+
+    // The baseline: the same layers, unpipelined, one thread, the whole batch.
+    let whole = MicroBatch {
+        index: 0,
+        offset: 0,
+        len: BATCH,
+    };
+    let mut baseline = best(a.reps, || direct_step(&mut layers, &x, whole));
+    zero(&mut layers);
+
+    let (ms, modes, kinds): (&[usize], &[Checkpoint], &[ScheduleKind]) = if a.quick {
+        (
+            &[8],
+            &[Checkpoint::Never],
+            &[ScheduleKind::GPipe, ScheduleKind::OneFOneB],
+        )
+    } else {
+        (
+            &[1, 2, 4, 8, 16],
+            &[
+                Checkpoint::Never,
+                Checkpoint::ExceptLast,
+                Checkpoint::Always,
+            ],
+            &[ScheduleKind::GPipe, ScheduleKind::OneFOneB],
+        )
+    };
+    let mut rows = Vec::new();
+    for &schedule in kinds {
+        for &checkpoint in modes {
+            for &m in ms {
+                let (row, back) = measure(layers, &x, m, checkpoint, schedule, a.reps, baseline);
+                layers = back;
+                rows.push(row);
+            }
+        }
+    }
+    // The baseline again, to catch drift; the best of both is kept and the speedups redone.
+    let again = best(a.reps, || direct_step(&mut layers, &x, whole));
+    zero(&mut layers);
+    if again < baseline {
+        baseline = again;
+    }
+    for row in &mut rows {
+        row.speedup = baseline.as_secs_f64() / row.step.as_secs_f64();
+    }
+    let (overhead_us, actions, pipelined, direct) = overhead(a.reps.max(20) * 5);
+
+    // The timeline.
+    let mut traces = Vec::new();
+    for (schedule, checkpoint) in [
+        (ScheduleKind::GPipe, Checkpoint::Never),
+        (ScheduleKind::OneFOneB, Checkpoint::Never),
+        (ScheduleKind::GPipe, Checkpoint::ExceptLast),
+    ] {
+        let (t, back) = trace(layers, &x, schedule, checkpoint);
+        layers = back;
+        traces.push(t);
+    }
+    let note = format!(
+        "8 x (Linear(1024, 1024) + ReLU), batch 256, f32, 2 partitions pinned to cores 0 and 1; baseline (one thread, whole batch) {:.1} ms; load {}",
+        baseline.as_secs_f64() * 1e3,
+        load_before
+    );
+    let svg = timeline::svg(&traces, &note);
+    let dir = target_dir().join("bench");
+    let path = dir.join("pipe-timeline.svg");
+    let written = std::fs::create_dir_all(&dir).and_then(|()| std::fs::write(&path, svg));
+    let load_after = load();
+
+    if a.json {
+        for r in &rows {
+            println!(
+                "{{\"schedule\":\"{}\",\"partitions\":{PARTITIONS},\"m\":{},\"checkpoint\":\"{}\",\"speedup\":{:.4},\"ideal\":{:.4},\"held_bytes\":{},\"step_ms\":{:.3},\"baseline_ms\":{:.3},\"load\":\"{}\"}}",
+                r.schedule,
+                r.m,
+                r.checkpoint,
+                r.speedup,
+                r.ideal,
+                r.held_bytes,
+                r.step.as_secs_f64() * 1e3,
+                baseline.as_secs_f64() * 1e3,
+                load_after
+            );
+        }
+        println!(
+            "{{\"schedule\":\"gpipe\",\"partitions\":{PARTITIONS},\"m\":8,\"overhead_us\":{overhead_us:.2},\"actions\":{actions},\"pipelined_us\":{:.1},\"direct_us\":{:.1}}}",
+            pipelined.as_secs_f64() * 1e6,
+            direct.as_secs_f64() * 1e6
+        );
+    } else {
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "pipe: 8 x (Linear(1024, 1024) + ReLU), batch {BATCH}, f32, {PARTITIONS} partitions pinned to cores 0-1; best of {} steps",
+            a.reps
+        );
+        let _ = writeln!(
+            out,
+            "baseline (unpipelined, one thread, whole batch): {:.2} ms/step; Linear(1024, 1024) forward+backward: {:.1} GFLOP/s at 256 rows, {:.1} at 32 rows",
+            baseline.as_secs_f64() * 1e3,
+            linear_gflops(BATCH, a.reps),
+            linear_gflops(32, a.reps)
+        );
+        let _ = writeln!(
+            out,
+            "{:<8} {:<12} {:>3} {:>9} {:>8} {:>6} {:>12} {:>13}",
+            "schedule",
+            "checkpoint",
+            "m",
+            "step ms",
+            "speedup",
+            "ideal",
+            "held MiB",
+            "recompute ms"
+        );
+        for r in &rows {
+            let _ = writeln!(
+                out,
+                "{:<8} {:<12} {:>3} {:>9.2} {:>8.3} {:>6.3} {:>12.1} {:>13.2}",
+                r.schedule.to_string(),
+                r.checkpoint.to_string(),
+                r.m,
+                r.step.as_secs_f64() * 1e3,
+                r.speedup,
+                r.ideal,
+                r.held_bytes as f64 / (1 << 20) as f64,
+                r.recompute.as_secs_f64() * 1e3
+            );
+        }
+        // 1F1B against GPipe, and what except_last costs against the recomputation.
+        let find = |s: ScheduleKind, c: Checkpoint| {
+            rows.iter()
+                .find(|r| r.m == 8 && r.schedule == s && r.checkpoint == c)
+        };
+        if let (Some(g), Some(o)) = (
+            find(ScheduleKind::GPipe, Checkpoint::Never),
+            find(ScheduleKind::OneFOneB, Checkpoint::Never),
+        ) {
+            let _ = writeln!(
+                out,
+                "m = 8, never: 1F1B throughput / GPipe throughput = {:.3}",
+                g.step.as_secs_f64() / o.step.as_secs_f64()
+            );
+        }
+        for s in [ScheduleKind::GPipe, ScheduleKind::OneFOneB] {
+            if let (Some(n), Some(e)) =
+                (find(s, Checkpoint::Never), find(s, Checkpoint::ExceptLast))
+            {
+                let extra = e.step.as_secs_f64() - n.step.as_secs_f64();
+                let _ = writeln!(
+                    out,
+                    "m = 8, {s}: except_last costs {:.2} ms more than never; recomputation on the busiest partition {:.2} ms; ratio {:.2}",
+                    extra * 1e3,
+                    e.recompute.as_secs_f64() * 1e3,
+                    extra / e.recompute.as_secs_f64().max(1e-9)
+                );
+            }
+        }
+        let _ = writeln!(
+            out,
+            "overhead: {overhead_us:.1} us per action ({actions} actions on the busiest partition; near-empty layers, m = 8: pipelined {:.1} us, direct {:.1} us per step)",
+            pipelined.as_secs_f64() * 1e6,
+            direct.as_secs_f64() * 1e6
+        );
+        match &written {
+            Ok(()) => {
+                let _ = writeln!(out, "timeline: {}", path.display());
+            }
+            Err(e) => {
+                let _ = writeln!(out, "timeline: could not write {}: {e}", path.display());
+            }
+        }
+        let _ = writeln!(
+            out,
+            "load average: {load_before} before, {load_after} after"
+        );
+        print!("{out}");
+    }
+    if let Err(e) = written {
+        eprintln!("could not write {}: {e}", path.display());
+        std::process::exit(1);
+    }
+}

@@ -1,0 +1,685 @@
+//! Single-threaded `f32` matrix products for [`Linear`](crate::Linear) on
+//! [`CpuTensor`](crate::CpuTensor): `C (+)= A · B` on strided operands.
+//!
+//! Why not `ndarray`'s `dot` alone: a pipeline splits a batch into micro-batches of a few
+//! dozen rows, and a general kernel tuned for large products loses much of its speed there
+//! (matrixmultiply ran 32-row products of a 1024 × 1024 weight at about two thirds of its
+//! 256-row speed on the bench machine, the `gemm` crate at about half), which eats the
+//! pipeline's speedup. This kernel lets the large operand (the weight) stream through
+//! broadcasts and packs only the small one, so that a 32-row product runs nearly as fast
+//! per row as a 256-row one. Each element of `C` is one chain of fused multiply-adds over
+//! `k` in order, so a row's result does not depend on the other rows of the product.
+//!
+//! With AVX-512F (detected at run time) the kernel below runs; elsewhere `ndarray`'s
+//! `general_mat_mul`.
+
+use ndarray::linalg::general_mat_mul;
+use ndarray::{ArrayView2, ArrayViewMut2, ShapeBuilder};
+
+/// A read-only strided matrix: element `(i, j)` at `data[i * rs + j * cs]`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct View<'a> {
+    pub data: &'a [f32],
+    pub rows: usize,
+    pub cols: usize,
+    pub rs: usize,
+    pub cs: usize,
+}
+
+/// A writable strided matrix, row-major (`cs == 1`) or column-major (`rs == 1`).
+#[derive(Debug)]
+pub(crate) struct ViewMut<'a> {
+    pub data: &'a mut [f32],
+    pub rows: usize,
+    pub cols: usize,
+    pub rs: usize,
+    pub cs: usize,
+}
+
+impl<'a> View<'a> {
+    /// A row-major `rows × cols` matrix.
+    pub fn row_major(data: &'a [f32], rows: usize, cols: usize) -> Self {
+        View {
+            data,
+            rows,
+            cols,
+            rs: cols,
+            cs: 1,
+        }
+    }
+
+    /// The transpose, without moving anything.
+    pub fn t(self) -> Self {
+        View {
+            data: self.data,
+            rows: self.cols,
+            cols: self.rows,
+            rs: self.cs,
+            cs: self.rs,
+        }
+    }
+
+    fn in_bounds(&self) -> bool {
+        in_bounds(self.data.len(), self.rows, self.cols, self.rs, self.cs)
+    }
+}
+
+impl<'a> ViewMut<'a> {
+    /// A row-major `rows × cols` matrix.
+    pub fn row_major(data: &'a mut [f32], rows: usize, cols: usize) -> Self {
+        ViewMut {
+            data,
+            rows,
+            cols,
+            rs: cols,
+            cs: 1,
+        }
+    }
+
+    /// The transpose, without moving anything.
+    pub fn t(self) -> Self {
+        ViewMut {
+            data: self.data,
+            rows: self.cols,
+            cols: self.rows,
+            rs: self.cs,
+            cs: self.rs,
+        }
+    }
+}
+
+/// Whether every element of a `rows × cols` matrix with strides `rs`, `cs` lies inside a
+/// slice of `len` elements.
+fn in_bounds(len: usize, rows: usize, cols: usize, rs: usize, cs: usize) -> bool {
+    if rows == 0 || cols == 0 {
+        return true;
+    }
+    let last = (rows - 1)
+        .checked_mul(rs)
+        .and_then(|r| (cols - 1).checked_mul(cs).and_then(|c| r.checked_add(c)));
+    last.is_some_and(|l| l < len)
+}
+
+/// `C = A · B`, or `C += A · B` with `accumulate`. Panics if the shapes do not agree, an
+/// operand does not fit its slice, or `C` is neither row- nor column-major: callers
+/// check shapes first and report them as errors.
+pub(crate) fn gemm(a: View<'_>, b: View<'_>, c: ViewMut<'_>, accumulate: bool) {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    assert!(
+        b.rows == k && c.rows == m && c.cols == n,
+        "gemm: shapes do not agree"
+    );
+    assert!(
+        a.in_bounds() && b.in_bounds(),
+        "gemm: operand outside its slice"
+    );
+    assert!(
+        in_bounds(c.data.len(), m, n, c.rs, c.cs) && (c.cs == 1 || c.rs == 1),
+        "gemm: output outside its slice, or neither row- nor column-major"
+    );
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            for i in 0..m {
+                for j in 0..n {
+                    c.data[i * c.rs + j * c.cs] = 0.0;
+                }
+            }
+        }
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        if avx512::available() {
+            // SAFETY: AVX-512F is present (checked at run time); every element of A, B
+            // and C the kernel touches (rows 0..m, columns 0..k of A; 0..k, 0..n of B;
+            // 0..m, 0..n of C) lies inside its slice (checked above); C is row- or
+            // column-major (checked above) and does not alias A or B (`c.data` is
+            // borrowed mutably, `a.data` and `b.data` shared).
+            unsafe { avx512::gemm(a, b, c, accumulate) };
+            return;
+        }
+    }
+    fallback(a, b, c, accumulate);
+}
+
+/// `ndarray`'s product, for machines without AVX-512F.
+fn fallback(a: View<'_>, b: View<'_>, c: ViewMut<'_>, accumulate: bool) {
+    fn view(v: View<'_>) -> ArrayView2<'_, f32> {
+        ArrayView2::from_shape((v.rows, v.cols).strides((v.rs, v.cs)), v.data)
+            .expect("checked in bounds")
+    }
+    let len = (c.rows - 1) * c.rs + (c.cols - 1) * c.cs + 1;
+    let mut out =
+        ArrayViewMut2::from_shape((c.rows, c.cols).strides((c.rs, c.cs)), &mut c.data[..len])
+            .expect("checked in bounds");
+    let beta = if accumulate { 1.0 } else { 0.0 };
+    general_mat_mul(1.0, &view(a), &view(b), beta, &mut out);
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    //! The AVX-512F kernel. `C` is computed in panels of `16·NV` columns; for each panel
+    //! and each block of `KC` rows of `B`, the block is packed (zero-padded, transposed
+    //! 16 × 16 at a time when `B` is stored by columns) into an aligned buffer, and a
+    //! register tile of `R` rows × `NV` vectors of `C` runs over it, broadcasting `A`'s
+    //! elements straight from `A`. A column-major `C` is loaded and stored through
+    //! 16 × 16 transposes. Edges use masked loads and stores; the next tile of a
+    //! row-major `C` is prefetched while the current one runs.
+
+    use std::arch::x86_64::*;
+    use std::sync::OnceLock;
+
+    use super::{View, ViewMut};
+
+    /// Rows of `B` per packed block: at most `KC × 64` floats (64 KiB) stay in L2 while
+    /// every row tile of `C` passes over them.
+    const KC: usize = 256;
+    /// How many steps of `k` ahead the kernel prefetches `A` when its `k` stride is long.
+    const PREFETCH: usize = 16;
+
+    pub(super) fn available() -> bool {
+        static AVX512: OnceLock<bool> = OnceLock::new();
+        *AVX512.get_or_init(|| is_x86_feature_detected!("avx512f"))
+    }
+
+    /// A 64-byte aligned vector of packed `B`.
+    #[derive(Clone, Copy)]
+    #[repr(C, align(64))]
+    struct Lane([f32; 16]);
+
+    fn mask(lanes: usize) -> u16 {
+        ((1u32 << lanes.min(16)) - 1) as u16
+    }
+
+    /// # Safety
+    ///
+    /// AVX-512F is available; every element of `a`, `b` and `c` lies inside its slice;
+    /// `c` is row-major (`cs == 1`) or column-major (`rs == 1`); the shapes agree and
+    /// are positive.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn gemm(a: View<'_>, b: View<'_>, c: ViewMut<'_>, accumulate: bool) {
+        if b.cols <= 32 {
+            // SAFETY: the caller's contract, passed on unchanged.
+            unsafe { panels::<12, 2>(a, b, c, accumulate) }
+        } else {
+            // SAFETY: the caller's contract, passed on unchanged.
+            unsafe { panels::<6, 4>(a, b, c, accumulate) }
+        }
+    }
+
+    /// # Safety
+    ///
+    /// As [`gemm`]; `R <= 16` and `NV <= 4`.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn panels<const R: usize, const NV: usize>(
+        a: View<'_>,
+        b: View<'_>,
+        c: ViewMut<'_>,
+        accumulate: bool,
+    ) {
+        let (m, k, n) = (a.rows, a.cols, b.cols);
+        let width = 16 * NV;
+        let mut pack = vec![Lane([0.0; 16]); KC * NV];
+        let pack = pack.as_mut_ptr().cast::<f32>();
+        let column_major = c.cs != 1;
+        let (c_rs, c_cs) = (c.rs, c.cs);
+        let c_ptr = c.data.as_mut_ptr();
+        let at = |i: usize, j: usize| c_ptr.wrapping_add(i * c_rs + j * c_cs);
+        for j0 in (0..n).step_by(width) {
+            let nw = width.min(n - j0);
+            let mut masks = [0u16; 4];
+            for (v, m) in masks.iter_mut().enumerate().take(NV) {
+                *m = mask(nw.saturating_sub(16 * v));
+            }
+            for k0 in (0..k).step_by(KC) {
+                let kc = KC.min(k - k0);
+                // SAFETY: rows k0..k0 + kc and columns j0..j0 + nw of B are inside its
+                // slice (kc and nw are clamped to k and n); the pack holds KC aligned
+                // rows of `width` floats.
+                unsafe { pack_block::<NV>(b, k0, kc, j0, nw, pack) };
+                let load = accumulate || k0 > 0;
+                let tile = |rows: usize, i0: usize| {
+                    let next = if i0 + rows < m {
+                        at(i0 + rows, j0)
+                    } else {
+                        at(0, j0 + width)
+                    };
+                    Tile {
+                        kc,
+                        a: a.data.as_ptr().wrapping_add(i0 * a.rs + k0 * a.cs),
+                        a_rs: a.rs,
+                        a_cs: a.cs,
+                        b: pack.cast_const(),
+                        c: at(i0, j0),
+                        c_rs,
+                        c_cs,
+                        next: (!column_major && load).then_some(next),
+                        load,
+                        masks,
+                    }
+                };
+                let mut i0 = 0;
+                while i0 + R <= m {
+                    let t = tile(R, i0);
+                    // SAFETY: rows i0..i0 + R of A (i0 + R <= m) over columns
+                    // k0..k0 + kc are inside A's slice; the same rows of C, columns
+                    // j0..j0 + nw (the lanes the masks allow), are inside C; the pack
+                    // holds kc rows of `width` floats; R <= 16.
+                    unsafe {
+                        if column_major {
+                            t.run_columns::<R, NV>()
+                        } else {
+                            t.run_rows::<R, NV>()
+                        }
+                    }
+                    i0 += R;
+                }
+                let left = m - i0;
+                if left > 0 {
+                    let t = tile(left, i0);
+                    // SAFETY: as above for the last `left` rows; left < R <= 12, and
+                    // each arm runs a tile of exactly `left` rows.
+                    unsafe { t.run_any::<NV>(left, column_major) }
+                }
+            }
+        }
+    }
+
+    /// Copies rows `k0..k0 + kc`, columns `j0..j0 + nw` of `b` into `pack` (row stride
+    /// `16·NV`), zero-padding the columns past `nw`.
+    ///
+    /// # Safety
+    ///
+    /// AVX-512F is available; those elements of `b` are inside its slice; `pack` holds
+    /// `kc` aligned rows of `16·NV` floats.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn pack_block<const NV: usize>(
+        b: View<'_>,
+        k0: usize,
+        kc: usize,
+        j0: usize,
+        nw: usize,
+        pack: *mut f32,
+    ) {
+        let width = 16 * NV;
+        let base = b.data.as_ptr();
+        if b.cs == 1 {
+            for kk in 0..kc {
+                let row = base.wrapping_add((k0 + kk) * b.rs + j0);
+                for v in 0..NV {
+                    // SAFETY: the masked load reads only columns below nw of row
+                    // k0 + kk, inside B; the store is to an aligned lane of pack row kk.
+                    unsafe {
+                        let x =
+                            _mm512_maskz_loadu_ps(mask(nw.saturating_sub(16 * v)), row.add(16 * v));
+                        _mm512_store_ps(pack.add(kk * width + 16 * v), x);
+                    }
+                }
+            }
+        } else if b.rs == 1 {
+            // B is stored by columns: column j0 + jj holds rows k0.. contiguously. Read
+            // 16 columns × 16 rows, transpose, store 16 pack rows.
+            for kb in (0..kc).step_by(16) {
+                let rows = mask(kc - kb);
+                for v in 0..NV {
+                    let mut block = [_mm512_setzero_ps(); 16];
+                    for (jj, x) in block.iter_mut().enumerate() {
+                        let j = 16 * v + jj;
+                        if j < nw {
+                            let col = base.wrapping_add((j0 + j) * b.cs + k0 + kb);
+                            // SAFETY: rows k0 + kb .. k0 + kb + 16 (masked to below
+                            // k0 + kc) of column j0 + j < n, inside B.
+                            *x = unsafe { _mm512_maskz_loadu_ps(rows, col) };
+                        }
+                    }
+                    transpose16(&mut block);
+                    for (kk, x) in block.iter().enumerate().take(kc - kb) {
+                        // SAFETY: pack row kb + kk < kc, aligned lane v.
+                        unsafe { _mm512_store_ps(pack.add((kb + kk) * width + 16 * v), *x) };
+                    }
+                }
+            }
+        } else {
+            for kk in 0..kc {
+                for jj in 0..width {
+                    let value = if jj < nw {
+                        b.data[(k0 + kk) * b.rs + (j0 + jj) * b.cs]
+                    } else {
+                        0.0
+                    };
+                    // SAFETY: jj < width, inside pack row kk < kc.
+                    unsafe { *pack.add(kk * width + jj) = value };
+                }
+            }
+        }
+    }
+
+    /// Transposes a 16 × 16 block held as 16 rows.
+    #[target_feature(enable = "avx512f")]
+    fn transpose16(r: &mut [__m512; 16]) {
+        let mut t = [_mm512_setzero_ps(); 16];
+        for i in 0..8 {
+            t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+            t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+        }
+        let mut u = [_mm512_setzero_ps(); 16];
+        for i in 0..4 {
+            let b = 4 * i;
+            u[b] = _mm512_shuffle_ps::<0x44>(t[b], t[b + 2]);
+            u[b + 1] = _mm512_shuffle_ps::<0xEE>(t[b], t[b + 2]);
+            u[b + 2] = _mm512_shuffle_ps::<0x44>(t[b + 1], t[b + 3]);
+            u[b + 3] = _mm512_shuffle_ps::<0xEE>(t[b + 1], t[b + 3]);
+        }
+        let mut v = [_mm512_setzero_ps(); 16];
+        for h in 0..2 {
+            let b = 8 * h;
+            for i in 0..4 {
+                v[b + i] = _mm512_shuffle_f32x4::<0x88>(u[b + i], u[b + 4 + i]);
+                v[b + 4 + i] = _mm512_shuffle_f32x4::<0xDD>(u[b + i], u[b + 4 + i]);
+            }
+        }
+        for i in 0..8 {
+            r[i] = _mm512_shuffle_f32x4::<0x88>(v[i], v[8 + i]);
+            r[8 + i] = _mm512_shuffle_f32x4::<0xDD>(v[i], v[8 + i]);
+        }
+    }
+
+    /// One register tile of `C`: rows from `c` over `kc` steps of `k`, `16·NV` columns.
+    struct Tile {
+        kc: usize,
+        a: *const f32,
+        a_rs: usize,
+        a_cs: usize,
+        b: *const f32,
+        c: *mut f32,
+        c_rs: usize,
+        c_cs: usize,
+        /// The next tile of a row-major `C`, prefetched while this one runs.
+        next: Option<*mut f32>,
+        load: bool,
+        masks: [u16; 4],
+    }
+
+    impl Tile {
+        /// A tile of `rows` rows (`1..=12`).
+        ///
+        /// # Safety
+        ///
+        /// As [`run`](Tile::run) with `ROWS == rows`.
+        #[target_feature(enable = "avx512f")]
+        unsafe fn run_any<const NV: usize>(&self, rows: usize, column_major: bool) {
+            macro_rules! go {
+                ($($r:literal)*) => {
+                    match rows {
+                        $($r => {
+                            // SAFETY: the caller's contract with ROWS == rows.
+                            unsafe {
+                                if column_major {
+                                    self.run_columns::<$r, NV>()
+                                } else {
+                                    self.run_rows::<$r, NV>()
+                                }
+                            }
+                        })*
+                        _ => {}
+                    }
+                };
+            }
+            go!(1 2 3 4 5 6 7 8 9 10 11 12);
+        }
+
+        /// The tile on a row-major `C`.
+        ///
+        /// # Safety
+        ///
+        /// As [`run`](Tile::run).
+        #[target_feature(enable = "avx512f")]
+        unsafe fn run_rows<const ROWS: usize, const NV: usize>(&self) {
+            let mut acc = [[_mm512_setzero_ps(); NV]; ROWS];
+            if self.load {
+                for (r, row) in acc.iter_mut().enumerate() {
+                    for (v, x) in row.iter_mut().enumerate() {
+                        let p = self.c.wrapping_add(r * self.c_rs + 16 * v);
+                        // SAFETY: the lanes the mask allows are inside row r of C.
+                        *x = unsafe { _mm512_maskz_loadu_ps(self.masks[v], p) };
+                    }
+                }
+            }
+            // SAFETY: the caller's contract.
+            unsafe { self.run::<ROWS, NV>(&mut acc) };
+            for (r, row) in acc.iter().enumerate() {
+                for (v, x) in row.iter().enumerate() {
+                    let p = self.c.wrapping_add(r * self.c_rs + 16 * v);
+                    // SAFETY: as for the loads.
+                    unsafe { _mm512_mask_storeu_ps(p, self.masks[v], *x) };
+                }
+            }
+        }
+
+        /// The tile on a column-major `C`: each 16-column vector of the tile's rows is
+        /// transposed to and from 16 columns of at most 16 contiguous rows.
+        ///
+        /// # Safety
+        ///
+        /// As [`run`](Tile::run); `ROWS <= 16`.
+        #[target_feature(enable = "avx512f")]
+        unsafe fn run_columns<const ROWS: usize, const NV: usize>(&self) {
+            let rows = mask(ROWS);
+            let mut acc = [[_mm512_setzero_ps(); NV]; ROWS];
+            if self.load {
+                for v in 0..NV {
+                    let mut block = [_mm512_setzero_ps(); 16];
+                    for (l, x) in block.iter_mut().enumerate() {
+                        if self.masks[v] & (1 << l) != 0 {
+                            let p = self.c.wrapping_add((16 * v + l) * self.c_cs);
+                            // SAFETY: column 16v + l of the tile is a valid column, and
+                            // its rows 0..ROWS are inside C.
+                            *x = unsafe { _mm512_maskz_loadu_ps(rows, p) };
+                        }
+                    }
+                    transpose16(&mut block);
+                    for (r, row) in acc.iter_mut().enumerate() {
+                        row[v] = block[r];
+                    }
+                }
+            }
+            // SAFETY: the caller's contract.
+            unsafe { self.run::<ROWS, NV>(&mut acc) };
+            for v in 0..NV {
+                let mut block = [_mm512_setzero_ps(); 16];
+                for (r, row) in acc.iter().enumerate() {
+                    block[r] = row[v];
+                }
+                transpose16(&mut block);
+                for (l, x) in block.iter().enumerate() {
+                    if self.masks[v] & (1 << l) != 0 {
+                        let p = self.c.wrapping_add((16 * v + l) * self.c_cs);
+                        // SAFETY: as for the loads.
+                        unsafe { _mm512_mask_storeu_ps(p, rows, *x) };
+                    }
+                }
+            }
+        }
+
+        /// The multiply-adds: `acc[r][v] += A[r][k] · pack[k][v]` for every `k`.
+        ///
+        /// # Safety
+        ///
+        /// AVX-512F is available; rows `0..ROWS` of `a` (stride `a_rs`) over `kc` steps
+        /// (stride `a_cs`) are readable; `b` holds `kc` aligned rows of `16·NV` floats.
+        #[target_feature(enable = "avx512f")]
+        #[inline]
+        unsafe fn run<const ROWS: usize, const NV: usize>(&self, acc: &mut [[__m512; NV]; ROWS]) {
+            let width = 16 * NV;
+            let prefetch_a = self.a_rs == 1 && self.a_cs > 16;
+            let lines = ROWS * NV;
+            for k in 0..self.kc {
+                let mut bv = [_mm512_setzero_ps(); NV];
+                for (v, x) in bv.iter_mut().enumerate() {
+                    // SAFETY: row k < kc of the pack, aligned, `width` floats long.
+                    *x = unsafe { _mm512_load_ps(self.b.add(k * width + 16 * v)) };
+                }
+                let ak = self.a.wrapping_add(k * self.a_cs);
+                // Prefetches are hints: they never fault, and their addresses are
+                // computed with wrapping arithmetic, so they may point past a slice.
+                if prefetch_a {
+                    let ahead = ak.wrapping_add(PREFETCH * self.a_cs);
+                    _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
+                    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(ROWS - 1).cast());
+                }
+                if let Some(next) = self.next {
+                    if k < lines {
+                        let line = next.wrapping_add((k / NV) * self.c_rs + 16 * (k % NV));
+                        _mm_prefetch::<_MM_HINT_ET0>(line.cast_const().cast());
+                    }
+                }
+                for (r, row) in acc.iter_mut().enumerate() {
+                    // SAFETY: element (r, k) of the tile's A, inside A's slice.
+                    let x = unsafe { *ak.wrapping_add(r * self.a_rs) };
+                    let av = _mm512_set1_ps(x);
+                    for (v, y) in row.iter_mut().enumerate() {
+                        *y = _mm512_fmadd_ps(av, bv[v], *y);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn naive(a: View<'_>, b: View<'_>, c: &mut ViewMut<'_>, accumulate: bool) {
+        for i in 0..a.rows {
+            for j in 0..b.cols {
+                let mut s = 0.0f64;
+                for k in 0..a.cols {
+                    s += f64::from(a.data[i * a.rs + k * a.cs])
+                        * f64::from(b.data[k * b.rs + j * b.cs]);
+                }
+                let out = &mut c.data[i * c.rs + j * c.cs];
+                *out = if accumulate {
+                    *out + s as f32
+                } else {
+                    s as f32
+                };
+            }
+        }
+    }
+
+    fn values(len: usize, salt: usize) -> Vec<f32> {
+        (0..len)
+            .map(|i| ((i * 7 + salt * 13) % 17) as f32 / 8.0 - 1.0)
+            .collect()
+    }
+
+    type Product = fn(View<'_>, View<'_>, ViewMut<'_>, bool);
+
+    /// Every combination of operand layouts and accumulation, against a naive product;
+    /// elements of C outside the product (padding) must be left alone.
+    fn check(product: Product, shapes: &[(usize, usize, usize)]) {
+        for &(m, k, n) in shapes {
+            for layout in 0..8 {
+                let (ta, tb, tc) = (layout & 1 != 0, layout & 2 != 0, layout & 4 != 0);
+                for accumulate in [false, true] {
+                    let (ad, bd) = (values(m * k, 1), values(k * n, 2));
+                    let a = if ta {
+                        View::row_major(&ad, k, m).t()
+                    } else {
+                        View::row_major(&ad, m, k)
+                    };
+                    let b = if tb {
+                        View::row_major(&bd, n, k).t()
+                    } else {
+                        View::row_major(&bd, k, n)
+                    };
+                    // C with a padded leading dimension.
+                    let (outer, inner) = if tc { (n, m + 3) } else { (m, n + 3) };
+                    let start = values(outer * inner, 3);
+                    let (mut got, mut want) = (start.clone(), start.clone());
+                    let (rs, cs) = if tc { (1, inner) } else { (inner, 1) };
+                    let c = |data| ViewMut {
+                        data,
+                        rows: m,
+                        cols: n,
+                        rs,
+                        cs,
+                    };
+                    product(a, b, c(&mut got), accumulate);
+                    naive(a, b, &mut c(&mut want), accumulate);
+                    for (idx, (g, w)) in got.iter().zip(&want).enumerate() {
+                        let case = format!(
+                            "({m}, {k}, {n}) layout {layout} accumulate {accumulate} at {idx}"
+                        );
+                        if idx % inner >= if tc { m } else { n } {
+                            assert_eq!(g, w, "padding touched, {case}");
+                        } else {
+                            assert!(
+                                (g - w).abs() <= 1e-4 * (1.0 + w.abs()),
+                                "{g} vs {w}, {case}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_shape_layout_and_edge_matches_a_naive_product() {
+        check(
+            gemm,
+            &[
+                (1, 1, 1),
+                (3, 5, 7),
+                (12, 16, 32),
+                (13, 17, 33),
+                (32, 40, 64),
+                (7, 300, 65),
+                (25, 257, 100),
+                (6, 3, 130),
+                (17, 33, 16),
+            ],
+        );
+    }
+
+    /// The path for machines without AVX-512F, run here whatever the machine.
+    #[test]
+    fn the_fallback_matches_a_naive_product() {
+        check(fallback, &[(1, 1, 1), (9, 20, 13), (4, 3, 40)]);
+    }
+
+    #[test]
+    fn a_row_does_not_depend_on_the_other_rows() {
+        let (m, k, n) = (37, 130, 70);
+        let (ad, bd) = (values(m * k, 4), values(k * n, 5));
+        let b = View::row_major(&bd, k, n);
+        let mut whole = vec![0.0; m * n];
+        gemm(
+            View::row_major(&ad, m, k),
+            b,
+            ViewMut::row_major(&mut whole, m, n),
+            false,
+        );
+        for (start, rows) in [(0, 5), (5, 12), (17, 20)] {
+            let mut part = vec![0.0; rows * n];
+            let a = View::row_major(&ad[start * k..(start + rows) * k], rows, k);
+            gemm(a, b, ViewMut::row_major(&mut part, rows, n), false);
+            assert_eq!(part, whole[start * n..(start + rows) * n], "rows {start}..");
+        }
+    }
+
+    #[test]
+    fn no_inner_dimension_zeroes_or_keeps() {
+        let mut c = vec![5.0; 6];
+        let (a, b) = (View::row_major(&[], 2, 0), View::row_major(&[], 0, 3));
+        gemm(a, b, ViewMut::row_major(&mut c, 2, 3), true);
+        assert_eq!(c, vec![5.0; 6]);
+        gemm(a, b, ViewMut::row_major(&mut c, 2, 3), false);
+        assert_eq!(c, vec![0.0; 6]);
+    }
+}
