@@ -229,6 +229,15 @@ fn main() {
                 .map(|&g| hook_ms + ms(m.link_time(g)))
                 .collect();
             let line = step_model(hook_ms, &m.ops);
+            // The line must reproduce the link model at every priced speed, or the chart
+            // and the break-even would not match the table.
+            for (&g, &t) in SPEEDS.iter().zip(&at) {
+                let modelled = line.0 + line.1 / g;
+                if (modelled - t).abs() > 1e-6 * t.max(1.0) {
+                    eprintln!("report: {model} {hook}: the step-time line gives {modelled} ms at {g} Gbit/s, the link model {t} ms");
+                    std::process::exit(1);
+                }
+            }
             let (base_line, base_at) = base.get_or_insert_with(|| (line, at.clone())).clone();
             let bound = (rank > 0).then(|| hook_ms / (BOUND_PASSES * grad_bytes as f64 / bw * 1e3));
             emit(json!({

@@ -184,3 +184,22 @@ fn ddp_hooks(suite: &str, quick: bool, json: bool) -> Result<(), Failure> {
     }
     run_status(cargo(&args))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(a: &[&str]) -> Vec<String> {
+        a.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn the_report_is_the_default_and_unknown_arguments_are_errors() {
+        let o = parse(&args(&["--quick"])).unwrap();
+        assert_eq!((o.suites, o.quick), (vec!["report".to_string()], true));
+        let o = parse(&args(&["hooks", "--json"])).unwrap();
+        assert_eq!((o.suites, o.json), (vec!["hooks".to_string()], true));
+        let e = parse(&args(&["hook"])).err().unwrap();
+        assert!(e.contains("unknown bench argument `hook`"), "{e}");
+    }
+}

@@ -424,3 +424,44 @@ fn mpi_verdict(threads: &Value, mpi: &Value) -> Result<(), TrainError> {
         .into())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse_err(a: &[&str]) -> String {
+        let a: Vec<String> = a.iter().map(|s| s.to_string()).collect();
+        parse(&a).err().expect("an error")
+    }
+
+    #[test]
+    fn bad_flags_are_errors_that_say_why() {
+        for (args, says) in [
+            (&["--ranks", "0"][..], "expected a positive integer"),
+            (&["--steps"][..], "needs a value"),
+            (&["--backend", "nccl"][..], "unknown backend `nccl`"),
+            (&["--compare", "--hook", "fp16"][..], "drop --hook"),
+            (&["--compare", "--resume-at", "5"][..], "one at a time"),
+            (
+                &["--steps", "10", "--resume-at", "10"][..],
+                "must be below --steps 10",
+            ),
+            (&["--frobnicate"][..], "unknown train argument"),
+        ] {
+            let e = parse_err(args);
+            assert!(e.contains(says), "{args:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn defaults_are_four_thread_ranks_and_allreduce() {
+        let Ok(o) = parse(&[]) else {
+            panic!("no arguments is fine")
+        };
+        assert_eq!(
+            (o.ranks, o.steps, o.hook.as_str(), o.accumulate),
+            (4, 1000, "allreduce", 1)
+        );
+        assert_eq!(o.backend, Backend::Threads);
+    }
+}

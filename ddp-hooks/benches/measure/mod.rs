@@ -17,9 +17,19 @@ use std::time::{Duration, Instant};
 pub const RANKS: usize = 2;
 /// Per-message latency of the modelled link.
 pub const LATENCY: Duration = Duration::from_micros(20);
-/// Steps run before timing: PowerSGD is measured with `start_iter=2`, and step 2 (its
-/// first compressed step) allocates its memory.
-pub const WARMUP: usize = 3;
+/// Steps run before timing a PowerSGD hook: it is measured with `start_iter=2`, and
+/// step 2 (its first compressed step) allocates its memory.
+pub const POWERSGD_WARMUP: usize = 3;
+
+/// Steps run before timing `spec`: [`POWERSGD_WARMUP`] for PowerSGD (wrapped or not), one
+/// for the others (their first step allocates what later steps reuse).
+pub fn warmup(spec: &HookSpec) -> usize {
+    match spec {
+        HookSpec::PowerSgd(_) | HookSpec::BatchedPowerSgd(_) => POWERSGD_WARMUP,
+        HookSpec::Fp16Wrapped(inner) | HookSpec::Bf16Wrapped(inner) => warmup(inner),
+        _ => 1,
+    }
+}
 /// Passes over the gradient memory that the fused PowerSGD algorithm makes; the bound
 /// that `bound_ratio` compares the hook time with.
 pub const BOUND_PASSES: f64 = 7.0;
@@ -101,7 +111,7 @@ impl Measured {
     }
 }
 
-/// Runs `spec` on `shapes` for [`WARMUP`] + `steps` steps on [`RANKS`] thread ranks,
+/// Runs `spec` on `shapes` for [`warmup`] + `steps` steps on [`RANKS`] thread ranks,
 /// rank `r` reducing `grads[r]`. `direct`: the hook is called on one bucket holding every
 /// parameter; otherwise the reducer buckets them (DDP's default sizes) and the time runs
 /// from the first `mark_ready` to the end of `finish`.
@@ -112,6 +122,7 @@ pub fn measure(
     direct: bool,
     steps: usize,
 ) -> Measured {
+    let warmup = warmup(spec);
     let out = run_local(RANKS, |g| {
         let rank = g.rank();
         let link = Link::gbit(1.0, LATENCY).expect("a positive link speed");
@@ -126,9 +137,9 @@ pub fn measure(
         if direct {
             let layout = Arc::new(Layout::packed(shapes).expect("layout"));
             let flat: Vec<f32> = grads.concat();
-            for step in 0..WARMUP + steps {
+            for step in 0..warmup + steps {
                 let bucket = GradBucket::new(0, 1, flat.clone(), layout.clone()).expect("bucket");
-                if step == WARMUP {
+                if step == warmup {
                     log.lock().expect("log").clear();
                 }
                 let t = Instant::now();
@@ -138,11 +149,11 @@ pub fn measure(
         } else {
             let mut reducer =
                 Reducer::new(be, shapes, hook, ReducerConfig::default()).expect("reducer");
-            for step in 0..WARMUP + steps {
+            for step in 0..warmup + steps {
                 for (p, g) in grads.iter().enumerate() {
                     reducer.grad_mut(p).expect("grad").copy_from_slice(g);
                 }
-                if step == WARMUP {
+                if step == warmup {
                     log.lock().expect("log").clear();
                 }
                 let t = Instant::now();
@@ -154,7 +165,7 @@ pub fn measure(
             }
         }
         let ops = std::mem::take(&mut *log.lock().expect("log"));
-        (times.split_off(WARMUP), ops)
+        (times.split_off(warmup), ops)
     })
     .expect("ranks");
     let results: Vec<_> = out.into_iter().map(|r| r.expect("rank")).collect();

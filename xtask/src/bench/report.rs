@@ -303,3 +303,49 @@ pub fn table(machine: &Machine, rows: &[Row]) -> String {
     );
     t
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// `report.jsonl` holds exactly the documented fields, in order, whatever else the
+    /// benchmark printed.
+    #[test]
+    fn jsonl_has_exactly_the_fields() {
+        let mut v = json!({"kind": "row", "fixed_ms": 1.0, "hook_ms_min": 2.0});
+        for (i, f) in FIELDS.iter().enumerate() {
+            v[*f] = json!(i);
+        }
+        let line = Row(v).jsonl();
+        let parsed: serde_json::Map<String, Value> = serde_json::from_str(&line).unwrap();
+        assert_eq!(parsed.len(), FIELDS.len());
+        let order: Vec<usize> = FIELDS
+            .iter()
+            .map(|f| line.find(&format!("\"{f}\":")).unwrap())
+            .collect();
+        assert!(order.windows(2).all(|w| w[0] < w[1]), "{line}");
+    }
+
+    /// The break-even column names the crossing, or which side wins everywhere.
+    #[test]
+    fn break_even_column() {
+        let row = |hook: &str, fixed: f64, per_gbit: f64, b: Option<f64>| {
+            Row(json!({"hook": hook, "fixed_ms": fixed, "ms_gbit": per_gbit, "break_even_gbit": b}))
+        };
+        let base = row("allreduce", 5.0, 100.0, None);
+        assert_eq!(break_even(&base, Some(&base)), "-");
+        assert_eq!(
+            break_even(&row("powersgd", 15.0, 1.0, Some(9.9)), Some(&base)),
+            "< 9.9 Gbit/s"
+        );
+        assert_eq!(
+            break_even(&row("powersgd", 4.0, 1.0, None), Some(&base)),
+            "always"
+        );
+        assert_eq!(
+            break_even(&row("fp16", 9.0, 150.0, None), Some(&base)),
+            "never"
+        );
+    }
+}

@@ -239,3 +239,43 @@ fn panel(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn row(model: &str, hook: &str, rank: u64, fixed: f64, per_gbit: f64) -> Row {
+        Row(json!({
+            "model": model, "hook": hook, "rank": rank, "fixed_ms": fixed, "ms_gbit": per_gbit,
+            "speedup_at": {"1": 2.0, "10": 1.0, "100": 0.5, "400": 0.4},
+        }))
+    }
+
+    /// Both panels, one line per hook, the legend, and balanced tags.
+    #[test]
+    fn chart_has_a_panel_per_model_and_a_line_per_hook() {
+        let rows = vec![
+            row("linear4x1024", "allreduce", 0, 5.0, 134.0),
+            row("linear4x1024", "powersgd", 2, 13.0, 0.6),
+            row("bert-base", "allreduce", 0, 80.0, 3500.0),
+            row("bert-base", "powersgd", 2, 600.0, 16.0),
+            row("resnet50", "allreduce", 0, 60.0, 800.0),
+        ];
+        let svg = chart(&Machine(json!({"cpu": "a <cpu>", "cores": 2})), &rows);
+        assert!(svg.starts_with("<svg") && svg.ends_with("</svg>\n"));
+        assert_eq!(
+            svg.matches("<polyline").count(),
+            2,
+            "one line per hook and panel"
+        );
+        assert_eq!(
+            svg.matches("<circle").count(),
+            8,
+            "a dot per speed and line"
+        );
+        assert!(svg.contains("4 x Linear(1024, 1024)") && svg.contains("BERT-base"));
+        assert!(svg.contains("a &lt;cpu&gt;"), "text is escaped");
+        assert_eq!(svg.matches("<text").count(), svg.matches("</text>").count());
+    }
+}
