@@ -222,7 +222,9 @@ mod avx512 {
     ) {
         let (m, k, n) = (a.rows, a.cols, b.cols);
         let width = 16 * NV;
-        let mut pack = vec![Lane([0.0; 16]); KC * NV];
+        // Every pack row below kc is written in full (padding included) before it is
+        // read, so a small product needs only a small buffer.
+        let mut pack = vec![Lane([0.0; 16]); KC.min(k) * NV];
         let pack = pack.as_mut_ptr().cast::<f32>();
         let column_major = c.cs != 1;
         let (c_rs, c_cs) = (c.rs, c.cs);
@@ -237,8 +239,8 @@ mod avx512 {
             for k0 in (0..k).step_by(KC) {
                 let kc = KC.min(k - k0);
                 // SAFETY: rows k0..k0 + kc and columns j0..j0 + nw of B are inside its
-                // slice (kc and nw are clamped to k and n); the pack holds KC aligned
-                // rows of `width` floats.
+                // slice (kc and nw are clamped to k and n); the pack holds min(KC, k) >= kc
+                // aligned rows of `width` floats.
                 unsafe { pack_block::<NV>(b, k0, kc, j0, nw, pack) };
                 let load = accumulate || k0 > 0;
                 let tile = |rows: usize, i0: usize| {
