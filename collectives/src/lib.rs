@@ -43,7 +43,7 @@ pub mod threads;
 mod work;
 
 pub use buffer::{Buffer, DType, ReduceOp};
-pub use error::{Error, Result};
+pub use error::{Error, HookError, Result};
 pub use group::{ProcessGroup, DEFAULT_TIMEOUT};
 pub use threads::{run_local, run_local_with_timeout, ThreadGroup};
 pub use work::{Completer, Work};

@@ -1,7 +1,7 @@
 //! The bridge between `lowrank` buffers and `collectives` process groups.
 
 use crate::{Error, Result};
-use collectives::{Buffer, ProcessGroup, ReduceOp, Work};
+use collectives::{Buffer, DType, ProcessGroup, ReduceOp, Work};
 use half::{bf16, f16};
 use lowrank::{Backend, CpuBackend, Element};
 
@@ -38,6 +38,22 @@ pub trait CommBackend: Backend + 'static {
         op: ReduceOp,
     ) -> Work<Self::Buffer<T>>;
 
+    /// All-reduces the `f32` buffer `buf` as if sent in the `wire` format, through
+    /// [`ProcessGroup::all_reduce_wire`], when this backend's buffers can go to the group
+    /// as they are; otherwise hands `buf` back (`Err`), and the caller casts it itself
+    /// (the default: a device buffer is better cast on the device, so that only 16 bits
+    /// cross the bus).
+    fn all_reduce_wire(
+        &self,
+        pg: &dyn ProcessGroup,
+        buf: Self::Buffer<f32>,
+        wire: DType,
+        op: ReduceOp,
+    ) -> std::result::Result<Work<Self::Buffer<f32>>, Self::Buffer<f32>> {
+        let _ = (pg, wire, op);
+        Err(buf)
+    }
+
     /// A zeroed buffer of `len` elements whose allocation failure is an error, never an
     /// abort: [`Error::Overflow`] if `len` elements exceed `isize::MAX` bytes,
     /// [`Error::Alloc`] if the allocator refuses them. The default relies on
@@ -68,6 +84,18 @@ impl CommBackend for CpuBackend {
         op: ReduceOp,
     ) -> Work<Vec<T>> {
         pg.all_reduce(T::wrap(buf), op).then(|r| T::unwrap(r?))
+    }
+
+    fn all_reduce_wire(
+        &self,
+        pg: &dyn ProcessGroup,
+        buf: Vec<f32>,
+        wire: DType,
+        op: ReduceOp,
+    ) -> std::result::Result<Work<Vec<f32>>, Vec<f32>> {
+        Ok(pg
+            .all_reduce_wire(Buffer::F32(buf), wire, op)
+            .then(|r| f32::unwrap(r?)))
     }
 
     fn try_alloc<T: Element>(&self, len: usize) -> Result<Vec<T>> {

@@ -188,20 +188,28 @@ impl<B: CommBackend> CommHook<B> for AllReduce<B> {
 pub trait HalfFormat: CommElement {
     /// The registry's name of the hook (`"fp16"`, `"bf16"`).
     const HOOK: &'static str;
+    /// The format as a collectives element type.
+    const DTYPE: collectives::DType;
 }
 
 impl HalfFormat for f16 {
     const HOOK: &'static str = "fp16";
+    const DTYPE: collectives::DType = collectives::DType::F16;
 }
 
 impl HalfFormat for bf16 {
     const HOOK: &'static str = "bf16";
+    const DTYPE: collectives::DType = collectives::DType::BF16;
 }
 
 /// Sends the bucket in a 16-bit format and averages it (PyTorch's `fp16_compress_hook`
 /// and `bf16_compress_hook`): half the bytes, within that format's precision. The thread
 /// backend accumulates the sum in `f32` and rounds once, so it never overflows where
 /// PyTorch pre-divides to avoid that.
+///
+/// Host buffers go to the group's [`ProcessGroup::all_reduce_wire`]: a network backend
+/// narrows, sends 16 bits and widens; the thread backend fuses the rounding into its
+/// reduction pass (same bits, no cast passes). Device buffers are cast on the device.
 pub struct Compress<B: Backend, H: HalfFormat> {
     backend: Arc<B>,
     group: Arc<dyn ProcessGroup>,
@@ -227,7 +235,11 @@ impl<B: CommBackend, H: HalfFormat> CommHook<B> for Compress<B, H> {
 
     fn run(&mut self, bucket: GradBucket<B>) -> Work<B::Buffer<f32>> {
         let be = self.backend.clone();
-        let mut full = bucket.into_buffer();
+        let mut full =
+            match be.all_reduce_wire(&*self.group, bucket.into_buffer(), H::DTYPE, ReduceOp::Avg) {
+                Ok(work) => return work,
+                Err(full) => full,
+            };
         let len = B::buffer_len(&full);
         let spare = self.spare.lock().unwrap_or_else(|p| p.into_inner()).take();
         let half = match spare {

@@ -682,4 +682,16 @@ impl<B: Backend> CommHook<B> for Box<dyn CommHook<B>> {
     fn run(&mut self, bucket: GradBucket<B>) -> Work<B::Buffer<f32>> {
         (**self).run(bucket)
     }
+    fn save_state(&self) -> Result<crate::HookState> {
+        (**self).save_state()
+    }
+    fn load_state(&self, state: crate::HookState) -> Result<()> {
+        (**self).load_state(state)
+    }
+    fn compression_stats(&self) -> Option<crate::CompressionStats> {
+        (**self).compression_stats()
+    }
+    fn iteration(&self) -> Option<u64> {
+        (**self).iteration()
+    }
 }

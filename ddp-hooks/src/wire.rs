@@ -115,10 +115,11 @@ impl<H: WireFormat> ProcessGroup for HalfWire<H> {
         self.inner.timeout()
     }
     fn all_reduce(&self, buf: Buffer, op: ReduceOp) -> Work<Buffer> {
-        let (wire, original) = Self::narrow(buf);
-        self.inner
-            .all_reduce(wire, op)
-            .then(move |r| Self::widen(r, original))
+        // The inner group rounds as the wire would (fused into its pass where it can).
+        match buf {
+            Buffer::F32(_) => self.inner.all_reduce_wire(buf, H::DTYPE, op),
+            other => self.inner.all_reduce(other, op),
+        }
     }
     fn all_reduce_coalesced(&self, bufs: Vec<Buffer>, op: ReduceOp) -> Work<Vec<Buffer>> {
         let (wire, originals): (Vec<_>, Vec<_>) = bufs.into_iter().map(Self::narrow).unzip();
