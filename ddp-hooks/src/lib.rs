@@ -41,6 +41,8 @@ mod bucket;
 mod comm;
 mod error;
 mod hooks;
+#[cfg(feature = "pipe")]
+pub mod pipeline;
 pub mod powersgd;
 mod reducer;
 mod registry;
@@ -50,6 +52,8 @@ pub use bucket::{GradBucket, Layout, ParamSlot};
 pub use comm::{CommBackend, CommElement};
 pub use error::{Error, Result};
 pub use hooks::{AllReduce, CommHook, Compress, CompressionStats, HalfFormat, HookState, Noop};
+#[cfg(feature = "pipe")]
+pub use pipeline::DistributedPipe;
 pub use powersgd::{BatchedPowerSgd, PowerSgd, PowerSgdConfig, PowerSgdState, SavedBucket};
 pub use reducer::{Reducer, ReducerConfig};
 pub use registry::HookSpec;

@@ -1,0 +1,411 @@
+//! Pipeline × data parallel: how much of the communication a per-partition launch hides.
+//!
+//! 2 thread ranks, each running 8 × (Linear(1024, 1024) + ReLU) as a 2-partition pipe
+//! (8 layers each, GPipe, `except_last`, 4 micro-batches by default), batch 256 per rank,
+//! `f32`, through [`DistributedPipe`] with the all-reduce hook and with PowerSGD (rank 4,
+//! compressing after 2 warm-up steps). Every collective goes through
+//! `collectives::link::Linked` with `Charge::Sleep`: after the real operation, the rank's
+//! progress thread sleeps for what a ring on a 1 or 10 Gbit/s link (20 µs per message)
+//! would take, so communication that is not hidden behind compute lengthens the step.
+//!
+//! For each hook, launch point and link: **exposed communication** = step time with the
+//! sleeping link − step time with no link, as a fraction of the step's total
+//! communication time (the link time of all its collectives). Two launch points:
+//!
+//! - `per-partition`: each partition's buckets go to the hook on its worker right after
+//!   its last backward action (the pipe's gradients-final point), while the other
+//!   partition still computes;
+//! - `after-backward`: every bucket after the whole backward pass, as a data-parallel
+//!   wrapper without that point would do.
+//!
+//! The three link settings share one pipe and one hook per rank (a group that switches
+//! between three `Linked` subgroups) and are measured back to back in each repetition, in
+//! an order that rotates from one repetition to the next. On a shared machine noise only
+//! adds time, so the figures use each setting's best step (as the `pipe` bench does); the
+//! fractions from the medians are printed beside them, with the noise (median − best step
+//! without a link), which bounds what a difference can resolve. Step times are the slower
+//! rank's.
+//!
+//! **Oversubscription.** 2 ranks × 2 partitions are 4 compute threads (plus the ranks'
+//! progress threads, which sleep for the link or run PowerSGD's products) on however many
+//! cores the machine has, unpinned (pinning two ranks' workers to the same cores would
+//! only serialise them). On a 2-core machine the partitions' compute is slowed by the
+//! sharing, which makes the window in which a partition's communication can hide longer
+//! than it would be with a core per worker, but both launch points see the same machine:
+//! the fractions compare them. The load average is printed with the figures.
+//!
+//! Arguments: `--quick` (2 repetitions), `--json` (one JSON object per row), `--reps N`
+//! (default 6), `--chunks N`. Run by
+//! `cargo bench -p ddp-hooks --features pipe --bench pipeline -- [--quick] [--json]`.
+
+use collectives::link::{Charge, Link, Linked};
+use collectives::{
+    run_local, Buffer, DType, ProcessGroup, ReduceOp, Result as CommResult, ThreadGroup, Work,
+};
+use ddp_hooks::pipeline::{DistributedPipe, Launch};
+use ddp_hooks::{HookSpec, PowerSgdConfig, ReducerConfig};
+use lowrank::CpuBackend;
+use pipe::{Batch, Checkpoint, CpuTensor, Layer, Linear, MicroBatch, Pipe, ReLU, ScheduleKind};
+use serde_json::json;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const RANKS: usize = 2;
+const BATCH: usize = 256;
+const WIDTH: usize = 1024;
+const BLOCKS: usize = 8;
+const PARTITIONS: usize = 2;
+const LATENCY: Duration = Duration::from_micros(20);
+/// Steps before measuring (PowerSGD compresses from its second synchronised step).
+const WARM_UP: usize = 3;
+/// The link settings: none, then these speeds in Gbit/s.
+const GBITS: [f64; 2] = [1.0, 10.0];
+
+struct Args {
+    json: bool,
+    reps: usize,
+    chunks: usize,
+}
+
+fn args() -> Args {
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    let quick = argv.iter().any(|a| a == "--quick");
+    let value = |name: &str| {
+        argv.iter()
+            .position(|a| a == name)
+            .and_then(|i| argv.get(i + 1))
+            .and_then(|s| s.parse::<usize>().ok())
+    };
+    Args {
+        json: argv.iter().any(|a| a == "--json"),
+        reps: value("--reps").unwrap_or(if quick { 2 } else { 6 }).max(1),
+        chunks: value("--chunks").unwrap_or(4).max(1),
+    }
+}
+
+/// A process group that forwards every operation to one of several groups, chosen
+/// between steps (the same choice on every rank).
+struct Switch {
+    groups: Vec<Linked<Box<dyn ProcessGroup>>>,
+    which: Arc<AtomicUsize>,
+}
+
+impl Switch {
+    fn now(&self) -> &Linked<Box<dyn ProcessGroup>> {
+        &self.groups[self.which.load(Ordering::Acquire)]
+    }
+}
+
+impl ProcessGroup for Switch {
+    fn rank(&self) -> usize {
+        self.now().rank()
+    }
+    fn size(&self) -> usize {
+        self.now().size()
+    }
+    fn backend(&self) -> &'static str {
+        self.now().backend()
+    }
+    fn timeout(&self) -> Duration {
+        self.now().timeout()
+    }
+    fn all_reduce(&self, buf: Buffer, op: ReduceOp) -> Work<Buffer> {
+        self.now().all_reduce(buf, op)
+    }
+    fn all_reduce_wire(&self, buf: Buffer, wire: DType, op: ReduceOp) -> Work<Buffer> {
+        self.now().all_reduce_wire(buf, wire, op)
+    }
+    fn all_reduce_coalesced(&self, bufs: Vec<Buffer>, op: ReduceOp) -> Work<Vec<Buffer>> {
+        self.now().all_reduce_coalesced(bufs, op)
+    }
+    fn broadcast(&self, buf: Buffer, root: usize) -> Work<Buffer> {
+        self.now().broadcast(buf, root)
+    }
+    fn all_gather(&self, buf: Buffer) -> Work<Vec<Buffer>> {
+        self.now().all_gather(buf)
+    }
+    fn reduce_scatter(&self, buf: Buffer, op: ReduceOp) -> Work<Buffer> {
+        self.now().reduce_scatter(buf, op)
+    }
+    fn barrier(&self) -> Work<()> {
+        self.now().barrier()
+    }
+    fn new_group(&self, ranks: &[usize]) -> CommResult<Option<Box<dyn ProcessGroup>>> {
+        self.now().new_group(ranks)
+    }
+}
+
+/// `blocks` × (Linear(width, width) + ReLU).
+fn stack() -> Vec<Box<dyn Layer<CpuTensor>>> {
+    (0..BLOCKS)
+        .flat_map(|b| -> [Box<dyn Layer<CpuTensor>>; 2] {
+            [
+                Box::new(Linear::new(WIDTH, WIDTH, b as u64)),
+                Box::new(ReLU),
+            ]
+        })
+        .collect()
+}
+
+fn input(rank: usize) -> CpuTensor {
+    let stream = pipe::Stream::new(7, rank as u64, 0);
+    CpuTensor::new(
+        pipe::ndarray::Array2::from_shape_fn((BATCH, WIDTH), |(r, c)| {
+            2.0 * stream.sample(r as u64).uniform(c as u64) - 1.0
+        })
+        .into_dyn(),
+    )
+}
+
+/// Loss `½ ‖y‖² / BATCH`: the output gradient is `y / BATCH`.
+fn loss(_mb: MicroBatch, y: &Batch<CpuTensor>) -> Result<(f32, Batch<CpuTensor>), pipe::Error> {
+    let y = y.tensor(0)?;
+    let g = y.array().mapv(|v| v / BATCH as f32);
+    Ok((0.0, Batch::single(CpuTensor::new(g))))
+}
+
+/// One measured step: the launch point, the link (0: none, `i`: `GBITS[i - 1]`), this
+/// rank's step time, and the link time charged for it.
+struct Sample {
+    launch: Launch,
+    link: usize,
+    step: Duration,
+    comm: Duration,
+}
+
+fn rank_run(
+    g: ThreadGroup,
+    hook: &HookSpec,
+    a: &Args,
+) -> Result<Vec<Sample>, Box<dyn std::error::Error + Send + Sync>> {
+    let rank = g.rank();
+    let mut groups = Vec::new();
+    for (i, gbit) in [1.0].iter().chain(&GBITS).enumerate() {
+        let sub = g.new_group(&[0, 1])?.ok_or("every rank is in the group")?;
+        let charge = if i == 0 {
+            Charge::Account
+        } else {
+            Charge::Sleep
+        };
+        groups.push(Linked::new(sub, Link::gbit(*gbit, LATENCY)?, charge));
+    }
+    let which = Arc::new(AtomicUsize::new(0));
+    let switch = Switch {
+        groups,
+        which: which.clone(),
+    };
+    let switch = Arc::new(switch);
+    let backend = Arc::new(CpuBackend::new());
+    let hook = hook.build(backend.clone(), switch.clone())?;
+    let pipe = Pipe::builder(stack(), &[2 * BLOCKS / PARTITIONS; PARTITIONS])
+        .chunks(a.chunks)
+        .checkpoint(Checkpoint::ExceptLast)
+        .schedule(ScheduleKind::GPipe)
+        .build()?;
+    let mut ddp = DistributedPipe::new(pipe, backend, hook, ReducerConfig::default())?;
+    let x = input(rank);
+    for _ in 0..WARM_UP {
+        ddp.step(Batch::single(x.clone()), loss)?;
+        ddp.zero_grad();
+    }
+    let mut samples = Vec::new();
+    let launches = [Launch::PerPartition, Launch::AfterBackward];
+    for rep in 0..a.reps {
+        // Rotate the order of the settings from one repetition to the next, so that no
+        // setting always follows the same one.
+        for l in 0..launches.len() {
+            let launch = launches[(l + rep) % launches.len()];
+            ddp.set_launch(launch);
+            for k in 0..=GBITS.len() {
+                let link = (k + rep) % (GBITS.len() + 1);
+                which.store(link, Ordering::Release);
+                let charged = switch.groups[link].charged();
+                g.barrier().wait()?;
+                let t = Instant::now();
+                ddp.step(Batch::single(x.clone()), loss)?;
+                let step = t.elapsed();
+                ddp.zero_grad();
+                let comm = switch.groups[link].charged() - charged;
+                samples.push(Sample {
+                    launch,
+                    link,
+                    step,
+                    comm,
+                });
+            }
+        }
+    }
+    Ok(samples)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+fn load() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "unknown".into())
+}
+
+fn launch_name(l: Launch) -> &'static str {
+    match l {
+        Launch::PerPartition => "per-partition",
+        Launch::AfterBackward => "after-backward",
+    }
+}
+
+fn main() {
+    let a = args();
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let load_before = load();
+    let powersgd = PowerSgdConfig {
+        matrix_approximation_rank: 4,
+        start_powersgd_iter: 2,
+        ..PowerSgdConfig::default()
+    };
+    let hooks = [
+        ("allreduce", HookSpec::AllReduce),
+        ("powersgd:rank=4", HookSpec::PowerSgd(powersgd)),
+    ];
+    let mut rows = Vec::new();
+    let started = Instant::now();
+    for (name, hook) in &hooks {
+        let out = match run_local(RANKS, |g| rank_run(g, hook, &a).map_err(|e| e.to_string())) {
+            Ok(out) => out,
+            Err(e) => {
+                eprintln!("pipeline bench: {e}");
+                std::process::exit(1);
+            }
+        };
+        let mut per_rank = Vec::new();
+        for (r, o) in out.into_iter().enumerate() {
+            match o {
+                Ok(Ok(samples)) => per_rank.push(samples),
+                Ok(Err(e)) => {
+                    eprintln!("pipeline bench: rank {r}: {e}");
+                    std::process::exit(1);
+                }
+                Err(e) => {
+                    eprintln!("pipeline bench: rank {r}: {e}");
+                    std::process::exit(1);
+                }
+            }
+        }
+        // The slower rank's time for each step (the ranks ran the same steps in order).
+        let steps: Vec<(Launch, usize, f64, f64)> = (0..per_rank[0].len())
+            .map(|i| {
+                let s = &per_rank[0][i];
+                let slowest = per_rank.iter().map(|p| p[i].step).max().unwrap_or(s.step);
+                (
+                    s.launch,
+                    s.link,
+                    slowest.as_secs_f64() * 1e3,
+                    s.comm.as_secs_f64() * 1e3,
+                )
+            })
+            .collect();
+        let times = |launch: Launch, link: usize| -> Vec<f64> {
+            steps
+                .iter()
+                .filter(|s| s.0 == launch && s.1 == link)
+                .map(|s| s.2)
+                .collect()
+        };
+        for launch in [Launch::PerPartition, Launch::AfterBackward] {
+            let none = times(launch, 0);
+            let best_none = none.iter().copied().fold(f64::INFINITY, f64::min);
+            let median_none = median(none.clone());
+            for (k, gbit) in GBITS.iter().enumerate() {
+                let link = k + 1;
+                let with = times(launch, link);
+                let best = with.iter().copied().fold(f64::INFINITY, f64::min);
+                let comm = median(
+                    steps
+                        .iter()
+                        .filter(|s| s.0 == launch && s.1 == link)
+                        .map(|s| s.3)
+                        .collect(),
+                );
+                let exposed = best - best_none;
+                let median_exposed = median(with.clone()) - median_none;
+                rows.push(json!({
+                    "hook": name,
+                    "launch": launch_name(launch),
+                    "gbit": gbit,
+                    "ranks": RANKS,
+                    "partitions": PARTITIONS,
+                    "chunks": a.chunks,
+                    "best_step_ms_no_link": best_none,
+                    "best_step_ms_link": best,
+                    "median_step_ms_no_link": median_none,
+                    "median_step_ms_link": median(with),
+                    "noise_ms": median_none - best_none,
+                    "comm_ms": comm,
+                    "exposed_ms": exposed,
+                    "exposed_fraction": exposed / comm,
+                    "median_exposed_fraction": median_exposed / comm,
+                    "reps": none.len(),
+                }));
+            }
+        }
+    }
+    let load_after = load();
+    if a.json {
+        for r in &rows {
+            println!("{r}");
+        }
+        println!(
+            "{}",
+            json!({"note": "machine", "cores": cores, "load_before": load_before, "load_after": load_after, "seconds": started.elapsed().as_secs_f64()})
+        );
+        return;
+    }
+    println!(
+        "pipeline x data parallel: {RANKS} thread ranks x {PARTITIONS} partitions of {BLOCKS} x (Linear({WIDTH}, {WIDTH}) + ReLU), batch {BATCH} per rank, {} micro-batches, GPipe, except_last; {} threads unpinned on {cores} cores; link sleeps (Linked, Charge::Sleep, 20 us/message); medians of {} repetitions, slower rank",
+        a.chunks,
+        RANKS * PARTITIONS,
+        a.reps
+    );
+    println!("load average before {load_before}, after {load_after}");
+    println!(
+        "{:<16} {:<15} {:>6} {:>9} {:>9} {:>8} {:>8} {:>9} {:>8} {:>9}",
+        "hook",
+        "launch",
+        "Gbit/s",
+        "step ms",
+        "+link",
+        "noise",
+        "comm ms",
+        "exposed",
+        "fraction",
+        "(median)"
+    );
+    for r in &rows {
+        let f = |k: &str| r[k].as_f64().unwrap_or(f64::NAN);
+        println!(
+            "{:<16} {:<15} {:>6} {:>9.1} {:>9.1} {:>8.1} {:>8.1} {:>9.1} {:>7.0}% {:>8.0}%",
+            r["hook"].as_str().unwrap_or("?"),
+            r["launch"].as_str().unwrap_or("?"),
+            f("gbit"),
+            f("best_step_ms_no_link"),
+            f("best_step_ms_link"),
+            f("noise_ms"),
+            f("comm_ms"),
+            f("exposed_ms"),
+            100.0 * f("exposed_fraction"),
+            100.0 * f("median_exposed_fraction"),
+        );
+    }
+    println!(
+        "step ms: best step without a link; +link: best with the sleeping link; noise: median - best without a link; comm ms: the step's total link time; exposed = (+link) - (step ms), and its fraction of comm ms (median: the same from medians); {:.0} s",
+        started.elapsed().as_secs_f64()
+    );
+}

@@ -1,0 +1,733 @@
+//! Pipeline × data parallel (feature `pipe`): each rank runs a [`pipe::Pipe`], and each
+//! partition's gradients go to the reducer as soon as they are final.
+//!
+//! [`DistributedPipe`] owns one rank's pipe and a [`Reducer`] over the pipe's parameters.
+//! During a synchronised [`step`](DistributedPipe::step), the pipe's generic
+//! gradients-final point ([`Pipe::on_gradients_final`]) fires on a partition's worker
+//! thread right after that partition's last backward action of the step; the callback
+//! copies the partition's parameter gradients into their bucket slots and marks them
+//! ready, so the partition's buckets go to the hook at once, while the other partitions
+//! still compute their backward passes. When the pipe's step returns, the reducer waits
+//! for every bucket ([`Reducer::finish`]) and the averaged gradients are written back into
+//! the layers, where the optimizer finds them. Two thread ranks, two partitions each:
+//!
+//! ```
+//! use collectives::{run_local, ProcessGroup};
+//! use ddp_hooks::pipeline::DistributedPipe;
+//! use ddp_hooks::HookSpec;
+//! use pipe::{Batch, CpuTensor, Layer, Linear, Pipe, ReLU};
+//! use std::sync::Arc;
+//!
+//! let grads = run_local(2, |group| -> Result<Vec<f32>, ddp_hooks::pipeline::Error> {
+//!     let layers: Vec<Box<dyn Layer<CpuTensor>>> =
+//!         vec![Box::new(Linear::new(3, 4, 1)), Box::new(ReLU), Box::new(Linear::new(4, 2, 2))];
+//!     let pipe = Pipe::builder(layers, &[2, 1]).chunks(2).build()?;
+//!     let rank = group.rank() as f32;
+//!     let mut ddp = DistributedPipe::from_spec(pipe, &HookSpec::AllReduce, Arc::new(group))?;
+//!     // Each rank its own data; loss: the sum of the outputs.
+//!     let x = CpuTensor::from_shape_vec(&[4, 3], vec![rank + 1.0; 12])?;
+//!     ddp.step(Batch::single(x), |_mb, y| {
+//!         let y = y.tensor(0)?;
+//!         Ok((y.array().sum(), Batch::single(CpuTensor::ones(y.shape()))))
+//!     })?;
+//!     // The last layer's bias gradient: 4 samples of ones on each rank, averaged.
+//!     let last = &ddp.pipe().partitions()[1][0];
+//!     Ok(last.parameters()[1].grad.to_vec())
+//! })
+//! .unwrap();
+//! for g in grads {
+//!     assert_eq!(g.unwrap().unwrap(), vec![4.0, 4.0]);
+//! }
+//! ```
+//!
+//! # Buckets follow the backward order, and never straddle partitions
+//!
+//! Parameters are numbered in forward order (partition by partition, layer by layer, in
+//! each layer's [`Layer::parameters`] order). Buckets are assigned by size as DDP does
+//! ([`ReducerConfig`]'s caps: the first bucket `first_bucket_mb`, the others
+//! `bucket_cap_mb`), walking the parameters in backward order (the last partition's last
+//! parameter first), but a bucket also closes at the end of each partition: a bucket that
+//! held the tail of one partition and the head of the next could launch only when the
+//! earlier partition finishes, holding back gradients that were final long before.
+//! The pipe knows its backward order before the first step, so the reducer's rebuild in
+//! observed order is not used (the assignment is set with
+//! [`Reducer::set_bucket_params`], which cancels it); every rank builds the same buckets
+//! from the same model.
+//!
+//! # Checkpointing, schedules and hooks
+//!
+//! Nothing here depends on how a partition reaches its last backward action: with
+//! [`pipe::Checkpoint::Always`] or `ExceptLast` that action re-runs a forward pass first,
+//! under GPipe or 1F1B or a schedule of the caller's ([`DistributedPipe::step_with`]); the
+//! gradients are final after it all the same. (PyTorch's `Pipe` can be wrapped in DDP only
+//! with `checkpoint='never'`, because autograd's recomputation fires DDP's hooks twice;
+//! an explicit backward has no such limit.) Any [`CommHook`] works, PowerSGD included:
+//! the reducer launches buckets strictly in bucket order, the same order on every rank.
+//!
+//! # Accumulation
+//!
+//! [`DistributedPipe`] implements [`accum::GradSync`], so `accum`'s `no_sync` guard and
+//! `Accumulator` drive it. With synchronisation off, a step only runs the pipe: parameter
+//! gradients accumulate in the layers (the pipe adds, never overwrites), and the next
+//! synchronised step hands the accumulated sum to the reducer, one reduction for the whole
+//! group of mini-batches. The setting in force when `step` (or `backward`) is called
+//! decides, for the whole step. Scale each micro-step's loss gradient yourself (the
+//! `Accumulator`'s `loss_scale`).
+//!
+//! # The tensor type
+//!
+//! The reducer's buckets are host `f32` memory ([`CpuBackend`]); a pipe's tensor type
+//! takes part through [`GradTensor`] (its shape, and copies of its elements into and out
+//! of a host `f32` slice). [`CpuTensor`] implements it; a device tensor type would stage
+//! through host memory in those two methods.
+//!
+//! # Errors
+//!
+//! In a synchronised step the reducer's `finish` runs whatever happened, so this rank
+//! launches every bucket and no peer is left waiting: a partition whose callback did not
+//! run (the pipe failed first) is reduced as zeros, and a gradient that cannot be copied
+//! (a shape that changed since construction) is reduced as zeros on this rank. The step
+//! then returns the first cause: the pipe's error ([`Error::Pipe`]), the gradients that
+//! could not be copied ([`Error::Gradients`]), or the reducer's error
+//! ([`Error::Reducer`]). On any error the layers' gradients are left as the pipe made
+//! them (this rank's own, possibly partial): zero them before the next step. Peers that
+//! succeeded averaged with this rank's zeros, as DDP peers would; a failed step on one
+//! rank calls for a fresh start (or a re-broadcast of the parameters) on all of them.
+//!
+//! [`CommHook`]: crate::CommHook
+
+use crate::{CommHook, HookSpec, Reducer, ReducerConfig};
+use collectives::ProcessGroup;
+use lowrank::CpuBackend;
+use pipe::{Batch, CpuTensor, Layer, MicroBatch, Pipe, Schedule, StepOutput, Tensor};
+use std::fmt;
+use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+/// What the reducer needs from a pipe's tensor type: its shape, and copies of its
+/// elements (row-major, `f32`) into and out of host memory. Implemented for
+/// [`CpuTensor`].
+pub trait GradTensor: Tensor {
+    /// The shape.
+    fn dims(&self) -> Vec<usize>;
+
+    /// Copies the elements, row-major, into `out`, whose length is the element count
+    /// (another length is an error).
+    fn copy_to(&self, out: &mut [f32]) -> Result<(), pipe::Error>;
+
+    /// Overwrites the elements, row-major, from `src`, whose length is the element count
+    /// (another length is an error).
+    fn copy_from(&mut self, src: &[f32]) -> Result<(), pipe::Error>;
+}
+
+impl GradTensor for CpuTensor {
+    fn dims(&self) -> Vec<usize> {
+        self.shape().to_vec()
+    }
+
+    fn copy_to(&self, out: &mut [f32]) -> Result<(), pipe::Error> {
+        same_len("copy_to", self, out.len())?;
+        match self.array().as_slice() {
+            Some(values) => out.copy_from_slice(values),
+            None => out
+                .iter_mut()
+                .zip(self.array().iter())
+                .for_each(|(o, v)| *o = *v),
+        }
+        Ok(())
+    }
+
+    fn copy_from(&mut self, src: &[f32]) -> Result<(), pipe::Error> {
+        same_len("copy_from", self, src.len())?;
+        match self.array_mut().as_slice_mut() {
+            Some(values) => values.copy_from_slice(src),
+            None => self
+                .array_mut()
+                .iter_mut()
+                .zip(src)
+                .for_each(|(v, s)| *v = *s),
+        }
+        Ok(())
+    }
+}
+
+fn same_len(op: &'static str, t: &CpuTensor, len: usize) -> Result<(), pipe::Error> {
+    if t.array().len() == len {
+        Ok(())
+    } else {
+        Err(pipe::Error::Shape {
+            op,
+            expected: t.shape().to_vec(),
+            got: vec![len],
+        })
+    }
+}
+
+/// When a synchronised step hands gradients to the reducer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Launch {
+    /// Each partition's gradients, on its worker, right after its last backward action:
+    /// communication overlaps the other partitions' backward passes. The default.
+    #[default]
+    PerPartition,
+    /// Every gradient after the whole backward pass, on the caller's thread: what a
+    /// data-parallel wrapper around a pipe without a gradients-final point would do. For
+    /// comparison (the `pipeline` bench measures both).
+    AfterBackward,
+}
+
+/// Why a parameter's gradient could not be handed to the reducer or written back.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Problem {
+    /// Its shape differs from the one the parameter had when the [`DistributedPipe`] was
+    /// built.
+    Shape {
+        /// The shape at construction.
+        expected: Vec<usize>,
+        /// The gradient's shape now.
+        got: Vec<usize>,
+    },
+    /// The partition's layers report another number of parameters than at construction.
+    Params {
+        /// Parameters at construction.
+        expected: usize,
+        /// Parameters now.
+        got: usize,
+    },
+    /// The tensor type's copy failed.
+    Tensor(pipe::Error),
+    /// The reducer refused the gradient's slot or its mark.
+    Reducer(crate::Error),
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Problem::Shape { expected, got } => {
+                write!(
+                    f,
+                    "gradient of shape {got:?}, the parameter was {expected:?}"
+                )
+            }
+            Problem::Params { expected, got } => {
+                write!(f, "{got} parameters, {expected} when the pipe was wrapped")
+            }
+            Problem::Tensor(e) => write!(f, "copy failed: {e}"),
+            Problem::Reducer(e) => write!(f, "reducer: {e}"),
+        }
+    }
+}
+
+/// A gradient that could not be handed over or written back, and where it lives.
+#[derive(Debug)]
+pub struct Fault {
+    /// The partition.
+    pub partition: usize,
+    /// The layer's global index and the parameter's name, where one parameter is at
+    /// fault (not for [`Problem::Params`]).
+    pub param: Option<(usize, &'static str)>,
+    /// What went wrong.
+    pub problem: Problem,
+}
+
+impl fmt::Display for Fault {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "partition {}", self.partition)?;
+        if let Some((layer, name)) = self.param {
+            write!(f, ", layer {layer}, `{name}`")?;
+        }
+        write!(f, ": {}", self.problem)
+    }
+}
+
+/// What can go wrong in a pipelined data-parallel step. A type of its own (not a variant
+/// of [`crate::Error`]) because `pipe`'s error is neither `Clone` nor `PartialEq`, which
+/// the crate's error is.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The pipe's error (construction, a layer, the loss, a timeout).
+    #[error(transparent)]
+    Pipe(#[from] pipe::Error),
+    /// The reducer's or a hook's error.
+    #[error(transparent)]
+    Reducer(#[from] crate::Error),
+    /// Gradients that could not be handed to the reducer (they were reduced as zeros on
+    /// this rank, so no peer waited) or written back.
+    #[error("{}", faults(.0))]
+    Gradients(Vec<Fault>),
+}
+
+fn faults(list: &[Fault]) -> String {
+    let parts: Vec<String> = list.iter().map(Fault::to_string).collect();
+    format!(
+        "{}; the step was reduced with zeros in their place, so no rank waited",
+        parts.join("; ")
+    )
+}
+
+/// This module's result.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// The state the partitions' callbacks share with the caller's thread.
+struct Shared<H> {
+    reducer: Mutex<Reducer<CpuBackend, H>>,
+    /// Global index of each partition's first parameter, then the parameter count.
+    bounds: Vec<usize>,
+    /// Global index of each partition's first layer.
+    first_layer: Vec<usize>,
+    /// Parameter shapes, forward order.
+    shapes: Vec<Vec<usize>>,
+    /// Whether the callbacks hand gradients over (a synchronised step with
+    /// [`Launch::PerPartition`] is running).
+    armed: AtomicBool,
+    /// Problems the callbacks met in the step in progress.
+    faults: Mutex<Vec<Fault>>,
+}
+
+impl<H: CommHook<CpuBackend>> Shared<H> {
+    fn reducer(&self) -> MutexGuard<'_, Reducer<CpuBackend, H>> {
+        self.reducer.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn faults(&self) -> MutexGuard<'_, Vec<Fault>> {
+        self.faults.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn params(&self, partition: usize) -> Range<usize> {
+        self.bounds[partition]..self.bounds[partition + 1]
+    }
+
+    /// Copies partition `j`'s gradients into their slots and marks them ready, last
+    /// parameter first (so the partition's first bucket launches while the others are
+    /// still being copied). A gradient that cannot be copied is marked unused (a zero on
+    /// this rank), so its bucket still launches; the problems are returned.
+    fn hand_over<T: GradTensor>(
+        &self,
+        reducer: &mut Reducer<CpuBackend, H>,
+        j: usize,
+        layers: &[Box<dyn Layer<T>>],
+    ) -> Vec<Fault> {
+        let range = self.params(j);
+        let params: Vec<(usize, pipe::Param<'_, T>)> = layers
+            .iter()
+            .enumerate()
+            .flat_map(|(l, layer)| {
+                let global = self.first_layer[j] + l;
+                layer.parameters().into_iter().map(move |p| (global, p))
+            })
+            .collect();
+        let mut faults = Vec::new();
+        let mut fault = |param, problem| {
+            faults.push(Fault {
+                partition: j,
+                param,
+                problem,
+            })
+        };
+        if params.len() != range.len() {
+            fault(
+                None,
+                Problem::Params {
+                    expected: range.len(),
+                    got: params.len(),
+                },
+            );
+            for p in range.rev() {
+                if let Err(e) = reducer.mark_unused(p) {
+                    fault(None, Problem::Reducer(e));
+                }
+            }
+            return faults;
+        }
+        for (p, (layer, param)) in range.zip(&params).rev() {
+            let at = Some((*layer, param.name));
+            let got = param.grad.dims();
+            let copied = if got != self.shapes[p] {
+                Err(Problem::Shape {
+                    expected: self.shapes[p].clone(),
+                    got,
+                })
+            } else {
+                match reducer.grad_mut(p) {
+                    Ok(slot) => param.grad.copy_to(slot).map_err(Problem::Tensor),
+                    Err(e) => Err(Problem::Reducer(e)),
+                }
+            };
+            let marked = match copied {
+                Ok(()) => reducer.mark_ready(p),
+                Err(problem) => {
+                    fault(at, problem);
+                    reducer.mark_unused(p)
+                }
+            };
+            if let Err(e) = marked {
+                fault(at, Problem::Reducer(e));
+            }
+        }
+        faults
+    }
+}
+
+/// One data-parallel rank's pipe and the reducer that averages its gradients over the
+/// ranks, each partition's buckets launched as soon as that partition's gradients are
+/// final. See the [module docs](self).
+pub struct DistributedPipe<T: GradTensor = CpuTensor, H = Box<dyn CommHook<CpuBackend>>> {
+    pipe: Pipe<T>,
+    shared: Arc<Shared<H>>,
+    sync: bool,
+    launch: Launch,
+}
+
+impl<T: GradTensor, H> fmt::Debug for DistributedPipe<T, H> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DistributedPipe")
+            .field("balance", &self.pipe.balance())
+            .field("params", &self.shared.shapes.len())
+            .field("sync", &self.sync)
+            .field("launch", &self.launch)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<T: GradTensor> DistributedPipe<T> {
+    /// The hook `spec` over `group` (the registry's names: `allreduce`,
+    /// `powersgd:rank=2,start_iter=10`, ...) with DDP's default bucket sizes.
+    pub fn from_spec(pipe: Pipe<T>, spec: &HookSpec, group: Arc<dyn ProcessGroup>) -> Result<Self> {
+        let backend = Arc::new(CpuBackend::new());
+        let hook = spec.build(backend.clone(), group)?;
+        DistributedPipe::new(pipe, backend, hook, ReducerConfig::default())
+    }
+}
+
+impl<T: GradTensor, H: CommHook<CpuBackend> + 'static> DistributedPipe<T, H> {
+    /// Wraps `pipe` (the same model on every rank) with a reducer over its parameters and
+    /// `hook`, buckets sized by `config` (see the module docs). Registers the pipe's
+    /// gradients-final callback, replacing any other.
+    pub fn new(
+        mut pipe: Pipe<T>,
+        backend: Arc<CpuBackend>,
+        hook: H,
+        config: ReducerConfig,
+    ) -> Result<Self> {
+        let mut shapes = Vec::new();
+        let mut bounds = vec![0];
+        let mut first_layer = Vec::new();
+        let mut layers = 0;
+        for partition in pipe.partitions() {
+            first_layer.push(layers);
+            layers += partition.len();
+            for layer in partition {
+                shapes.extend(layer.parameters().iter().map(|p| p.value.dims()));
+            }
+            bounds.push(shapes.len());
+        }
+        let mut reducer = Reducer::new(backend, &shapes, hook, config)?;
+        let lens: Vec<usize> = (0..shapes.len())
+            .map(|p| reducer.grad(p).map(<[f32]>::len))
+            .collect::<Result<_, _>>()?;
+        reducer.set_bucket_params(partition_buckets(&bounds, &lens, &config))?;
+        let shared = Arc::new(Shared {
+            reducer: Mutex::new(reducer),
+            bounds,
+            first_layer,
+            shapes,
+            armed: AtomicBool::new(false),
+            faults: Mutex::new(Vec::new()),
+        });
+        let callback = shared.clone();
+        pipe.on_gradients_final(move |j, layers| {
+            if !callback.armed.load(Ordering::Acquire) {
+                return;
+            }
+            let faults = {
+                let mut reducer = callback.reducer();
+                callback.hand_over(&mut reducer, j, layers)
+            };
+            callback.faults().extend(faults);
+        });
+        Ok(DistributedPipe {
+            pipe,
+            shared,
+            sync: true,
+            launch: Launch::default(),
+        })
+    }
+
+    /// The same, launching at another point (see [`Launch`]).
+    pub fn with_launch(mut self, launch: Launch) -> Self {
+        self.launch = launch;
+        self
+    }
+
+    /// Sets when synchronised steps hand gradients over, from the next step on.
+    pub fn set_launch(&mut self, launch: Launch) {
+        self.launch = launch;
+    }
+
+    /// When synchronised steps hand gradients over.
+    pub fn launch(&self) -> Launch {
+        self.launch
+    }
+
+    /// Runs a training step of the pipe ([`Pipe::step`]) and, if synchronisation is on,
+    /// reduces the gradients over the ranks as partitions finish, then writes the
+    /// averaged gradients into the layers. With it off, gradients only accumulate in the
+    /// layers. See the module docs for errors.
+    pub fn step<L, F>(&mut self, input: Batch<T>, loss: F) -> Result<StepOutput<T, L>>
+    where
+        L: Send,
+        F: FnMut(MicroBatch, &Batch<T>) -> Result<(L, Batch<T>), pipe::Error> + Send,
+    {
+        self.reduce_around(|pipe| pipe.step(input, loss))
+    }
+
+    /// [`step`](Self::step) with a schedule of your own ([`Pipe::step_with`]).
+    pub fn step_with<L, F>(
+        &mut self,
+        schedule: &Schedule,
+        input: Batch<T>,
+        loss: F,
+    ) -> Result<StepOutput<T, L>>
+    where
+        L: Send,
+        F: FnMut(MicroBatch, &Batch<T>) -> Result<(L, Batch<T>), pipe::Error> + Send,
+    {
+        self.reduce_around(|pipe| pipe.step_with(schedule, input, loss))
+    }
+
+    /// The pipe's forward pass ([`Pipe::forward`]); nothing is reduced.
+    pub fn forward(&mut self, input: Batch<T>) -> Result<Batch<T>> {
+        Ok(self.pipe.forward(input)?)
+    }
+
+    /// The pending forward's backward pass ([`Pipe::backward`]), reduced as
+    /// [`step`](Self::step) is; returns the input gradient.
+    pub fn backward(&mut self, grad_output: Batch<T>) -> Result<Batch<T>> {
+        self.reduce_around(|pipe| pipe.backward(grad_output))
+    }
+
+    fn reduce_around<R>(
+        &mut self,
+        run: impl FnOnce(&mut Pipe<T>) -> Result<R, pipe::Error>,
+    ) -> Result<R> {
+        if !self.sync {
+            return Ok(run(&mut self.pipe)?);
+        }
+        self.shared.faults().clear();
+        let early = self.launch == Launch::PerPartition;
+        self.shared.armed.store(early, Ordering::Release);
+        let ran = run(&mut self.pipe);
+        self.shared.armed.store(false, Ordering::Release);
+        let shared = &*self.shared;
+        let mut reducer = shared.reducer();
+        if !early && ran.is_ok() {
+            for (j, layers) in self.pipe.partitions().iter().enumerate().rev() {
+                let faults = shared.hand_over(&mut reducer, j, layers);
+                shared.faults().extend(faults);
+            }
+        }
+        // Whatever happened, every bucket launches and is waited for: no peer waits.
+        let finished = reducer.finish();
+        let faults = std::mem::take(&mut *shared.faults());
+        let value = match ran {
+            Ok(value) => value,
+            Err(e) => {
+                if let Err(also) = finished {
+                    tracing::debug!("the failed pipe step also left the reducer with: {also}");
+                }
+                return Err(Error::Pipe(e));
+            }
+        };
+        if !faults.is_empty() {
+            return Err(Error::Gradients(faults));
+        }
+        finished?;
+        write_back(shared, &reducer, &mut self.pipe)?;
+        Ok(value)
+    }
+
+    /// Hook calls so far (one per bucket per synchronised step).
+    pub fn hook_calls(&self) -> u64 {
+        self.shared.reducer().hook_calls()
+    }
+
+    /// Parameter indices (forward order) of each bucket, in launch order.
+    pub fn bucket_params(&self) -> Vec<Vec<usize>> {
+        self.shared.reducer().bucket_params()
+    }
+
+    /// The partition each bucket belongs to, in launch order (never increasing).
+    pub fn bucket_partitions(&self) -> Vec<usize> {
+        let bounds = &self.shared.bounds;
+        self.bucket_params()
+            .iter()
+            .map(|b| bounds.partition_point(|&start| start <= b[0]) - 1)
+            .collect()
+    }
+
+    /// The reducer (its hook and buckets), locked. Between steps no callback holds it.
+    pub fn reducer(&self) -> MutexGuard<'_, Reducer<CpuBackend, H>> {
+        self.shared.reducer()
+    }
+}
+
+impl<T: GradTensor, H> DistributedPipe<T, H> {
+    /// The pipe (layers, parameters and their gradients).
+    pub fn pipe(&self) -> &Pipe<T> {
+        &self.pipe
+    }
+
+    /// The pipe, mutably (an optimizer step through [`Pipe::partitions_mut`], `eval`).
+    /// Runs started on it directly are not reduced.
+    pub fn pipe_mut(&mut self) -> &mut Pipe<T> {
+        &mut self.pipe
+    }
+
+    /// The pipe, without its gradients-final callback.
+    pub fn into_pipe(mut self) -> Pipe<T> {
+        self.pipe.on_gradients_final(|_, _| {});
+        self.pipe
+    }
+
+    /// Sets every layer's gradients to zero ([`Pipe::zero_grad`]).
+    pub fn zero_grad(&mut self) {
+        self.pipe.zero_grad();
+    }
+
+    /// Parameters in all (forward order: partition by partition, layer by layer).
+    pub fn param_count(&self) -> usize {
+        self.shared.shapes.len()
+    }
+
+    /// The global indices of partition `j`'s parameters (empty past the last partition).
+    pub fn partition_params(&self, j: usize) -> Range<usize> {
+        let b = &self.shared.bounds;
+        match (b.get(j), b.get(j + 1)) {
+            (Some(&start), Some(&end)) => start..end,
+            _ => b[b.len() - 1]..b[b.len() - 1],
+        }
+    }
+}
+
+impl<T: GradTensor, H> accum::GradSync for DistributedPipe<T, H> {
+    /// Sets the setting of the next step (a step takes `&mut self`, so none is in
+    /// progress).
+    fn set_sync(&mut self, on: bool) -> bool {
+        std::mem::replace(&mut self.sync, on)
+    }
+
+    fn sync_enabled(&self) -> bool {
+        self.sync
+    }
+}
+
+/// Overwrites every layer's gradients with the reduced ones.
+fn write_back<T: GradTensor, H: CommHook<CpuBackend>>(
+    shared: &Shared<H>,
+    reducer: &Reducer<CpuBackend, H>,
+    pipe: &mut Pipe<T>,
+) -> Result<()> {
+    let mut faults = Vec::new();
+    for (j, layers) in pipe.partitions_mut().iter_mut().enumerate() {
+        let range = shared.params(j);
+        let mut p = range.start;
+        let first_layer = shared.first_layer[j];
+        for (l, layer) in layers.iter_mut().enumerate() {
+            for param in layer.parameters_mut() {
+                if p < range.end {
+                    let reduced = reducer.grad(p)?;
+                    if let Err(e) = param.grad.copy_from(reduced) {
+                        faults.push(Fault {
+                            partition: j,
+                            param: Some((first_layer + l, param.name)),
+                            problem: Problem::Tensor(e),
+                        });
+                    }
+                }
+                p += 1;
+            }
+        }
+        if p != range.end {
+            faults.push(Fault {
+                partition: j,
+                param: None,
+                problem: Problem::Params {
+                    expected: range.len(),
+                    got: p - range.start,
+                },
+            });
+        }
+    }
+    if faults.is_empty() {
+        Ok(())
+    } else {
+        Err(Error::Gradients(faults))
+    }
+}
+
+/// DDP's assignment by size over the parameters in backward order (the last partition's
+/// last parameter first), the first bucket's cap `first_bucket_mb`, the others'
+/// `bucket_cap_mb` (a bucket closes once its bytes reach its cap), and a bucket also
+/// closes at the end of each partition.
+fn partition_buckets(bounds: &[usize], lens: &[usize], config: &ReducerConfig) -> Vec<Vec<usize>> {
+    let bytes = |mb: f64| (mb * (1u64 << 20) as f64) as usize;
+    let (first, rest) = (bytes(config.first_bucket_mb), bytes(config.bucket_cap_mb));
+    let mut buckets: Vec<Vec<usize>> = Vec::new();
+    for j in (0..bounds.len().saturating_sub(1)).rev() {
+        let mut current = Vec::new();
+        let mut size = 0usize;
+        for p in (bounds[j]..bounds[j + 1]).rev() {
+            current.push(p);
+            size = size.saturating_add(lens[p].saturating_mul(size_of::<f32>()));
+            let cap = if buckets.is_empty() { first } else { rest };
+            if size >= cap {
+                buckets.push(std::mem::take(&mut current));
+                size = 0;
+            }
+        }
+        if !current.is_empty() {
+            buckets.push(current);
+        }
+    }
+    buckets
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_close_at_caps_and_at_partition_ends() {
+        // Two partitions: params 0..3 and 3..5, 1 MiB each (262144 floats).
+        let lens = vec![1 << 18; 5];
+        let config = ReducerConfig {
+            first_bucket_mb: 1.0,
+            bucket_cap_mb: 2.5,
+            ..ReducerConfig::default()
+        };
+        let got = partition_buckets(&[0, 3, 5], &lens, &config);
+        assert_eq!(got, vec![vec![4], vec![3], vec![2, 1, 0]]);
+        // A partition without parameters gets no bucket.
+        let got = partition_buckets(&[0, 2, 2, 3], &[1, 1, 1], &ReducerConfig::default());
+        assert_eq!(got, vec![vec![2], vec![1, 0]]);
+    }
+
+    #[test]
+    fn cpu_tensors_copy_in_and_out_and_refuse_other_lengths() {
+        let mut t = CpuTensor::from_shape_vec(&[2, 2], vec![1.0, 2.0, 3.0, 4.0]).unwrap();
+        let mut out = vec![0.0; 4];
+        t.copy_to(&mut out).unwrap();
+        assert_eq!(out, vec![1.0, 2.0, 3.0, 4.0]);
+        t.copy_from(&[5.0, 6.0, 7.0, 8.0]).unwrap();
+        assert_eq!(t.to_vec(), vec![5.0, 6.0, 7.0, 8.0]);
+        assert!(t.copy_to(&mut [0.0; 3]).is_err());
+        assert!(t.copy_from(&[0.0; 5]).is_err());
+        // A transposed (non-contiguous) view copies in logical row-major order.
+        let tr = CpuTensor::new(t.array().clone().reversed_axes());
+        tr.copy_to(&mut out).unwrap();
+        assert_eq!(out, vec![5.0, 7.0, 6.0, 8.0]);
+    }
+}
