@@ -10,7 +10,7 @@ use super::{shapes, teacher_data, Mlp, Sgd, WIDTHS};
 use accum::Accumulator;
 use collectives::link::{Charge, Link, LinkOp, Linked};
 use collectives::{run_local, ProcessGroup};
-use ddp_hooks::{HookSpec, Reducer, ReducerConfig};
+use ddp_hooks::{CommHook, HookSpec, Reducer, ReducerConfig};
 use lowrank::CpuBackend;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -202,11 +202,8 @@ pub fn run_rank<G: ProcessGroup + 'static>(
         .hook
         .build(be.clone(), Arc::new(linked))
         .map_err(|e| e.to_string())?;
-    // Through the `dyn CommHook` itself: `Box<dyn CommHook>`'s own impl may not forward
-    // the state methods.
     if let Some(state) = state {
-        (*hook)
-            .load_state(state)
+        hook.load_state(state)
             .map_err(|e| format!("loading the hook's state: {e}"))?;
     }
     let mut reducer =
@@ -265,7 +262,7 @@ pub fn run_rank<G: ProcessGroup + 'static>(
                     step,
                     params: model.params.clone(),
                     velocity: opt.velocity.clone(),
-                    hook: (**reducer.hook()).save_state().map_err(|e| e.to_string())?,
+                    hook: reducer.hook().save_state().map_err(|e| e.to_string())?,
                 }
                 .save(dir)?;
                 if rank == 0 {
