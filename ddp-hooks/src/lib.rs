@@ -38,6 +38,8 @@
 #![deny(missing_docs)]
 
 mod bucket;
+#[cfg(feature = "candle")]
+pub mod candle;
 mod comm;
 mod error;
 mod hooks;
