@@ -76,6 +76,7 @@ pub fn run(args: &[String]) -> Result<(), Failure> {
         "cuda",
         "--test",
         "primitives",
+        "--lib",
         "--",
         "cuda",
         "--nocapture",
@@ -104,6 +105,28 @@ pub fn run(args: &[String]) -> Result<(), Failure> {
         "threads_cuda",
         "--",
         "--nocapture",
+    ]))?;
+    // The embedding features: the candle adapters (ddp-hooks, pipe) and pipeline × data
+    // parallel (ddp-hooks' `pipe` feature).
+    run_status(cargo(&[
+        "test",
+        "-p",
+        "ddp-hooks",
+        "--features",
+        "candle,pipe",
+        "--test",
+        "candle",
+        "--test",
+        "pipeline",
+    ]))?;
+    run_status(cargo(&[
+        "test",
+        "-p",
+        "pipe",
+        "--features",
+        "candle",
+        "--test",
+        "candle",
     ]))?;
     let mut skipped = Vec::new();
     for suite in OPTIONAL {
