@@ -104,6 +104,7 @@ use std::fmt;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
 
 /// What the reducer needs from a pipe's tensor type: its shape, and copies of its
 /// elements (row-major, `f32`) into and out of host memory. Implemented for
@@ -175,6 +176,18 @@ pub enum Launch {
     /// data-parallel wrapper around a pipe without a gradients-final point would do. For
     /// comparison (the `pipeline` bench measures both).
     AfterBackward,
+}
+
+/// Where the time of the last step went ([`DistributedPipe::last_step_times`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StepTimes {
+    /// The pipe's run: the forward and backward passes of every micro-batch. With
+    /// [`Launch::PerPartition`] the finished partitions' communication overlaps it.
+    pub pipe: Duration,
+    /// From the end of the pipe's run to the averaged gradients in the layers: handing
+    /// over what was not handed over yet, waiting for every bucket, writing back. Zero in
+    /// an unsynchronised step. Communication that no compute hid shows up here.
+    pub tail: Duration,
 }
 
 /// Why a parameter's gradient could not be handed to the reducer or written back.
@@ -379,6 +392,7 @@ pub struct DistributedPipe<T: GradTensor = CpuTensor, H = Box<dyn CommHook<CpuBa
     shared: Arc<Shared<H>>,
     sync: bool,
     launch: Launch,
+    times: Option<StepTimes>,
 }
 
 impl<T: GradTensor, H> fmt::Debug for DistributedPipe<T, H> {
@@ -453,6 +467,7 @@ impl<T: GradTensor, H: CommHook<CpuBackend> + 'static> DistributedPipe<T, H> {
             shared,
             sync: true,
             launch: Launch::default(),
+            times: None,
         })
     }
 
@@ -513,14 +528,22 @@ impl<T: GradTensor, H: CommHook<CpuBackend> + 'static> DistributedPipe<T, H> {
         &mut self,
         run: impl FnOnce(&mut Pipe<T>) -> Result<R, pipe::Error>,
     ) -> Result<R> {
+        let started = Instant::now();
+        self.times = None;
         if !self.sync {
-            return Ok(run(&mut self.pipe)?);
+            let value = run(&mut self.pipe)?;
+            self.times = Some(StepTimes {
+                pipe: started.elapsed(),
+                tail: Duration::ZERO,
+            });
+            return Ok(value);
         }
         self.shared.faults().clear();
         let early = self.launch == Launch::PerPartition;
         self.shared.armed.store(early, Ordering::Release);
         let ran = run(&mut self.pipe);
         self.shared.armed.store(false, Ordering::Release);
+        let ended = Instant::now();
         let shared = &*self.shared;
         let mut reducer = shared.reducer();
         if !early && ran.is_ok() {
@@ -535,18 +558,36 @@ impl<T: GradTensor, H: CommHook<CpuBackend> + 'static> DistributedPipe<T, H> {
         let value = match ran {
             Ok(value) => value,
             Err(e) => {
-                if let Err(also) = finished {
-                    tracing::debug!("the failed pipe step also left the reducer with: {also}");
+                match finished {
+                    // The partitions the failure stopped were reduced as zeros: expected.
+                    Err(crate::Error::UnmarkedParameters { .. }) | Ok(()) => {}
+                    Err(also) => tracing::warn!(
+                        "the pipe step that failed with `{e}` also failed to reduce: {also}"
+                    ),
                 }
                 return Err(Error::Pipe(e));
             }
         };
         if !faults.is_empty() {
+            if let Err(also) = finished {
+                tracing::warn!("the step whose gradients could not be handed over also failed to reduce: {also}");
+            }
             return Err(Error::Gradients(faults));
         }
         finished?;
         write_back(shared, &reducer, &mut self.pipe)?;
+        self.times = Some(StepTimes {
+            pipe: ended - started,
+            tail: ended.elapsed(),
+        });
         Ok(value)
+    }
+
+    /// Where the time of the last step ([`step`](Self::step), [`step_with`](Self::step_with)
+    /// or [`backward`](Self::backward)) went; `None` before the first and after a failed
+    /// one.
+    pub fn last_step_times(&self) -> Option<StepTimes> {
+        self.times
     }
 
     /// Hook calls so far (one per bucket per synchronised step).

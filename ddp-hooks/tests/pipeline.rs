@@ -362,11 +362,14 @@ fn every_bucket_hook_runs_once_per_synchronised_step_and_never_under_no_sync() {
                 step(&mut ddp, s);
                 seen.push(per_bucket(&calls, buckets));
             }
+            let times = ddp.last_step_times().unwrap();
+            assert!(times.pipe > Duration::ZERO && times.tail > Duration::ZERO);
             {
                 let mut guard = no_sync(&mut ddp);
                 assert!(!guard.sync_enabled());
                 step(&mut guard, 3);
                 step(&mut guard, 4);
+                assert_eq!(guard.last_step_times().unwrap().tail, Duration::ZERO);
             }
             seen.push(per_bucket(&calls, buckets));
             accum::with_no_sync(&mut ddp, |d| step(d, 5));
