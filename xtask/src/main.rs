@@ -30,7 +30,7 @@ commands:
                             report (every hook on 4 x Linear, ResNet-50, BERT-base, GPT-2 small, priced
                             at 1-400 Gbit/s; writes target/bench/report.jsonl and speedup.svg).
                             SUITE: report, lowrank, collectives, hooks, accum, pipe
-  train [--hook SPEC] [--ranks N] [--steps N] [--accumulate K] [--batch N]
+  train [--hook SPEC] [--ranks N] [--steps N] [--accumulate K] [--batch N] [--pipe P]
         [--compare | --resume-at K | --backend threads|mpi]
                             N thread ranks (default 4) train the teacher-student MLP through the
                             ddp-hooks reducer with the hook SPEC (default allreduce; e.g.
@@ -38,7 +38,9 @@ commands:
                             --compare: allreduce vs PowerSGD ranks 1, 2, 4 as a table;
                             --resume-at K: save at step K, restart from the files, check the end
                             is identical; --backend mpi: the same under mpirun -np N, checked
-                            against the thread ranks
+                            against the thread ranks; --pipe P: each rank's model as a
+                            P-partition pipe, each partition's buckets reduced as soon as its
+                            gradients are final
   sanitize                  the collectives and lowrank tests under AddressSanitizer (needs
                             nightly; skipped with a message where it is not installed)
   loom                      the loom models of the thread backend's rendezvous and work handles

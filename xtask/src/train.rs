@@ -43,6 +43,19 @@ pub struct Options {
     compare: bool,
     resume_at: Option<usize>,
     backend: Backend,
+    /// `--pipe N`: each rank's model as an N-partition pipe (the `train_pipe` example).
+    pipe: Option<usize>,
+}
+
+impl Options {
+    /// The example that trains, and the features it needs.
+    fn trainer(&self) -> (&'static str, &'static [&'static str]) {
+        if self.pipe.is_some() {
+            ("train_pipe", &["pipe"])
+        } else {
+            ("train", &[])
+        }
+    }
 }
 
 /// Why `train` stopped.
@@ -76,6 +89,7 @@ pub fn parse(args: &[String]) -> Result<Options, String> {
         compare: false,
         resume_at: None,
         backend: Backend::Threads,
+        pipe: None,
     };
     let mut hook_given = false;
     let mut it = args.iter();
@@ -97,6 +111,7 @@ pub fn parse(args: &[String]) -> Result<Options, String> {
             "--accumulate" => o.accumulate = number(value()?)?,
             "--batch" => o.batch = Some(number(value()?)?),
             "--resume-at" => o.resume_at = Some(number(value()?)?),
+            "--pipe" => o.pipe = Some(number(value()?)?),
             "--hook" => {
                 o.hook = value()?;
                 hook_given = true;
@@ -119,6 +134,12 @@ pub fn parse(args: &[String]) -> Result<Options, String> {
     if modes.iter().filter(|&&m| m).count() > 1 {
         return Err(
             "--compare, --resume-at and --backend mpi are separate runs: one at a time".into(),
+        );
+    }
+    if o.pipe.is_some() && (o.resume_at.is_some() || o.backend == Backend::Mpi) {
+        return Err(
+            "--pipe trains on thread ranks without checkpoints: drop --resume-at and --backend mpi"
+                .into(),
         );
     }
     if let Some(k) = o.resume_at {
@@ -146,7 +167,8 @@ pub fn run(o: Options) -> Result<(), TrainError> {
         summary(&mpi);
         return mpi_verdict(&threads, &mpi);
     }
-    let exe = build_example("train", &[], true)?;
+    let (name, features) = o.trainer();
+    let exe = build_example(name, features, true)?;
     let done = run_child(example(&exe, &o, &o.hook), &o.hook)?;
     summary(&done);
     Ok(())
@@ -164,6 +186,7 @@ pub fn mpi_check() -> Result<(), Failure> {
         compare: false,
         resume_at: None,
         backend: Backend::Mpi,
+        pipe: None,
     };
     let result = mpi_pair(&o, false).and_then(|(threads, mpi)| mpi_verdict(&threads, &mpi));
     match result {
@@ -211,6 +234,9 @@ fn run_args(o: &Options, hook: &str, with_ranks: bool) -> Vec<String> {
     ];
     if with_ranks {
         a.extend(["--ranks".into(), o.ranks.to_string()]);
+    }
+    if let Some(p) = o.pipe {
+        a.extend(["--pipe".into(), p.to_string()]);
     }
     if let Some(b) = o.batch {
         a.extend(["--batch".into(), b.to_string()]);
@@ -315,7 +341,8 @@ fn summary(d: &Value) {
 
 /// `--compare`: allreduce and PowerSGD at ranks 1, 2, 4, then the table.
 fn compare(o: &Options) -> Result<(), TrainError> {
-    let exe = build_example("train", &[], true)?;
+    let (name, features) = o.trainer();
+    let exe = build_example(name, features, true)?;
     let mut results = Vec::new();
     for hook in COMPARE {
         results.push(run_child(example(&exe, o, hook), hook)?);
