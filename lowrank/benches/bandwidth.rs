@@ -39,18 +39,18 @@ fn args() -> Args {
         .and_then(|s| s.parse().ok())
         .unwrap_or(if quick { 5 } else { 7 })
         .max(5);
-    let isa = argv
-        .iter()
-        .position(|a| a == "--isa")
-        .map(|i| match argv.get(i + 1).map(String::as_str) {
-            Some("avx512") => Isa::Avx512,
-            Some("avx2") => Isa::Avx2,
-            Some("portable") => Isa::Portable,
-            other => {
-                eprintln!("--isa takes avx512, avx2 or portable, got {other:?}");
-                std::process::exit(2)
-            }
-        });
+    let isa =
+        argv.iter()
+            .position(|a| a == "--isa")
+            .map(|i| match argv.get(i + 1).map(String::as_str) {
+                Some("avx512") => Isa::Avx512,
+                Some("avx2") => Isa::Avx2,
+                Some("portable") => Isa::Portable,
+                other => {
+                    eprintln!("--isa takes avx512, avx2 or portable, got {other:?}");
+                    std::process::exit(2)
+                }
+            });
     Args {
         quick,
         json: argv.iter().any(|a| a == "--json"),

@@ -406,7 +406,11 @@ fn held_lists_waiting_values_and_gradients() {
     skips.stash("none", None).unwrap();
     skips.finish().unwrap();
     assert_eq!(t.held().copied().collect::<Vec<_>>(), vec![2.0]);
-    assert_eq!(t.len(), 2, "the stash of nothing is held too, without a value");
+    assert_eq!(
+        t.len(),
+        2,
+        "the stash of nothing is held too, without a value"
+    );
     let skips = t.forward(1, &decls[1]).unwrap();
     skips.pop("a").unwrap();
     skips.pop("none").unwrap();
