@@ -90,8 +90,6 @@
 #![deny(missing_docs)]
 
 pub mod balance;
-#[cfg(feature = "candle")]
-pub mod candle;
 mod checkpoint;
 mod cpu;
 mod error;

@@ -166,8 +166,10 @@ mod avx512 {
     //! 16 × 16 at a time when `B` is stored by columns) into an aligned buffer, and a
     //! register tile of `R` rows × `NV` vectors of `C` runs over it, broadcasting `A`'s
     //! elements straight from `A`. A column-major `C` is loaded and stored through
-    //! 16 × 16 transposes. Edges use masked loads and stores; the next tile of a
-    //! row-major `C` is prefetched while the current one runs.
+    //! 16 × 16 transposes. Edges use masked loads and stores. With a single block of
+    //! `k` every panel is packed first and `C` is swept row block by row block, in its
+    //! own memory order (the weight gradient, read and written once per product, is then
+    //! streamed instead of revisited panel by panel).
 
     use std::arch::x86_64::*;
     use std::sync::OnceLock;
@@ -222,34 +224,71 @@ mod avx512 {
     ) {
         let (m, k, n) = (a.rows, a.cols, b.cols);
         let width = 16 * NV;
-        // Every pack row below kc is written in full (padding included) before it is
-        // read, so a small product needs only a small buffer.
-        let mut pack = vec![Lane([0.0; 16]); KC.min(k) * NV];
-        let pack = pack.as_mut_ptr().cast::<f32>();
         let column_major = c.cs != 1;
         let (c_rs, c_cs) = (c.rs, c.cs);
         let c_ptr = c.data.as_mut_ptr();
         let at = |i: usize, j: usize| c_ptr.wrapping_add(i * c_rs + j * c_cs);
-        for j0 in (0..n).step_by(width) {
+        let masks_of = |j0: usize| {
             let nw = width.min(n - j0);
             let mut masks = [0u16; 4];
             for (v, m) in masks.iter_mut().enumerate().take(NV) {
                 *m = mask(nw.saturating_sub(16 * v));
             }
+            (nw, masks)
+        };
+        let row_blocks = (0..m).step_by(R).map(|i0| (i0, R.min(m - i0)));
+        if k <= KC {
+            // One block of k: pack every panel of B first (it stays in L2), then sweep C
+            // row block by row block, so that C streams through in its own order (the
+            // weight gradient, read and written once per product, is the largest operand).
+            let panels = n.div_ceil(width);
+            // Every pack row is written in full (padding included) before it is read.
+            let mut pack = vec![Lane([0.0; 16]); panels * k * NV];
+            let pack = pack.as_mut_ptr().cast::<f32>();
+            for p in 0..panels {
+                let (nw, _) = masks_of(p * width);
+                // SAFETY: rows 0..k and columns p·width..p·width + nw of B are inside
+                // its slice; panel p of the pack holds k aligned rows of `width` floats.
+                unsafe { pack_block::<NV>(b, 0, k, p * width, nw, pack.add(p * k * width)) };
+            }
+            for (i0, rows) in row_blocks {
+                for p in 0..panels {
+                    let j0 = p * width;
+                    let tile = Tile {
+                        kc: k,
+                        a: a.data.as_ptr().wrapping_add(i0 * a.rs),
+                        a_rs: a.rs,
+                        a_cs: a.cs,
+                        b: pack.wrapping_add(p * k * width).cast_const(),
+                        c: at(i0, j0),
+                        c_rs,
+                        c_cs,
+                        load: accumulate,
+                        masks: masks_of(j0).1,
+                    };
+                    // SAFETY: the tile's rows of A over its kc steps are inside A's slice; the
+                    // same rows of C, in the lanes the masks allow, are inside C; its pack
+                    // holds kc rows of `width` floats; rows <= R <= 12.
+                    unsafe { tile.run_any::<R, NV>(rows, column_major) };
+                }
+            }
+            return;
+        }
+        // Several blocks of k: panel by panel, block by block, each block packed once
+        // and used by every row block of C.
+        let mut pack = vec![Lane([0.0; 16]); KC * NV];
+        let pack = pack.as_mut_ptr().cast::<f32>();
+        for j0 in (0..n).step_by(width) {
+            let (nw, masks) = masks_of(j0);
             for k0 in (0..k).step_by(KC) {
                 let kc = KC.min(k - k0);
                 // SAFETY: rows k0..k0 + kc and columns j0..j0 + nw of B are inside its
-                // slice (kc and nw are clamped to k and n); the pack holds min(KC, k) >= kc
+                // slice (kc and nw are clamped to k and n); the pack holds KC >= kc
                 // aligned rows of `width` floats.
                 unsafe { pack_block::<NV>(b, k0, kc, j0, nw, pack) };
                 let load = accumulate || k0 > 0;
-                let tile = |rows: usize, i0: usize| {
-                    let next = if i0 + rows < m {
-                        at(i0 + rows, j0)
-                    } else {
-                        at(0, j0 + width)
-                    };
-                    Tile {
+                for (i0, rows) in row_blocks.clone() {
+                    let tile = Tile {
                         kc,
                         a: a.data.as_ptr().wrapping_add(i0 * a.rs + k0 * a.cs),
                         a_rs: a.rs,
@@ -258,33 +297,13 @@ mod avx512 {
                         c: at(i0, j0),
                         c_rs,
                         c_cs,
-                        next: (!column_major && load).then_some(next),
                         load,
                         masks,
-                    }
-                };
-                let mut i0 = 0;
-                while i0 + R <= m {
-                    let t = tile(R, i0);
-                    // SAFETY: rows i0..i0 + R of A (i0 + R <= m) over columns
-                    // k0..k0 + kc are inside A's slice; the same rows of C, columns
-                    // j0..j0 + nw (the lanes the masks allow), are inside C; the pack
-                    // holds kc rows of `width` floats; R <= 16.
-                    unsafe {
-                        if column_major {
-                            t.run_columns::<R, NV>()
-                        } else {
-                            t.run_rows::<R, NV>()
-                        }
-                    }
-                    i0 += R;
-                }
-                let left = m - i0;
-                if left > 0 {
-                    let t = tile(left, i0);
-                    // SAFETY: as above for the last `left` rows; left < R <= 12, and
-                    // each arm runs a tile of exactly `left` rows.
-                    unsafe { t.run_any::<NV>(left, column_major) }
+                    };
+                    // SAFETY: the tile's rows of A over its kc steps are inside A's slice; the
+                    // same rows of C, in the lanes the masks allow, are inside C; its pack
+                    // holds kc rows of `width` floats; rows <= R <= 12.
+                    unsafe { tile.run_any::<R, NV>(rows, column_major) };
                 }
             }
         }
@@ -389,6 +408,42 @@ mod avx512 {
         }
     }
 
+    /// The multiply-adds of a tile: `acc[r][v] += A[r][k] · pack[k][v]` for every `k`.
+    ///
+    /// Safety, for the caller: AVX-512F is available; rows `0..ROWS` of the tile's `a`
+    /// (stride `a_rs`) over `kc` steps (stride `a_cs`) are readable; its `b` holds `kc`
+    /// aligned rows of `16·NV` floats.
+    macro_rules! multiply_add {
+        ($tile:expr, $acc:ident, $rows:expr, $nv:expr) => {{
+            let t = $tile;
+            let width = 16 * $nv;
+            let prefetch_a = t.a_rs == 1 && t.a_cs > 16;
+            for k in 0..t.kc {
+                let mut bv = [_mm512_setzero_ps(); $nv];
+                for (v, x) in bv.iter_mut().enumerate() {
+                    // SAFETY: row k < kc of the pack, aligned, `width` floats long.
+                    *x = unsafe { _mm512_load_ps(t.b.add(k * width + 16 * v)) };
+                }
+                let ak = t.a.wrapping_add(k * t.a_cs);
+                // A prefetch is a hint: it never faults, and its address is computed with
+                // wrapping arithmetic, so it may point past A's slice.
+                if prefetch_a {
+                    let ahead = ak.wrapping_add(PREFETCH * t.a_cs);
+                    _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
+                    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add($rows - 1).cast());
+                }
+                for (r, row) in $acc.iter_mut().enumerate() {
+                    // SAFETY: element (r, k) of the tile's A, inside A's slice.
+                    let x = unsafe { *ak.wrapping_add(r * t.a_rs) };
+                    let av = _mm512_set1_ps(x);
+                    for (v, y) in row.iter_mut().enumerate() {
+                        *y = _mm512_fmadd_ps(av, bv[v], *y);
+                    }
+                }
+            }
+        }};
+    }
+
     /// One register tile of `C`: rows from `c` over `kc` steps of `k`, `16·NV` columns.
     struct Tile {
         kc: usize,
@@ -399,20 +454,52 @@ mod avx512 {
         c: *mut f32,
         c_rs: usize,
         c_cs: usize,
-        /// The next tile of a row-major `C`, prefetched while this one runs.
-        next: Option<*mut f32>,
         load: bool,
         masks: [u16; 4],
     }
 
     impl Tile {
-        /// A tile of `rows` rows (`1..=12`).
+        /// [`multiply_add!`] out of line, for the column-major tile: on its own the
+        /// accumulators stay in registers for the whole loop, where inlined next to the
+        /// tile's transposes they were spilled and every multiply-add went through memory
+        /// (half the speed). The row-major tile, short of registers only in the loop,
+        /// keeps the loop inline and saves the copies in and out.
         ///
         /// # Safety
         ///
-        /// As [`run`](Tile::run) with `ROWS == rows`.
+        /// As [`multiply_add!`].
         #[target_feature(enable = "avx512f")]
-        unsafe fn run_any<const NV: usize>(&self, rows: usize, column_major: bool) {
+        #[inline(never)]
+        unsafe fn multiply_add<const ROWS: usize, const NV: usize>(
+            &self,
+            acc: &mut [[__m512; NV]; ROWS],
+        ) {
+            let mut regs = *acc;
+            multiply_add!(self, regs, ROWS, NV);
+            *acc = regs;
+        }
+
+        /// A tile of `rows` rows (`1..=12`; `R`, the full tile, comes first).
+        ///
+        /// # Safety
+        ///
+        /// AVX-512F is available; rows `0..rows` of the tile's `a` (stride `a_rs`) over
+        /// `kc` steps (stride `a_cs`) are readable; its `b` holds `kc` aligned rows of
+        /// `16·NV` floats; rows `0..rows` of `c` are writable in the lanes the masks
+        /// allow; `rows <= 16`.
+        #[target_feature(enable = "avx512f")]
+        unsafe fn run_any<const R: usize, const NV: usize>(&self, rows: usize, column_major: bool) {
+            if rows == R {
+                // SAFETY: the caller's contract with ROWS == R.
+                unsafe {
+                    if column_major {
+                        self.run_columns::<R, NV>()
+                    } else {
+                        self.run_rows::<R, NV>()
+                    }
+                }
+                return;
+            }
             macro_rules! go {
                 ($($r:literal)*) => {
                     match rows {
@@ -437,7 +524,7 @@ mod avx512 {
         ///
         /// # Safety
         ///
-        /// As [`run`](Tile::run).
+        /// As [`run_any`](Tile::run_any).
         #[target_feature(enable = "avx512f")]
         unsafe fn run_rows<const ROWS: usize, const NV: usize>(&self) {
             let mut acc = [[_mm512_setzero_ps(); NV]; ROWS];
@@ -450,8 +537,7 @@ mod avx512 {
                     }
                 }
             }
-            // SAFETY: the caller's contract.
-            unsafe { self.run::<ROWS, NV>(&mut acc) };
+            multiply_add!(self, acc, ROWS, NV);
             for (r, row) in acc.iter().enumerate() {
                 for (v, x) in row.iter().enumerate() {
                     let p = self.c.wrapping_add(r * self.c_rs + 16 * v);
@@ -466,7 +552,7 @@ mod avx512 {
         ///
         /// # Safety
         ///
-        /// As [`run`](Tile::run); `ROWS <= 16`.
+        /// As [`run_any`](Tile::run_any); `ROWS <= 16`.
         #[target_feature(enable = "avx512f")]
         unsafe fn run_columns<const ROWS: usize, const NV: usize>(&self) {
             let rows = mask(ROWS);
@@ -489,7 +575,7 @@ mod avx512 {
                 }
             }
             // SAFETY: the caller's contract.
-            unsafe { self.run::<ROWS, NV>(&mut acc) };
+            unsafe { self.multiply_add::<ROWS, NV>(&mut acc) };
             for v in 0..NV {
                 let mut block = [_mm512_setzero_ps(); 16];
                 for (r, row) in acc.iter().enumerate() {
@@ -501,49 +587,6 @@ mod avx512 {
                         let p = self.c.wrapping_add((16 * v + l) * self.c_cs);
                         // SAFETY: as for the loads.
                         unsafe { _mm512_mask_storeu_ps(p, rows, *x) };
-                    }
-                }
-            }
-        }
-
-        /// The multiply-adds: `acc[r][v] += A[r][k] · pack[k][v]` for every `k`.
-        ///
-        /// # Safety
-        ///
-        /// AVX-512F is available; rows `0..ROWS` of `a` (stride `a_rs`) over `kc` steps
-        /// (stride `a_cs`) are readable; `b` holds `kc` aligned rows of `16·NV` floats.
-        #[target_feature(enable = "avx512f")]
-        #[inline]
-        unsafe fn run<const ROWS: usize, const NV: usize>(&self, acc: &mut [[__m512; NV]; ROWS]) {
-            let width = 16 * NV;
-            let prefetch_a = self.a_rs == 1 && self.a_cs > 16;
-            let lines = ROWS * NV;
-            for k in 0..self.kc {
-                let mut bv = [_mm512_setzero_ps(); NV];
-                for (v, x) in bv.iter_mut().enumerate() {
-                    // SAFETY: row k < kc of the pack, aligned, `width` floats long.
-                    *x = unsafe { _mm512_load_ps(self.b.add(k * width + 16 * v)) };
-                }
-                let ak = self.a.wrapping_add(k * self.a_cs);
-                // Prefetches are hints: they never fault, and their addresses are
-                // computed with wrapping arithmetic, so they may point past a slice.
-                if prefetch_a {
-                    let ahead = ak.wrapping_add(PREFETCH * self.a_cs);
-                    _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
-                    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(ROWS - 1).cast());
-                }
-                if let Some(next) = self.next {
-                    if k < lines {
-                        let line = next.wrapping_add((k / NV) * self.c_rs + 16 * (k % NV));
-                        _mm_prefetch::<_MM_HINT_ET0>(line.cast_const().cast());
-                    }
-                }
-                for (r, row) in acc.iter_mut().enumerate() {
-                    // SAFETY: element (r, k) of the tile's A, inside A's slice.
-                    let x = unsafe { *ak.wrapping_add(r * self.a_rs) };
-                    let av = _mm512_set1_ps(x);
-                    for (v, y) in row.iter_mut().enumerate() {
-                        *y = _mm512_fmadd_ps(av, bv[v], *y);
                     }
                 }
             }
