@@ -179,6 +179,8 @@ mod avx512 {
     /// Rows of `B` per packed block: at most `KC × 64` floats (64 KiB) stay in L2 while
     /// every row tile of `C` passes over them.
     const KC: usize = 256;
+    /// Rows of `B` per block when `C` is swept row block by row block (a short `k`).
+    const SWEEP_KC: usize = 128;
     /// How many steps of `k` ahead the kernel prefetches `A` when its `k` stride is long.
     const PREFETCH: usize = 16;
 
@@ -191,6 +193,39 @@ mod avx512 {
     #[derive(Clone, Copy)]
     #[repr(C, align(64))]
     struct Lane([f32; 16]);
+
+    thread_local! {
+        /// Each thread's pack buffer, kept between products: a fresh one per product
+        /// cost page faults (zeroing new pages) every time the allocator had returned
+        /// the memory to the system.
+        static PACK: std::cell::Cell<Vec<Lane>> = const { std::cell::Cell::new(Vec::new()) };
+    }
+
+    /// A thread's pack buffer, taken for one product and given back when dropped.
+    struct PackBuffer(Vec<Lane>);
+
+    impl PackBuffer {
+        /// At least `lanes` lanes. Every pack row is written in full (padding included)
+        /// before it is read, so old contents never show.
+        fn take(lanes: usize) -> Self {
+            let mut buffer = PACK.with(|p| p.take());
+            if buffer.len() < lanes {
+                buffer = vec![Lane([0.0; 16]); lanes];
+            }
+            PackBuffer(buffer)
+        }
+
+        fn as_mut_ptr(&mut self) -> *mut f32 {
+            self.0.as_mut_ptr().cast()
+        }
+    }
+
+    impl Drop for PackBuffer {
+        fn drop(&mut self) {
+            let buffer = std::mem::take(&mut self.0);
+            PACK.with(|p| p.set(buffer));
+        }
+    }
 
     fn mask(lanes: usize) -> u16 {
         ((1u32 << lanes.min(16)) - 1) as u16
@@ -238,46 +273,53 @@ mod avx512 {
         };
         let row_blocks = (0..m).step_by(R).map(|i0| (i0, R.min(m - i0)));
         if k <= KC {
-            // One block of k: pack every panel of B first (it stays in L2), then sweep C
-            // row block by row block, so that C streams through in its own order (the
-            // weight gradient, read and written once per product, is the largest operand).
+            // A short k (a weight gradient's is the micro-batch's rows): for each block of
+            // at most SWEEP_KC rows of B, pack every panel first (it stays in L2), then
+            // sweep C row block by row block, so that C streams through in its own order
+            // (the weight gradient, read and written once per block, is the largest
+            // operand) instead of being revisited panel by panel.
             let panels = n.div_ceil(width);
-            // Every pack row is written in full (padding included) before it is read.
-            let mut pack = vec![Lane([0.0; 16]); panels * k * NV];
-            let pack = pack.as_mut_ptr().cast::<f32>();
-            for p in 0..panels {
-                let (nw, _) = masks_of(p * width);
-                // SAFETY: rows 0..k and columns p·width..p·width + nw of B are inside
-                // its slice; panel p of the pack holds k aligned rows of `width` floats.
-                unsafe { pack_block::<NV>(b, 0, k, p * width, nw, pack.add(p * k * width)) };
-            }
-            for (i0, rows) in row_blocks {
+            let block = SWEEP_KC.min(k);
+            let mut buffer = PackBuffer::take(panels * block * NV);
+            let pack = buffer.as_mut_ptr();
+            for k0 in (0..k).step_by(block) {
+                let kc = block.min(k - k0);
                 for p in 0..panels {
-                    let j0 = p * width;
-                    let tile = Tile {
-                        kc: k,
-                        a: a.data.as_ptr().wrapping_add(i0 * a.rs),
-                        a_rs: a.rs,
-                        a_cs: a.cs,
-                        b: pack.wrapping_add(p * k * width).cast_const(),
-                        c: at(i0, j0),
-                        c_rs,
-                        c_cs,
-                        load: accumulate,
-                        masks: masks_of(j0).1,
-                    };
-                    // SAFETY: the tile's rows of A over its kc steps are inside A's slice; the
-                    // same rows of C, in the lanes the masks allow, are inside C; its pack
-                    // holds kc rows of `width` floats; rows <= R <= 12.
-                    unsafe { tile.run_any::<R, NV>(rows, column_major) };
+                    let (nw, _) = masks_of(p * width);
+                    // SAFETY: rows k0..k0 + kc and columns p·width..p·width + nw of B are
+                    // inside its slice; panel p of the pack holds kc aligned rows of
+                    // `width` floats.
+                    unsafe { pack_block::<NV>(b, k0, kc, p * width, nw, pack.add(p * kc * width)) };
+                }
+                for (i0, rows) in row_blocks.clone() {
+                    for p in 0..panels {
+                        let j0 = p * width;
+                        let tile = Tile {
+                            kc,
+                            a: a.data.as_ptr().wrapping_add(i0 * a.rs + k0 * a.cs),
+                            a_rs: a.rs,
+                            a_cs: a.cs,
+                            b: pack.wrapping_add(p * kc * width).cast_const(),
+                            c: at(i0, j0),
+                            c_rs,
+                            c_cs,
+                            load: accumulate || k0 > 0,
+                            masks: masks_of(j0).1,
+                        };
+                        // SAFETY: the tile's rows of A over its kc steps are inside A's
+                        // slice; the same rows of C, in the lanes the masks allow, are
+                        // inside C; its pack holds kc rows of `width` floats;
+                        // rows <= R <= 12.
+                        unsafe { tile.run_any::<R, NV>(rows, column_major) };
+                    }
                 }
             }
             return;
         }
         // Several blocks of k: panel by panel, block by block, each block packed once
         // and used by every row block of C.
-        let mut pack = vec![Lane([0.0; 16]); KC * NV];
-        let pack = pack.as_mut_ptr().cast::<f32>();
+        let mut buffer = PackBuffer::take(KC * NV);
+        let pack = buffer.as_mut_ptr();
         for j0 in (0..n).step_by(width) {
             let (nw, masks) = masks_of(j0);
             for k0 in (0..k).step_by(KC) {
