@@ -130,11 +130,13 @@ fn best(reps: usize, mut f: impl FnMut()) -> Duration {
         .unwrap_or_default()
 }
 
+/// The 1-minute load average, as a JSON number (`null` where unknown).
 fn load() -> String {
     std::fs::read_to_string("/proc/loadavg")
         .ok()
         .and_then(|s| s.split_whitespace().next().map(str::to_owned))
-        .unwrap_or_else(|| "?".into())
+        .filter(|l| l.parse::<f64>().is_ok())
+        .unwrap_or_else(|| "null".into())
 }
 
 fn zero(layers: &mut [Box<dyn Layer<CpuTensor>>]) {
@@ -372,7 +374,7 @@ fn main() {
     if a.json {
         for r in &rows {
             println!(
-                "{{\"schedule\":\"{}\",\"partitions\":{PARTITIONS},\"m\":{},\"checkpoint\":\"{}\",\"speedup\":{:.4},\"ideal\":{:.4},\"held_bytes\":{},\"step_ms\":{:.3},\"baseline_ms\":{:.3},\"load\":\"{}\"}}",
+                "{{\"schedule\":\"{}\",\"partitions\":{PARTITIONS},\"m\":{},\"checkpoint\":\"{}\",\"speedup\":{:.4},\"ideal\":{:.4},\"held_bytes\":{},\"step_ms\":{:.3},\"baseline_ms\":{:.3},\"load\":{}}}",
                 r.schedule,
                 r.m,
                 r.checkpoint,
