@@ -90,6 +90,8 @@
 #![deny(missing_docs)]
 
 pub mod balance;
+#[cfg(feature = "candle")]
+pub mod candle;
 mod checkpoint;
 mod cpu;
 mod error;
