@@ -88,7 +88,8 @@ impl SkipPlan {
     }
 }
 
-/// A tracker for micro-batch `mb`, checkpointed when the micro-batch is.
+/// A tracker for one (micro-batch, stage), made with checkpointing when the micro-batch
+/// is checkpointed (so it keeps received values for the recomputation).
 pub(crate) fn new_tracker<T>(checkpointed: bool) -> Box<Tracker<T>> {
     Box::new(if checkpointed {
         Tracker::with_checkpointing()
