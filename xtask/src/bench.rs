@@ -10,7 +10,7 @@
 mod report;
 mod svg;
 
-use crate::{cargo, run_status, workspace_root, Failure};
+use crate::{cargo, run_status, Failure};
 
 /// The suites `bench SUITE` runs; `report` is the default.
 const SUITES: &[&str] = &["report", "lowrank", "collectives", "hooks", "accum", "pipe"];
@@ -63,30 +63,35 @@ pub fn run(o: Options) -> Result<(), Failure> {
     Ok(())
 }
 
-/// The `pipe` crate's benchmarks, once it has some (`pipe/benches/*.rs`).
+/// The `pipe` crate's benchmark (speedup over the unpipelined model per schedule,
+/// checkpoint mode and micro-batch count, the per-action overhead, the timeline picture),
+/// then pipeline × data parallel (`ddp-hooks --features pipe`: 2 ranks × 2 partitions,
+/// exposed communication with a sleeping link, per-partition against after-backward
+/// launch).
 fn pipe(quick: bool, json: bool) -> Result<(), Failure> {
-    let dir = workspace_root().join("pipe").join("benches");
-    let has_bench = std::fs::read_dir(&dir)
-        .map(|entries| {
-            entries
-                .filter_map(|e| e.ok())
-                .any(|e| e.path().extension().is_some_and(|x| x == "rs"))
-        })
-        .unwrap_or(false);
-    if !has_bench {
-        return Err(Failure(format!(
-            "the pipe suite has no benchmark yet ({} holds no .rs file); the other suites: lowrank, collectives, hooks, accum",
-            dir.display()
-        )));
-    }
-    let mut args = vec!["bench", "-q", "-p", "pipe", "--benches", "--"];
-    if quick {
-        args.push("--quick");
-    }
-    if json {
-        args.push("--json");
-    }
-    run_status(cargo(&args))
+    let flags = |mut args: Vec<&'static str>| {
+        if quick {
+            args.push("--quick");
+        }
+        if json {
+            args.push("--json");
+        }
+        args
+    };
+    run_status(cargo(&flags(vec![
+        "bench", "-q", "-p", "pipe", "--bench", "pipe", "--",
+    ])))?;
+    run_status(cargo(&flags(vec![
+        "bench",
+        "-q",
+        "-p",
+        "ddp-hooks",
+        "--features",
+        "pipe",
+        "--bench",
+        "pipeline",
+        "--",
+    ])))
 }
 
 /// The bandwidth table (cold cache, against a SIMD-sum reference and `gemm`), then the
