@@ -194,33 +194,17 @@ impl Layer<CpuTensor> for Linear {
     }
 
     fn parameters(&self) -> Vec<Param<'_, CpuTensor>> {
-        vec![
-            Param {
-                name: "weight",
-                value: &self.weight,
-                grad: &self.weight_grad,
-            },
-            Param {
-                name: "bias",
-                value: &self.bias,
-                grad: &self.bias_grad,
-            },
-        ]
+        super::weight_and_bias(
+            (&self.weight, &self.weight_grad),
+            (&self.bias, &self.bias_grad),
+        )
     }
 
     fn parameters_mut(&mut self) -> Vec<ParamMut<'_, CpuTensor>> {
-        vec![
-            ParamMut {
-                name: "weight",
-                value: &mut self.weight,
-                grad: &mut self.weight_grad,
-            },
-            ParamMut {
-                name: "bias",
-                value: &mut self.bias,
-                grad: &mut self.bias_grad,
-            },
-        ]
+        super::weight_and_bias_mut(
+            (&mut self.weight, &mut self.weight_grad),
+            (&mut self.bias, &mut self.bias_grad),
+        )
     }
 
     fn zero_grad(&mut self) {

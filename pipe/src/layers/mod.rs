@@ -57,3 +57,43 @@ fn same_shape(op: &'static str, expected: &[usize], got: &[usize]) -> Result<(),
         })
     }
 }
+
+/// The `weight` and `bias` parameters of a layer that has both, each with its gradient.
+fn weight_and_bias<'a>(
+    weight: (&'a CpuTensor, &'a CpuTensor),
+    bias: (&'a CpuTensor, &'a CpuTensor),
+) -> Vec<crate::layer::Param<'a, CpuTensor>> {
+    use crate::layer::Param;
+    vec![
+        Param {
+            name: "weight",
+            value: weight.0,
+            grad: weight.1,
+        },
+        Param {
+            name: "bias",
+            value: bias.0,
+            grad: bias.1,
+        },
+    ]
+}
+
+/// [`weight_and_bias`], mutable.
+fn weight_and_bias_mut<'a>(
+    weight: (&'a mut CpuTensor, &'a mut CpuTensor),
+    bias: (&'a mut CpuTensor, &'a mut CpuTensor),
+) -> Vec<crate::layer::ParamMut<'a, CpuTensor>> {
+    use crate::layer::ParamMut;
+    vec![
+        ParamMut {
+            name: "weight",
+            value: weight.0,
+            grad: weight.1,
+        },
+        ParamMut {
+            name: "bias",
+            value: bias.0,
+            grad: bias.1,
+        },
+    ]
+}
