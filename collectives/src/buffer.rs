@@ -58,18 +58,26 @@ impl Buffer {
     /// converts); a copy even when `dtype` is its own.
     pub fn narrowed(&self, dtype: DType) -> Buffer {
         use half::slice::HalfFloatSliceExt;
-        let wide = self.to_f32_vec();
+        // An f32 buffer (the wire path's only input) converts straight from its values.
+        let owned;
+        let wide: &[f32] = match self {
+            Buffer::F32(v) => v,
+            other => {
+                owned = other.to_f32_vec();
+                &owned
+            }
+        };
         match dtype {
-            DType::F32 => Buffer::F32(wide),
+            DType::F32 => Buffer::F32(wide.to_vec()),
             DType::F64 => Buffer::F64(wide.iter().map(|&v| v as f64).collect()),
             DType::F16 => {
                 let mut v = vec![f16::ZERO; wide.len()];
-                v.convert_from_f32_slice(&wide);
+                v.convert_from_f32_slice(wide);
                 Buffer::F16(v)
             }
             DType::BF16 => {
                 let mut v = vec![bf16::ZERO; wide.len()];
-                v.convert_from_f32_slice(&wide);
+                v.convert_from_f32_slice(wide);
                 Buffer::BF16(v)
             }
         }

@@ -117,9 +117,7 @@ impl<T: Send + 'static> Work<T> {
 
     #[cfg(not(loom))]
     fn wait_deadline(self, timeout: Duration) -> Result<T> {
-        let Some(deadline) = Instant::now().checked_add(timeout) else {
-            return self.wait();
-        };
+        let deadline = crate::group::deadline_after(timeout);
         let mut st = self.shared.lock();
         loop {
             match std::mem::replace(&mut *st, State::Taken) {

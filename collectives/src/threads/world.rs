@@ -24,12 +24,8 @@ use std::collections::HashMap;
 use std::fmt;
 use std::time::Duration;
 
-/// A deadline `timeout` from now; `None` (no deadline) when it overflows the clock
-/// (`Duration::MAX`). Loom has no clock: under `cfg(loom)` waits have no deadline.
 #[cfg(not(loom))]
-fn deadline_after(timeout: Duration) -> Option<std::time::Instant> {
-    std::time::Instant::now().checked_add(timeout)
-}
+use crate::group::deadline_after;
 
 /// Which collective a rank posted.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -189,16 +185,17 @@ impl World {
         }
     }
 
-    /// Sleeps on the condition variable until notified or `deadline`; returns the guard
-    /// and whether the deadline has passed. Without a deadline (or under loom), waits
-    /// until notified.
+    /// Sleeps on the condition variable until notified or `deadline` (a timeout too long
+    /// for the clock saturates a century away: `group::deadline_after`); returns the guard
+    /// and whether the deadline has passed. Loom has no clock: there it waits until
+    /// notified.
     fn sleep<'a>(
         &'a self,
         st: MutexGuard<'a, State>,
-        #[cfg(not(loom))] deadline: Option<std::time::Instant>,
+        #[cfg(not(loom))] deadline: std::time::Instant,
     ) -> (MutexGuard<'a, State>, bool) {
         #[cfg(not(loom))]
-        if let Some(deadline) = deadline {
+        {
             let now = std::time::Instant::now();
             if now >= deadline {
                 return (st, true);
@@ -208,8 +205,9 @@ impl World {
                 .wait_timeout(st, deadline - now)
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
-            return (st, false);
+            (st, false)
         }
+        #[cfg(loom)]
         (
             self.changed.wait(st).unwrap_or_else(|p| p.into_inner()),
             false,
