@@ -1,7 +1,8 @@
 //! `cargo xtask sanitize` and `cargo xtask loom`: the proofs behind the `SAFETY:`
 //! comments of the thread backend and the CPU kernels.
 //!
-//! - `sanitize`: the `collectives` and `lowrank` tests under AddressSanitizer, which needs
+//! - `sanitize`: the `collectives`, `lowrank` and `pipe` tests (the latter for its AVX-512
+//!   matrix kernel) under AddressSanitizer, which needs
 //!   the nightly toolchain (`-Zsanitizer=address`). Where nightly is not installed it says
 //!   so and skips; `.ci/run` runs it where nightly is present.
 //! - `loom`: the loom models of the thread backend's rendezvous and of work handles
@@ -55,6 +56,8 @@ pub fn sanitize(args: &[String]) -> Result<(), Failure> {
         "collectives",
         "-p",
         "lowrank",
+        "-p",
+        "pipe",
         "--lib",
         "--tests",
         "--target",
@@ -67,7 +70,7 @@ pub fn sanitize(args: &[String]) -> Result<(), Failure> {
     .env("RUSTDOCFLAGS", "-Zsanitizer=address")
     .env("ASAN_OPTIONS", "detect_leaks=0");
     run_status(cmd)?;
-    println!("xtask sanitize: collectives and lowrank tests clean under AddressSanitizer");
+    println!("xtask sanitize: collectives, lowrank and pipe tests clean under AddressSanitizer");
     Ok(())
 }
 
