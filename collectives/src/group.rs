@@ -51,6 +51,43 @@ pub trait ProcessGroup: Send + Sync {
             Err(e) => Work::ready(Err(e)),
         }
     }
+    /// Reduces a device buffer element-wise over all ranks, in place; the work gives it
+    /// back holding the result. The group decides how (see [`crate::device`]): NCCL
+    /// reduces it on the device, ordered after the work queued on the buffer's stream,
+    /// without a host copy or a host wait; the default stages it through host memory
+    /// ([`crate::device::staged`]) and runs [`all_reduce`](ProcessGroup::all_reduce).
+    #[cfg(feature = "cuda")]
+    fn all_reduce_device(
+        &self,
+        buf: crate::device::DeviceBuffer,
+        op: ReduceOp,
+    ) -> Work<crate::device::DeviceBuffer> {
+        crate::device::staged(buf, |b| self.all_reduce(b, op))
+    }
+    /// Every rank gets `root`'s device buffer, in place; staged through host memory by
+    /// default, like [`all_reduce_device`](ProcessGroup::all_reduce_device).
+    #[cfg(feature = "cuda")]
+    fn broadcast_device(
+        &self,
+        buf: crate::device::DeviceBuffer,
+        root: usize,
+    ) -> Work<crate::device::DeviceBuffer> {
+        crate::device::staged(buf, |b| self.broadcast(b, root))
+    }
+    /// Whether [`all_reduce_device`](ProcessGroup::all_reduce_device) and
+    /// [`broadcast_device`](ProcessGroup::broadcast_device) work on device memory without
+    /// staging it through the host (NCCL: `true`; the default: `false`). Wrappers answer
+    /// for the group they wrap.
+    fn device_native(&self) -> bool {
+        false
+    }
+    /// For a group that carries `f32` buffers narrowed to a 16-bit format over another
+    /// group (`ddp-hooks`' `HalfWire`): the format and that inner group, so a caller
+    /// holding device buffers can narrow and widen them on the device and hand the inner
+    /// group 16-bit device buffers. `None` (the default) for every other group.
+    fn narrowed(&self) -> Option<Narrowed<'_>> {
+        None
+    }
     /// Reduces several buffers in one operation (PowerSGD's "allreduce the Ps as a
     /// group"): cheaper than one call per buffer. Buffers may differ in length and type.
     fn all_reduce_coalesced(&self, bufs: Vec<Buffer>, op: ReduceOp) -> Work<Vec<Buffer>>;
@@ -69,6 +106,25 @@ pub trait ProcessGroup: Send + Sync {
     /// Every rank of this group must call it, with the same list, in the same order of
     /// `new_group` calls; ranks outside the list get `None`.
     fn new_group(&self, ranks: &[usize]) -> Result<Option<Box<dyn ProcessGroup>>>;
+}
+
+/// What [`ProcessGroup::narrowed`] returns: `f32` buffers given to the group travel as
+/// `wire` values through `inner`.
+#[derive(Clone, Copy)]
+pub struct Narrowed<'a> {
+    /// The format on the wire: [`DType::F16`] or [`DType::BF16`].
+    pub wire: DType,
+    /// The group that carries the narrowed buffers.
+    pub inner: &'a dyn ProcessGroup,
+}
+
+impl std::fmt::Debug for Narrowed<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Narrowed")
+            .field("wire", &self.wire)
+            .field("inner", &self.inner.backend())
+            .finish()
+    }
 }
 
 /// The instant `timeout` from now, saturating: a timeout too long for the clock

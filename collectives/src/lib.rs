@@ -21,6 +21,9 @@
 //! - [`nccl::NcclGroup`] (feature `cuda`): NCCL through `cudarc`, on a progress thread
 //!   that owns the communicator; host buffers are staged, device buffers (`CudaSlice`) go
 //!   direct. It compiles everywhere; see its module docs for what has run on which GPU.
+//! - `device` (feature `cuda`): `DeviceBuffer` and the device methods of every
+//!   [`ProcessGroup`] (`all_reduce_device`, `broadcast_device`, `device_native`): NCCL
+//!   works on the device, other backends stage through host memory in one place.
 //!
 //! - [`mpi::MpiGroup`] (feature `mpi`): MPI through the `mpi` crate (Open MPI), one
 //!   progress thread per process owning every communicator, non-blocking collectives
@@ -29,6 +32,8 @@
 #![deny(missing_docs)]
 
 mod buffer;
+#[cfg(feature = "cuda")]
+pub mod device;
 pub mod env;
 mod error;
 mod group;
@@ -44,6 +49,8 @@ mod work;
 
 pub use buffer::{Buffer, DType, ReduceOp};
 pub use error::{Error, HookError, Result};
-pub use group::{ProcessGroup, DEFAULT_TIMEOUT};
+#[cfg(feature = "cuda")]
+pub use device::DeviceBuffer;
+pub use group::{Narrowed, ProcessGroup, DEFAULT_TIMEOUT};
 pub use threads::{run_local, run_local_with_timeout, ThreadGroup};
 pub use work::{Completer, Work};

@@ -242,6 +242,23 @@ impl<G: ProcessGroup> ProcessGroup for Linked<G> {
         let rec = LinkOp::AllReduce(bufs.iter().map(bytes).sum());
         self.charge(self.inner.all_reduce_coalesced(bufs, op), rec)
     }
+    #[cfg(feature = "cuda")]
+    fn all_reduce_device(
+        &self,
+        buf: crate::DeviceBuffer,
+        op: ReduceOp,
+    ) -> Work<crate::DeviceBuffer> {
+        let rec = LinkOp::AllReduce(buf.len() * buf.dtype().size());
+        self.charge(self.inner.all_reduce_device(buf, op), rec)
+    }
+    #[cfg(feature = "cuda")]
+    fn broadcast_device(&self, buf: crate::DeviceBuffer, root: usize) -> Work<crate::DeviceBuffer> {
+        let rec = LinkOp::Broadcast(buf.len() * buf.dtype().size());
+        self.charge(self.inner.broadcast_device(buf, root), rec)
+    }
+    fn device_native(&self) -> bool {
+        self.inner.device_native()
+    }
     fn broadcast(&self, buf: Buffer, root: usize) -> Work<Buffer> {
         let rec = LinkOp::Broadcast(bytes(&buf));
         self.charge(self.inner.broadcast(buf, root), rec)
@@ -292,6 +309,24 @@ impl ProcessGroup for Box<dyn ProcessGroup> {
     }
     fn all_reduce_coalesced(&self, bufs: Vec<Buffer>, op: ReduceOp) -> Work<Vec<Buffer>> {
         (**self).all_reduce_coalesced(bufs, op)
+    }
+    #[cfg(feature = "cuda")]
+    fn all_reduce_device(
+        &self,
+        buf: crate::DeviceBuffer,
+        op: ReduceOp,
+    ) -> Work<crate::DeviceBuffer> {
+        (**self).all_reduce_device(buf, op)
+    }
+    #[cfg(feature = "cuda")]
+    fn broadcast_device(&self, buf: crate::DeviceBuffer, root: usize) -> Work<crate::DeviceBuffer> {
+        (**self).broadcast_device(buf, root)
+    }
+    fn device_native(&self) -> bool {
+        (**self).device_native()
+    }
+    fn narrowed(&self) -> Option<crate::Narrowed<'_>> {
+        (**self).narrowed()
     }
     fn broadcast(&self, buf: Buffer, root: usize) -> Work<Buffer> {
         (**self).broadcast(buf, root)

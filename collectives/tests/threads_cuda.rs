@@ -2,7 +2,8 @@
 //! sharing one GPU. Without a driver it prints one `skipped:` line.
 #![cfg(feature = "cuda")]
 
-use collectives::{run_local, ProcessGroup, ReduceOp};
+use collectives::{run_local, DeviceBuffer, ProcessGroup, ReduceOp};
+use cudarc::driver::CudaSlice;
 use half::f16;
 
 #[test]
@@ -23,11 +24,30 @@ fn device_buffers_all_reduce_and_broadcast_on_one_gpu() {
         let stream = ctx.new_stream().unwrap();
         let r = g.rank() as f32;
         let buf = stream.clone_htod(&vec![r + 1.0; 1000]).unwrap();
-        let sum = g.all_reduce_device(buf, ReduceOp::Sum).wait().unwrap();
+        assert!(
+            !g.device_native(),
+            "the thread backend stages device buffers"
+        );
+        let sum: CudaSlice<f32> = g
+            .all_reduce_device(DeviceBuffer::from(buf), ReduceOp::Sum)
+            .wait()
+            .unwrap()
+            .try_into()
+            .unwrap();
         let halfs = stream.clone_htod(&vec![f16::from_f32(r); 8]).unwrap();
-        let avg = g.all_reduce_device(halfs, ReduceOp::Avg).wait().unwrap();
+        let avg: CudaSlice<f16> = g
+            .all_reduce_device(halfs.into(), ReduceOp::Avg)
+            .wait()
+            .unwrap()
+            .try_into()
+            .unwrap();
         let b = stream.clone_htod(&vec![r; 4]).unwrap();
-        let root1 = g.broadcast_device(b, 1).wait().unwrap();
+        let root1: CudaSlice<f32> = g
+            .broadcast_device(b.into(), 1)
+            .wait()
+            .unwrap()
+            .try_into()
+            .unwrap();
         (
             stream.clone_dtoh(&sum).unwrap(),
             stream.clone_dtoh(&avg).unwrap(),

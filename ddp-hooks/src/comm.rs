@@ -11,6 +11,14 @@ pub trait CommElement: Element {
     fn wrap(v: Vec<Self>) -> Buffer;
     /// Unwraps a collective's result.
     fn unwrap(b: Buffer) -> collectives::Result<Vec<Self>>;
+    /// Wraps a device buffer for a collective.
+    #[cfg(feature = "cuda")]
+    fn into_device(b: cudarc::driver::CudaSlice<Self>) -> collectives::DeviceBuffer;
+    /// Unwraps a collective's device result.
+    #[cfg(feature = "cuda")]
+    fn from_device(
+        b: collectives::DeviceBuffer,
+    ) -> collectives::Result<cudarc::driver::CudaSlice<Self>>;
 }
 
 macro_rules! comm_element {
@@ -21,6 +29,16 @@ macro_rules! comm_element {
             }
             fn unwrap(b: Buffer) -> collectives::Result<Vec<Self>> {
                 Vec::<$t>::try_from(b)
+            }
+            #[cfg(feature = "cuda")]
+            fn into_device(b: cudarc::driver::CudaSlice<Self>) -> collectives::DeviceBuffer {
+                b.into()
+            }
+            #[cfg(feature = "cuda")]
+            fn from_device(
+                b: collectives::DeviceBuffer,
+            ) -> collectives::Result<cudarc::driver::CudaSlice<Self>> {
+                b.try_into()
             }
         }
     )*};
@@ -112,30 +130,64 @@ impl CommBackend for CpuBackend {
 
 #[cfg(feature = "cuda")]
 impl CommBackend for lowrank::CudaBackend {
-    /// Stages the device buffer through host memory: download, reduce over the group,
-    /// upload into the same device buffer on its stream.
+    /// Hands the device buffer to the group ([`ProcessGroup::all_reduce_device`]), which
+    /// decides how to reduce it: NCCL in place on the device with no host copy or host
+    /// wait; the thread and MPI backends by staging it through host memory in
+    /// `collectives::device`. A group that narrows `f32` to 16 bits on the wire
+    /// ([`ProcessGroup::narrowed`]: the `fp16+`/`bf16+` wrappers) gets the buffer cast on
+    /// the device, so only 16 bits an element go to its inner group, and the result is
+    /// widened on the device.
     fn all_reduce<T: CommElement>(
         &self,
         pg: &dyn ProcessGroup,
         buf: cudarc::driver::CudaSlice<T>,
         op: ReduceOp,
     ) -> Work<cudarc::driver::CudaSlice<T>> {
-        let backend =
-            |e: cudarc::driver::DriverError| collectives::Error::Backend(format!("CUDA: {e:?}"));
-        let stream = buf.stream().clone();
-        let host = match stream
-            .clone_dtoh(&buf)
-            .and_then(|h| stream.synchronize().map(|_| h))
-        {
-            Ok(h) => h,
-            Err(e) => return Work::ready(Err(backend(e))),
+        let buf = T::into_device(buf);
+        let buf = match (buf, pg.narrowed()) {
+            (collectives::DeviceBuffer::F32(b), Some(n)) => {
+                return match n.wire {
+                    DType::F16 => device_wire::<f16>(self, n.inner, b, op),
+                    DType::BF16 => device_wire::<bf16>(self, n.inner, b, op),
+                    _ => n
+                        .inner
+                        .all_reduce_device(b.into(), op)
+                        .then(|r| r?.try_into()),
+                }
+                .then(|r| T::from_device(r?.into()));
+            }
+            (buf, _) => buf,
         };
-        pg.all_reduce(T::wrap(host), op).then(move |r| {
-            let host = T::unwrap(r?)?;
-            let mut buf = buf;
-            stream.memcpy_htod(&host, &mut buf).map_err(backend)?;
-            stream.synchronize().map_err(backend)?;
+        pg.all_reduce_device(buf, op).then(|r| T::from_device(r?))
+    }
+}
+
+/// `f32` device buffer `buf` reduced over `inner` as `H` values: cast on the device,
+/// reduced, widened back into `buf` on the device (in the continuation, after the
+/// collective).
+#[cfg(feature = "cuda")]
+fn device_wire<H: CommElement>(
+    be: &lowrank::CudaBackend,
+    inner: &dyn ProcessGroup,
+    mut buf: cudarc::driver::CudaSlice<f32>,
+    op: ReduceOp,
+) -> Work<cudarc::driver::CudaSlice<f32>> {
+    let kernel = |e: lowrank::Error| collectives::Error::Backend(format!("CUDA cast: {e}"));
+    let narrow = || -> Result<cudarc::driver::CudaSlice<H>> {
+        let mut half = be.alloc::<H>(buf.len())?;
+        be.cast(buf.as_view(), half.as_view_mut())?;
+        Ok(half)
+    };
+    let half = match narrow() {
+        Ok(h) => h,
+        Err(e) => return Work::ready(Err(collectives::Error::from(e))),
+    };
+    let be = be.clone();
+    inner
+        .all_reduce_device(H::into_device(half), op)
+        .then(move |r| {
+            let half = H::from_device(r?)?;
+            be.cast(half.as_view(), buf.as_view_mut()).map_err(kernel)?;
             Ok(buf)
         })
-    }
 }

@@ -392,7 +392,8 @@ impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
     /// Ends the backward pass. In a synchronised step, parameters not marked count as
     /// unused (see the module docs): with `find_unused_parameters` that is all, without
     /// it this returns [`Error::UnmarkedParameters`] after the step completed all the
-    /// same. The reduced gradients are left in place. In an unsynchronised step gradients
+    /// same. The reduced gradients are left in place (on a device backend, the device has
+    /// finished writing them: `finish` is the step's one host wait). In an unsynchronised step gradients
     /// stay as accumulated. Either way every launched bucket is waited for, and the next
     /// step starts. If the setting was switched during the step, the step kept its own
     /// and this returns [`Error::SyncChanged`]. The first synchronised step with a
@@ -407,6 +408,11 @@ impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
         } else {
             self.wait_all()
         };
+        // The one host wait of a step on a device backend: the hooks' last kernels (the
+        // decompression that continuations queued after the final collective) finish
+        // before `finish` returns, so the gradients are ready for the host as for the
+        // device. Nothing on the CPU backend.
+        let result = result.and(self.backend.synchronize().map_err(Error::from));
         self.step_sync = None;
         let changed = self.switched_after.take().map(|marked| Error::SyncChanged {
             on: !step_sync,

@@ -157,6 +157,48 @@ impl<H: WireFormat> ProcessGroup for HalfWire<H> {
     fn barrier(&self) -> Work<()> {
         self.inner.barrier()
     }
+    /// Buffers other than `f32` go to the inner group as they are. An `f32` device buffer
+    /// is staged through host memory and narrowed there: correct, but a copy; the CUDA
+    /// bridge ([`CommBackend`](crate::CommBackend) for `CudaBackend`) never takes this
+    /// path, it asks [`narrowed`](ProcessGroup::narrowed) and casts on the device.
+    #[cfg(feature = "cuda")]
+    fn all_reduce_device(
+        &self,
+        buf: collectives::DeviceBuffer,
+        op: ReduceOp,
+    ) -> Work<collectives::DeviceBuffer> {
+        match buf {
+            collectives::DeviceBuffer::F32(_) => {
+                collectives::device::staged(buf, |b| self.all_reduce(b, op))
+            }
+            other => self.inner.all_reduce_device(other, op),
+        }
+    }
+    /// As [`all_reduce_device`](ProcessGroup::all_reduce_device).
+    #[cfg(feature = "cuda")]
+    fn broadcast_device(
+        &self,
+        buf: collectives::DeviceBuffer,
+        root: usize,
+    ) -> Work<collectives::DeviceBuffer> {
+        match buf {
+            collectives::DeviceBuffer::F32(_) => {
+                collectives::device::staged(buf, |b| self.broadcast(b, root))
+            }
+            other => self.inner.broadcast_device(other, root),
+        }
+    }
+    /// The inner group's answer: device buffers reach it without host copies when the
+    /// caller narrows them on the device (see [`narrowed`](ProcessGroup::narrowed)).
+    fn device_native(&self) -> bool {
+        self.inner.device_native()
+    }
+    fn narrowed(&self) -> Option<collectives::Narrowed<'_>> {
+        Some(collectives::Narrowed {
+            wire: H::DTYPE,
+            inner: &*self.inner,
+        })
+    }
     fn new_group(&self, ranks: &[usize]) -> Result<Option<Box<dyn ProcessGroup>>> {
         Ok(self
             .inner

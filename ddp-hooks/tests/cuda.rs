@@ -90,3 +90,275 @@ fn cuda_powersgd_matches_cpu() {
     }
     println!("cuda powersgd: ok");
 }
+
+// ---------------------------------------------------------------------------------------
+// The device path (issue 17): hooks through the reducer hand device buffers to the group.
+// ---------------------------------------------------------------------------------------
+
+mod device_path {
+    use collectives::nccl::{NcclGroup, NcclId};
+    use collectives::{
+        run_local, Buffer, DType, DeviceBuffer, Narrowed, ProcessGroup, ReduceOp, Work,
+    };
+    use ddp_hooks::{CommBackend, HookSpec, Reducer, ReducerConfig};
+    use lowrank::{CpuBackend, CudaBackend, NormalRng};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    /// Parameter shapes in forward order: matrices PowerSGD compresses, vectors it
+    /// does not, and enough elements for two buckets of 1 MiB.
+    fn shapes() -> Vec<Vec<usize>> {
+        vec![
+            vec![256, 384],
+            vec![384],
+            vec![384, 512],
+            vec![512],
+            vec![128, 64],
+            vec![64],
+        ]
+    }
+
+    const SPECS: &[&str] = &[
+        "allreduce",
+        "fp16",
+        "bf16",
+        "powersgd:rank=2,start_iter=2",
+        "batched_powersgd:rank=2,start_iter=2",
+        "fp16+powersgd:rank=2,start_iter=2",
+        "bf16+allreduce",
+    ];
+
+    const STEPS: usize = 5;
+
+    fn grads(rank: usize, step: usize) -> Vec<Vec<f32>> {
+        shapes()
+            .iter()
+            .enumerate()
+            .map(|(p, s)| {
+                let mut v = vec![0.0; s.iter().product()];
+                NormalRng::new((rank * 1000 + step * 10 + p) as u64).fill(&mut v);
+                v
+            })
+            .collect()
+    }
+
+    /// Counts what the hooks hand to the group it wraps: host buffers of gradient data
+    /// (any all-reduce of a host buffer) and device buffers.
+    struct Recording {
+        inner: Arc<dyn ProcessGroup>,
+        host_reductions: Arc<AtomicUsize>,
+        device_reductions: Arc<AtomicUsize>,
+    }
+
+    impl ProcessGroup for Recording {
+        fn rank(&self) -> usize {
+            self.inner.rank()
+        }
+        fn size(&self) -> usize {
+            self.inner.size()
+        }
+        fn backend(&self) -> &'static str {
+            self.inner.backend()
+        }
+        fn timeout(&self) -> Duration {
+            self.inner.timeout()
+        }
+        fn all_reduce(&self, buf: Buffer, op: ReduceOp) -> Work<Buffer> {
+            self.host_reductions.fetch_add(1, Ordering::Relaxed);
+            self.inner.all_reduce(buf, op)
+        }
+        fn all_reduce_wire(&self, buf: Buffer, wire: DType, op: ReduceOp) -> Work<Buffer> {
+            self.host_reductions.fetch_add(1, Ordering::Relaxed);
+            self.inner.all_reduce_wire(buf, wire, op)
+        }
+        fn all_reduce_coalesced(&self, bufs: Vec<Buffer>, op: ReduceOp) -> Work<Vec<Buffer>> {
+            self.host_reductions.fetch_add(1, Ordering::Relaxed);
+            self.inner.all_reduce_coalesced(bufs, op)
+        }
+        fn broadcast(&self, buf: Buffer, root: usize) -> Work<Buffer> {
+            // The reducer's one broadcast (rank 0's bucket order, `f64` indices) is not
+            // gradient data; a floating-point gradient type would be.
+            if buf.dtype() != DType::F64 {
+                self.host_reductions.fetch_add(1, Ordering::Relaxed);
+            }
+            self.inner.broadcast(buf, root)
+        }
+        fn all_gather(&self, buf: Buffer) -> Work<Vec<Buffer>> {
+            self.inner.all_gather(buf)
+        }
+        fn reduce_scatter(&self, buf: Buffer, op: ReduceOp) -> Work<Buffer> {
+            self.host_reductions.fetch_add(1, Ordering::Relaxed);
+            self.inner.reduce_scatter(buf, op)
+        }
+        fn barrier(&self) -> Work<()> {
+            self.inner.barrier()
+        }
+        fn all_reduce_device(&self, buf: DeviceBuffer, op: ReduceOp) -> Work<DeviceBuffer> {
+            self.device_reductions.fetch_add(1, Ordering::Relaxed);
+            self.inner.all_reduce_device(buf, op)
+        }
+        fn broadcast_device(&self, buf: DeviceBuffer, root: usize) -> Work<DeviceBuffer> {
+            self.device_reductions.fetch_add(1, Ordering::Relaxed);
+            self.inner.broadcast_device(buf, root)
+        }
+        fn device_native(&self) -> bool {
+            self.inner.device_native()
+        }
+        fn narrowed(&self) -> Option<Narrowed<'_>> {
+            self.inner.narrowed()
+        }
+        fn new_group(&self, ranks: &[usize]) -> collectives::Result<Option<Box<dyn ProcessGroup>>> {
+            self.inner.new_group(ranks)
+        }
+    }
+
+    /// `STEPS` synchronised steps of `spec` through a reducer (1 MiB buckets); each step's
+    /// reduced gradients, concatenated, on the host.
+    fn train<B: CommBackend>(
+        be: Arc<B>,
+        group: Arc<dyn ProcessGroup>,
+        spec: &str,
+        rank: usize,
+    ) -> Vec<Vec<f32>> {
+        let hook = spec
+            .parse::<HookSpec>()
+            .unwrap()
+            .build(be.clone(), group.clone())
+            .unwrap();
+        let config = ReducerConfig {
+            bucket_cap_mb: 1.0,
+            first_bucket_mb: 1.0,
+            ..Default::default()
+        };
+        let mut reducer = Reducer::new(be.clone(), &shapes(), hook, config)
+            .unwrap()
+            .with_process_group(group);
+        let n = shapes().len();
+        (0..STEPS)
+            .map(|step| {
+                let g = grads(rank, step);
+                for p in (0..n).rev() {
+                    let dev = be.upload(&g[p]).unwrap();
+                    be.copy(B::view(&dev, ..).unwrap(), reducer.grad_mut(p).unwrap())
+                        .unwrap();
+                    reducer.mark_ready(p).unwrap();
+                }
+                reducer.finish().unwrap();
+                let mut out = Vec::new();
+                for (p, grad) in g.iter().enumerate() {
+                    let mut host = vec![0.0; grad.len()];
+                    be.download(reducer.grad(p).unwrap(), &mut host).unwrap();
+                    out.extend(host);
+                }
+                reducer.zero_grad().unwrap();
+                out
+            })
+            .collect()
+    }
+
+    fn assert_close(spec: &str, cpu: &[Vec<f32>], gpu: &[Vec<f32>]) {
+        for (s, (a, b)) in cpu.iter().zip(gpu).enumerate() {
+            let diff = a
+                .iter()
+                .zip(b)
+                .map(|(x, y)| f64::from(x - y).powi(2))
+                .sum::<f64>()
+                .sqrt();
+            let norm = a.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
+            assert!(
+                diff <= 1e-5 * norm,
+                "{spec}, step {s}: the device path differs from the CPU by {diff:e} (norm {norm:e})"
+            );
+        }
+    }
+
+    fn gpu() -> Option<Arc<CudaBackend>> {
+        match CudaBackend::new(0) {
+            Ok(b) => Some(Arc::new(b)),
+            Err(lowrank::Error::CudaUnavailable(why)) => {
+                println!("skipped: no CUDA driver ({why})");
+                None
+            }
+            Err(e) => panic!("CUDA present but failed to start: {e}"),
+        }
+    }
+
+    fn recording(
+        inner: Arc<dyn ProcessGroup>,
+    ) -> (Arc<Recording>, Arc<AtomicUsize>, Arc<AtomicUsize>) {
+        let (host, device) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let g = Arc::new(Recording {
+            inner,
+            host_reductions: host.clone(),
+            device_reductions: device.clone(),
+        });
+        (g, host, device)
+    }
+
+    /// World size 1 on NCCL: every hook through the reducer equals the CPU backend's
+    /// result within 1e-5 relative, and no gradient data reaches the group in host memory.
+    #[test]
+    fn hooks_on_nccl_match_cpu_without_host_copies() {
+        let Some(gpu) = gpu() else { return };
+        let nccl = match NcclId::new()
+            .and_then(|id| NcclGroup::new(0, 1, 0, id, Duration::from_secs(120)))
+        {
+            Ok(g) => Arc::new(g) as Arc<dyn ProcessGroup>,
+            Err(e) => {
+                println!("skipped: NCCL unavailable ({e})");
+                return;
+            }
+        };
+        assert!(nccl.device_native());
+        for spec in SPECS {
+            let cpu = run_local(1, |g| {
+                train(Arc::new(CpuBackend::new()), Arc::new(g), spec, 0)
+            })
+            .unwrap()
+            .remove(0)
+            .unwrap();
+            let (group, host, device) = recording(nccl.clone());
+            let dev = train(gpu.clone(), group, spec, 0);
+            assert_close(spec, &cpu, &dev);
+            assert_eq!(
+                host.load(Ordering::Relaxed),
+                0,
+                "{spec}: gradient data reached the NCCL group in host memory"
+            );
+            assert!(
+                device.load(Ordering::Relaxed) >= STEPS,
+                "{spec}: no device collective"
+            );
+            println!("nccl device path, {spec}: ok");
+        }
+    }
+
+    /// Two thread ranks sharing one GPU (the thread backend stages device buffers in
+    /// `collectives::device`): every hook equals the CPU backend's result within 1e-5
+    /// relative, and the hooks still hand the group device buffers only.
+    #[test]
+    fn hooks_on_thread_device_path_match_cpu() {
+        let Some(gpu) = gpu() else { return };
+        for spec in SPECS {
+            let cpu = run_local(2, |g| {
+                let rank = g.rank();
+                train(Arc::new(CpuBackend::new()), Arc::new(g), spec, rank)
+            })
+            .unwrap();
+            let dev = run_local(2, |g| {
+                let rank = g.rank();
+                let (group, host, _) = recording(Arc::new(g));
+                let out = train(gpu.clone(), group, spec, rank);
+                (out, host.load(Ordering::Relaxed))
+            })
+            .unwrap();
+            for (c, d) in cpu.into_iter().zip(dev) {
+                let (d, host) = d.unwrap();
+                assert_close(spec, &c.unwrap(), &d);
+                assert_eq!(host, 0, "{spec}: a hook handed the group a host buffer");
+            }
+            println!("thread device path, {spec}: ok");
+        }
+    }
+}

@@ -4,7 +4,11 @@
 //! [`NcclGroup`] takes host [`Buffer`]s (staged through device buffers on the group's
 //! stream) and, through its own `*_device` methods, `cudarc` [`CudaSlice`]s of any
 //! [`NcclElement`] (`f32`, `f64`, `f16`, `bf16`), reduced in place or into new buffers on
-//! the group's stream. Create the ranks from a unique id ([`NcclGroup::new`] with an
+//! the group's stream. Through the trait ([`ProcessGroup::all_reduce_device`],
+//! [`ProcessGroup::broadcast_device`]) it takes [`DeviceBuffer`]s the same way, with no
+//! host copy ([`ProcessGroup::device_native`] is `true`); the inherent typed methods of
+//! the same names shadow them on a concrete `NcclGroup` (call the trait's through
+//! `&dyn ProcessGroup` or `ProcessGroup::all_reduce_device(&group, ..)`). Create the ranks from a unique id ([`NcclGroup::new`] with an
 //! [`NcclId`]), through the rendezvous store ([`NcclGroup::from_store`]), or from the
 //! variables a launcher set ([`NcclGroup::from_env`]).
 //!
@@ -86,7 +90,7 @@ pub use comm::{check_libraries, NcclId};
 pub use ops::NcclElement;
 
 use crate::store::TcpStore;
-use crate::{Buffer, Error, ProcessGroup, ReduceOp, Result, Work};
+use crate::{Buffer, DeviceBuffer, Error, ProcessGroup, ReduceOp, Result, Work};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use debug::{Desc, Kind};
 use engine::{Engine, Job, Setup, Shared};
@@ -668,11 +672,43 @@ impl ProcessGroup for NcclGroup {
         self.submit(Desc::new(Kind::Barrier, []), |e, w| e.barrier(w))
     }
 
+    /// In place on the device, on the group's stream after the buffer's: no host copy.
+    fn all_reduce_device(&self, buf: DeviceBuffer, op: ReduceOp) -> Work<DeviceBuffer> {
+        match buf {
+            DeviceBuffer::F32(b) => NcclGroup::all_reduce_device(self, b, op).then(wrap),
+            DeviceBuffer::F64(b) => NcclGroup::all_reduce_device(self, b, op).then(wrap),
+            DeviceBuffer::F16(b) => NcclGroup::all_reduce_device(self, b, op).then(wrap),
+            DeviceBuffer::BF16(b) => NcclGroup::all_reduce_device(self, b, op).then(wrap),
+        }
+    }
+
+    /// In place on the device, like [`ProcessGroup::all_reduce_device`].
+    fn broadcast_device(&self, buf: DeviceBuffer, root: usize) -> Work<DeviceBuffer> {
+        match buf {
+            DeviceBuffer::F32(b) => NcclGroup::broadcast_device(self, b, root).then(wrap),
+            DeviceBuffer::F64(b) => NcclGroup::broadcast_device(self, b, root).then(wrap),
+            DeviceBuffer::F16(b) => NcclGroup::broadcast_device(self, b, root).then(wrap),
+            DeviceBuffer::BF16(b) => NcclGroup::broadcast_device(self, b, root).then(wrap),
+        }
+    }
+
+    fn device_native(&self) -> bool {
+        true
+    }
+
     fn new_group(&self, ranks: &[usize]) -> Result<Option<Box<dyn ProcessGroup>>> {
         Ok(self
             .split(ranks)?
             .map(|g| Box::new(g) as Box<dyn ProcessGroup>))
     }
+}
+
+/// A typed device result as a [`DeviceBuffer`].
+fn wrap<T>(r: Result<CudaSlice<T>>) -> Result<DeviceBuffer>
+where
+    DeviceBuffer: From<CudaSlice<T>>,
+{
+    r.map(DeviceBuffer::from)
 }
 
 impl Drop for NcclGroup {

@@ -11,12 +11,11 @@
 //! Each rank's operations run in order on the rank's own progress thread, which also
 //! runs the continuations of its work handles.
 //!
-//! With the `cuda` feature, [`ThreadGroup::all_reduce_device`] and
-//! [`ThreadGroup::broadcast_device`] take cudarc device buffers, staged through host
-//! memory, so several ranks can share one GPU in tests.
+//! With the `cuda` feature, the trait's `all_reduce_device` and `broadcast_device` take
+//! cudarc device buffers, staged through host memory by the trait's defaults (the one
+//! staging path of the workspace, `collectives::device::staged`), so several ranks can
+//! share one GPU in tests, where NCCL refuses more than one rank per device.
 
-#[cfg(feature = "cuda")]
-mod device;
 mod reduce;
 mod wire;
 mod world;

@@ -42,10 +42,14 @@ const BLOCKS_PER_SM: usize = 32;
 /// assert_eq!(host, [4.0, 10.0]);
 /// # Ok(()) }
 /// ```
+///
+/// Cloning is cheap: a clone shares the stream, the cuBLAS handle and the compiled
+/// kernels (so work issued through either stays in one stream order).
+#[derive(Clone)]
 pub struct CudaBackend {
     pub(super) stream: Arc<CudaStream>,
-    pub(super) blas: CudaBlas,
-    pub(super) kernels: Kernels,
+    pub(super) blas: Arc<CudaBlas>,
+    pub(super) kernels: Arc<Kernels>,
     sm_count: usize,
     name: String,
 }
@@ -130,8 +134,8 @@ impl CudaBackend {
             name: format!("cuda:{} {device}", ctx.ordinal()),
             sm_count: usize::try_from(sm_count).unwrap_or(1).max(1),
             stream,
-            blas,
-            kernels,
+            blas: Arc::new(blas),
+            kernels: Arc::new(kernels),
         })
     }
 

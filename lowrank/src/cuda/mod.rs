@@ -22,7 +22,7 @@ mod stand_in {
 
     /// The CUDA backend. This build has no CUDA support (the `cuda` feature is off), so
     /// [`CudaBackend::new`] always returns [`Error::CudaNotCompiled`].
-    #[derive(Debug)]
+    #[derive(Clone, Debug)]
     pub struct CudaBackend {
         _never: std::convert::Infallible,
     }
