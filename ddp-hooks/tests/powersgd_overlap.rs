@@ -107,6 +107,17 @@ impl Backend for Recording {
     ) -> lowrank::Result<()> {
         self.cpu.orthogonalize(batch, n, r, x, eps)
     }
+    fn orthogonalize_refill(
+        &self,
+        batch: usize,
+        n: usize,
+        r: usize,
+        x: &mut [f32],
+        eps: f32,
+        key: u64,
+    ) -> lowrank::Result<()> {
+        self.cpu.orthogonalize_refill(batch, n, r, x, eps, key)
+    }
     fn add(&self, y: &mut [f32], x: &[f32]) -> lowrank::Result<()> {
         self.cpu.add(y, x)
     }

@@ -144,6 +144,28 @@ pub trait Backend: Send + Sync {
         eps: f32,
     ) -> Result<()>;
 
+    /// [`orthogonalize`](Backend::orthogonalize), then every matrix left with fewer than
+    /// `min(n, r)` non-zero columns (a zero or rank-deficient input) has its zero columns
+    /// refilled and is orthogonalised again, up to [`REFILL_ATTEMPTS`](crate::REFILL_ATTEMPTS)
+    /// times. Element `i` (column-major) of matrix `b` gets
+    /// [`refill_value(key, attempt, b, i)`](crate::refill_value): counter-based values
+    /// that every backend computes bit for bit alike, drawn from no random stream, so
+    /// equal inputs and keys give every rank the same result, and a matrix with enough
+    /// non-zero columns is left exactly as `orthogonalize` left it.
+    ///
+    /// PowerSGD calls it on `Q` so that a zero column (from a zero or low-rank gradient)
+    /// cannot stay zero forever under warm start. It runs where the data is: on a GPU
+    /// inside the orthogonalisation kernel, with no host copy and no host wait.
+    fn orthogonalize_refill(
+        &self,
+        batch: usize,
+        n: usize,
+        r: usize,
+        x: Self::ViewMut<'_, f32>,
+        eps: f32,
+        key: u64,
+    ) -> Result<()>;
+
     /// `y += x`.
     fn add(&self, y: Self::ViewMut<'_, f32>, x: Self::View<'_, f32>) -> Result<()>;
     /// `x *= alpha`.

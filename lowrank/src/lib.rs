@@ -53,7 +53,7 @@ pub use dims::Dims;
 pub use element::{DeviceElement, Element};
 pub use error::{Error, Result};
 pub use half::{bf16, f16};
-pub use rng::NormalRng;
+pub use rng::{refill_value, NormalRng, REFILL_ATTEMPTS};
 
 /// The largest rank of the thin factors that the backends support.
 pub const MAX_RANK: usize = 64;

@@ -58,6 +58,35 @@ impl NormalRng {
     }
 }
 
+/// Attempts [`Backend::orthogonalize_refill`](crate::Backend::orthogonalize_refill)
+/// makes at refilling a matrix's zero columns before leaving them zero for this call. A
+/// refilled column is zero again only if its values lie in the span of the other
+/// columns (probability zero for generic values), so a second attempt is never expected.
+pub const REFILL_ATTEMPTS: u64 = 3;
+
+/// SplitMix64's finaliser: a bijective mix of 64 bits (the same constants as the CUDA
+/// kernels').
+#[inline]
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The value element `index` (column-major, `column * n + row`) of matrix `matrix` of a
+/// batch gets when attempt `attempt` refills its column under `key`: a counter-based
+/// pseudo-random value uniform on `[-1, 1)` in steps of `2^-23`, computed with integer
+/// operations and one exact scaling, so every backend (and every rank) gets the same
+/// bits without drawing from, or advancing, any random stream.
+#[inline]
+pub fn refill_value(key: u64, attempt: u64, matrix: u64, index: u64) -> f32 {
+    let h = mix(mix(mix(key ^ attempt) ^ matrix) ^ index);
+    // 24 bits to f32 and a power-of-two scale are exact; so is the subtraction (the
+    // result is a multiple of 2^-23 of magnitude below 1).
+    (h >> 40) as f32 * (1.0 / (1u32 << 23) as f32) - 1.0
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -89,5 +118,26 @@ mod tests {
         assert!(mean.abs() < 0.01, "mean {mean}");
         assert!((var - 1.0).abs() < 0.02, "variance {var}");
         assert!(v.iter().all(|x| x.is_finite()));
+    }
+
+    /// The refill values: pinned bits (the CUDA kernel computes the same formula, checked
+    /// on a GPU by the primitives test), the range, and independence of every argument.
+    #[test]
+    fn refill_values_are_pinned_and_uniform() {
+        let pinned = [0x3e600a38, 0x3f1de5be, 0x3f6c8fbc, 0xbf38fb16].map(f32::from_bits);
+        let got = [
+            refill_value(7, 0, 0, 0),
+            refill_value(7, 1, 0, 0),
+            refill_value(7, 0, 3, 5),
+            refill_value(0, 0, 0, 0),
+        ];
+        assert_eq!(got, pinned);
+        let n = 1 << 16;
+        let vs: Vec<f32> = (0..n).map(|i| refill_value(42, 0, 1, i)).collect();
+        assert!(vs.iter().all(|v| (-1.0..1.0).contains(v)));
+        let mean = vs.iter().map(|&v| f64::from(v)).sum::<f64>() / n as f64;
+        assert!(mean.abs() < 0.01, "mean {mean}");
+        let distinct: std::collections::HashSet<u32> = vs.iter().map(|v| v.to_bits()).collect();
+        assert!(distinct.len() > n as usize * 99 / 100);
     }
 }

@@ -462,6 +462,112 @@ fn check_orthogonalize<B: Backend>(be: &B) {
     assert!((y[0] - 0.5).abs() < 1e-6 && (y[1] - 4.0 / 6.0).abs() < 1e-6);
 }
 
+fn orth_refill<B: Backend>(
+    be: &B,
+    (batch, n, r): (usize, usize, usize),
+    x: &[f32],
+    key: u64,
+) -> Vec<f32> {
+    let mut buf = on(be, x);
+    be.orthogonalize_refill(batch, n, r, vm::<B>(&mut buf), 0.0, key)
+        .unwrap();
+    back(be, &buf)
+}
+
+/// `orthogonalize_refill`: a zero matrix and a rank-1 matrix come back with `min(n, r)`
+/// orthonormal columns (the refilled ones from `refill_value`, the same bits everywhere),
+/// a full-rank matrix exactly as `orthogonalize` leaves it; the key decides the refill.
+fn check_orthogonalize_refill<B: Backend>(be: &B) {
+    // Serial (n < 8) and block paths, r > n included.
+    for &(n, r) in &[(5, 2), (3, 5), (300, 4), (1000, 8), (64, 64)] {
+        let batch = 3;
+        let per = n * r;
+        let mut x = vec![0.0f32; batch * per];
+        // Matrix 1: every column a multiple of one vector (rank 1).
+        let u = random(n, 5);
+        for k in 0..r {
+            for i in 0..n {
+                x[per + k * n + i] = u[i] * (k as f32 + 1.0);
+            }
+        }
+        // Matrix 2: random, full rank.
+        x[2 * per..].copy_from_slice(&random(per, 6));
+        let got = orth_refill(be, (batch, n, r), &x, 11);
+        let plain = orth(be, batch, n, r, &x, 0.0);
+        let full = n.min(r);
+        for b in 0..batch {
+            let m = &got[b * per..(b + 1) * per];
+            let cols = columns(m, n);
+            let nonzero: Vec<usize> = (0..r)
+                .filter(|&k| cols[k].iter().any(|&v| v != 0.0))
+                .collect();
+            assert_eq!(
+                nonzero.len(),
+                full,
+                "{}: matrix {b} of {n}x{r} has {} non-zero columns after the refill",
+                be.name(),
+                nonzero.len()
+            );
+            let g = gram(m, n, r);
+            for &a in &nonzero {
+                for &c in &nonzero {
+                    let want = if a == c { 1.0 } else { 0.0 };
+                    assert!(
+                        (g[a][c] - want).abs() < 1e-5,
+                        "{}: matrix {b} of {n}x{r}: PᵀP[{a}][{c}] = {}",
+                        be.name(),
+                        g[a][c]
+                    );
+                }
+            }
+        }
+        // Full rank: untouched by the refill, bit for bit.
+        assert_eq!(
+            &got[2 * per..],
+            &plain[2 * per..],
+            "{}: full-rank matrix changed",
+            be.name()
+        );
+        // The zero matrix: the orthogonalised refill values of attempt 0, within rounding
+        // (a backend may launch differently for one matrix than for three).
+        let filled: Vec<f32> = (0..per)
+            .map(|i| lowrank::refill_value(11, 0, 0, i as u64))
+            .collect();
+        let want = orth(be, 1, n, r, &filled, 0.0);
+        let diff = got[..per]
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        assert!(
+            diff < 1e-5,
+            "{}: refilled zero matrix differs by {diff}",
+            be.name()
+        );
+        // Same key, same bits; another key, another refill.
+        assert_eq!(orth_refill(be, (batch, n, r), &x, 11), got);
+        assert_ne!(orth_refill(be, (batch, n, r), &x, 12)[..per], got[..per]);
+        // Against the CPU backend, within rounding.
+        let cpu = orth_refill(&CpuBackend::new(), (batch, n, r), &x, 11);
+        let diff = got
+            .iter()
+            .zip(&cpu)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        assert!(
+            diff < 1e-4,
+            "{}: differs from the CPU backend by {diff}",
+            be.name()
+        );
+    }
+    // NaN in, NaN out: no refill of a NaN matrix.
+    let mut x = vec![0.0f32; 40];
+    x[3] = f32::NAN;
+    assert!(orth_refill(be, (1, 10, 4), &x, 1)
+        .iter()
+        .all(|v| v.is_nan()));
+}
+
 fn check_elementwise<B: Backend>(be: &B) {
     for len in [0, 1, 15, 1000, 300_001] {
         let (a, b) = (random(len, 1), random(len, 2));
@@ -693,6 +799,7 @@ cpu_tests!(
     check_products,
     check_orthogonalize,
     check_orthogonalize_precision,
+    check_orthogonalize_refill,
     check_elementwise,
     check_fill_normal,
     check_bad_input,

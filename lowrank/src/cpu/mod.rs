@@ -427,6 +427,40 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn orthogonalize_refill(
+        &self,
+        batch: usize,
+        n: usize,
+        r: usize,
+        x: &mut [f32],
+        eps: f32,
+        key: u64,
+    ) -> Result<()> {
+        self.orthogonalize(batch, n, r, &mut *x, eps)?;
+        let per = n * r;
+        if per == 0 {
+            return Ok(());
+        }
+        let full = n.min(r);
+        for (b, m) in x.chunks_exact_mut(per).enumerate() {
+            for attempt in 0..crate::REFILL_ATTEMPTS {
+                let zero: Vec<usize> = (0..r)
+                    .filter(|&c| m[c * n..(c + 1) * n].iter().all(|&v| v == 0.0))
+                    .collect();
+                if r - zero.len() >= full {
+                    break;
+                }
+                for &c in &zero {
+                    for (row, v) in m[c * n..(c + 1) * n].iter_mut().enumerate() {
+                        *v = crate::refill_value(key, attempt, b as u64, (c * n + row) as u64);
+                    }
+                }
+                self.orthogonalize(1, n, r, &mut *m, eps)?;
+            }
+        }
+        Ok(())
+    }
+
     fn add(&self, y: &mut [f32], x: &[f32]) -> Result<()> {
         same_len("y", y.len(), "x", x.len())?;
         self.zip_chunks(x, y, |x, y| y.iter_mut().zip(x).for_each(|(y, x)| *y += x));

@@ -239,6 +239,7 @@ extern "C" __global__ void __launch_bounds__(PE_THREADS) lr_pqt_error(
 
 #define OG_MAX_WARPS 32
 #define OG_SERIAL_N 8
+#define LR_REFILL_ATTEMPTS 3ull
 #define LR_TINY_SS 8.673617e-19f
 #define LR_FLT_MAX 3.402823466e38
 
@@ -495,76 +496,181 @@ __device__ void lr_block_pass(float* base, u64 n, u32 r, const float* prior, flo
     __syncthreads(); /* norms and ratios are complete */
 }
 
+/* The shared scratch of the block path. */
+struct LrOgShared {
+    float part[OG_MAX_WARPS * LR_MAX_RANK];
+    float before[LR_MAX_RANK];
+    float red[OG_MAX_WARPS];
+    float eps_k[LR_MAX_RANK];
+    float ones[LR_MAX_RANK];
+    float norms[LR_MAX_RANK];
+    float ratios[LR_MAX_RANK];
+    float lengths[LR_MAX_RANK];
+};
+
+/* Gram-Schmidt twice on one matrix by the whole block (block path). */
+__device__ void lr_orthogonalize_block(float* base, u64 n, u32 r, float eps, float tol,
+                                       LrOgShared* sh) {
+    __syncthreads(); /* the previous matrix is done with the shared arrays */
+    if (threadIdx.x < r) {
+        sh->eps_k[threadIdx.x] = eps;
+        sh->ones[threadIdx.x] = 1.0f;
+    }
+    bool nan_matrix = false;
+    for (u32 k = 0; k < r; ++k) {
+        float* c = base + (u64)k * n;
+        const float ss = lr_block_sum(lr_own_dot(c, c, n), sh->red);
+        if (lr_isfinite(ss) && ss >= LR_TINY_SS) {
+            continue;
+        }
+        float own_max = 0.0f, own_bad = 0.0f;
+        for (u64 t = threadIdx.x; t < n; t += blockDim.x) {
+            own_bad += lr_isfinite(c[t]) ? 0.0f : 1.0f;
+            own_max = fmaxf(own_max, fabsf(c[t]));
+        }
+        const float bad = lr_block_sum(own_bad, sh->red);
+        const float amax = lr_block_max(own_max, sh->red);
+        if (bad != 0.0f) {
+            nan_matrix = true;
+            break;
+        }
+        if (amax == 0.0f) {
+            continue;
+        }
+        float s1, s2;
+        lr_pow2_scale(amax, &s1, &s2);
+        lr_block_scale(c, s1, n);
+        lr_block_scale(c, s2, n);
+        if (threadIdx.x == 0u) {
+            sh->eps_k[k] = lr_scaled_eps(eps, s1, s2);
+        }
+    }
+    if (nan_matrix) {
+        for (u64 t = threadIdx.x; t < n * r; t += blockDim.x) {
+            base[t] = __uint_as_float(0x7fc00000u);
+        }
+        return;
+    }
+    lr_block_pass(base, n, r, sh->ones, 0.0f, sh->norms, sh->ratios, sh->part, sh->before,
+                  sh->red);
+    if (threadIdx.x < r) {
+        const float nk = sh->norms[threadIdx.x];
+        sh->lengths[threadIdx.x] = nk == 0.0f ? 0.0f : nk / (nk + sh->eps_k[threadIdx.x]);
+    }
+    /* lr_block_pass starts with a barrier, so lengths is written before ratios'
+       reuse below and read after the pass's closing barrier. */
+    lr_block_pass(base, n, r, sh->ratios, tol, sh->norms, sh->ratios, sh->part, sh->before,
+                  sh->red);
+    if (eps != 0.0f) {
+        for (u32 k = 0; k < r; ++k) {
+            if (sh->lengths[k] != 1.0f) {
+                lr_block_scale(base + (u64)k * n, sh->lengths[k], n);
+            }
+        }
+    }
+}
+
+/* The refill values (lowrank::refill_value, bit for bit): SplitMix64's finaliser, 24
+   bits scaled exactly into [-1, 1). */
+__device__ __forceinline__ u64 lr_mix(u64 z) {
+    z += 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+__device__ __forceinline__ float lr_refill_value(u64 key, u64 attempt, u64 matrix,
+                                                 u64 index) {
+    const u64 h = lr_mix(lr_mix(lr_mix(key ^ attempt) ^ matrix) ^ index);
+    return __fsub_rn(__fmul_rn((float)(h >> 40), 1.1920928955078125e-7f), 1.0f);
+}
+
+/* Serial path: refills the zero columns of matrix b (one thread) while fewer than
+   min(n, r) columns are non-zero, re-orthogonalising after each attempt. */
+__device__ void lr_refill_serial(float* x, u64 n, u32 r, float eps, float tol, u64 key,
+                                 u64 b) {
+    const u32 full = n < (u64)r ? (u32)n : r;
+    for (u64 attempt = 0; attempt < LR_REFILL_ATTEMPTS; ++attempt) {
+        u32 nonzero = 0;
+        for (u32 k = 0; k < r; ++k) {
+            bool any = false;
+            for (u64 t = 0; t < n; ++t) {
+                any = any || x[(u64)k * n + t] != 0.0f;
+            }
+            nonzero += any ? 1u : 0u;
+        }
+        if (nonzero >= full) {
+            return;
+        }
+        for (u32 k = 0; k < r; ++k) {
+            bool any = false;
+            for (u64 t = 0; t < n; ++t) {
+                any = any || x[(u64)k * n + t] != 0.0f;
+            }
+            if (!any) {
+                for (u64 t = 0; t < n; ++t) {
+                    x[(u64)k * n + t] = lr_refill_value(key, attempt, b, (u64)k * n + t);
+                }
+            }
+        }
+        lr_gram_schmidt_serial(x, n, r, eps, tol);
+    }
+}
+
+/* Block path of the refill: the whole block counts the non-zero columns of matrix b. */
+__device__ void lr_refill_block(float* base, u64 n, u32 r, float eps, float tol, u64 key,
+                                u64 b, LrOgShared* sh) {
+    const u32 full = n < (u64)r ? (u32)n : r;
+    for (u64 attempt = 0; attempt < LR_REFILL_ATTEMPTS; ++attempt) {
+        __syncthreads(); /* the orthogonalisation before is done with lengths */
+        /* lengths[k] (free between orthogonalisations) says whether column k is zero. */
+        u32 nonzero = 0;
+        for (u32 k = 0; k < r; ++k) {
+            const float* c = base + (u64)k * n;
+            float own = 0.0f;
+            for (u64 t = threadIdx.x; t < n; t += blockDim.x) {
+                own += c[t] != 0.0f ? 1.0f : 0.0f;
+            }
+            const float count = lr_block_sum(own, sh->red);
+            nonzero += count != 0.0f ? 1u : 0u;
+            if (threadIdx.x == 0u) {
+                sh->lengths[k] = count != 0.0f ? 0.0f : 1.0f;
+            }
+        }
+        __syncthreads();
+        if (nonzero >= full) {
+            return;
+        }
+        for (u32 k = 0; k < r; ++k) {
+            if (sh->lengths[k] != 0.0f) {
+                for (u64 t = threadIdx.x; t < n; t += blockDim.x) {
+                    base[(u64)k * n + t] = lr_refill_value(key, attempt, b, (u64)k * n + t);
+                }
+            }
+        }
+        __syncthreads(); /* every thread has read lengths and written its values */
+        lr_orthogonalize_block(base, n, r, eps, tol, sh);
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(1024) lr_orthogonalize(
-    float* __restrict__ x, u64 batch, u64 n, u32 r, float eps, float tol) {
-    __shared__ float part[OG_MAX_WARPS * LR_MAX_RANK];
-    __shared__ float before[LR_MAX_RANK];
-    __shared__ float red[OG_MAX_WARPS];
-    __shared__ float eps_k[LR_MAX_RANK];
-    __shared__ float ones[LR_MAX_RANK];
-    __shared__ float norms[LR_MAX_RANK];
-    __shared__ float ratios[LR_MAX_RANK];
-    __shared__ float lengths[LR_MAX_RANK];
+    float* __restrict__ x, u64 batch, u64 n, u32 r, float eps, float tol, u64 key,
+    u32 refill) {
+    __shared__ LrOgShared sh;
     if (n < OG_SERIAL_N) {
-        LR_GRID_STRIDE(b, batch) { lr_gram_schmidt_serial(x + b * n * r, n, r, eps, tol); }
+        LR_GRID_STRIDE(b, batch) {
+            lr_gram_schmidt_serial(x + b * n * r, n, r, eps, tol);
+            if (refill != 0u) {
+                lr_refill_serial(x + b * n * r, n, r, eps, tol, key, b);
+            }
+        }
         return;
     }
     for (u64 b = blockIdx.x; b < batch; b += gridDim.x) {
         float* base = x + b * n * r;
-        __syncthreads(); /* the previous matrix is done with the shared arrays */
-        if (threadIdx.x < r) {
-            eps_k[threadIdx.x] = eps;
-            ones[threadIdx.x] = 1.0f;
-        }
-        bool nan_matrix = false;
-        for (u32 k = 0; k < r; ++k) {
-            float* c = base + (u64)k * n;
-            const float ss = lr_block_sum(lr_own_dot(c, c, n), red);
-            if (lr_isfinite(ss) && ss >= LR_TINY_SS) {
-                continue;
-            }
-            float own_max = 0.0f, own_bad = 0.0f;
-            for (u64 t = threadIdx.x; t < n; t += blockDim.x) {
-                own_bad += lr_isfinite(c[t]) ? 0.0f : 1.0f;
-                own_max = fmaxf(own_max, fabsf(c[t]));
-            }
-            const float bad = lr_block_sum(own_bad, red);
-            const float amax = lr_block_max(own_max, red);
-            if (bad != 0.0f) {
-                nan_matrix = true;
-                break;
-            }
-            if (amax == 0.0f) {
-                continue;
-            }
-            float s1, s2;
-            lr_pow2_scale(amax, &s1, &s2);
-            lr_block_scale(c, s1, n);
-            lr_block_scale(c, s2, n);
-            if (threadIdx.x == 0u) {
-                eps_k[k] = lr_scaled_eps(eps, s1, s2);
-            }
-        }
-        if (nan_matrix) {
-            for (u64 t = threadIdx.x; t < n * r; t += blockDim.x) {
-                base[t] = __uint_as_float(0x7fc00000u);
-            }
-            continue;
-        }
-        lr_block_pass(base, n, r, ones, 0.0f, norms, ratios, part, before, red);
-        if (threadIdx.x < r) {
-            const float nk = norms[threadIdx.x];
-            lengths[threadIdx.x] = nk == 0.0f ? 0.0f : nk / (nk + eps_k[threadIdx.x]);
-        }
-        /* lr_block_pass starts with a barrier, so lengths is written before ratios'
-           reuse below and read after the pass's closing barrier. */
-        lr_block_pass(base, n, r, ratios, tol, norms, ratios, part, before, red);
-        if (eps != 0.0f) {
-            for (u32 k = 0; k < r; ++k) {
-                if (lengths[k] != 1.0f) {
-                    lr_block_scale(base + (u64)k * n, lengths[k], n);
-                }
-            }
+        lr_orthogonalize_block(base, n, r, eps, tol, &sh);
+        if (refill != 0u) {
+            lr_refill_block(base, n, r, eps, tol, key, b, &sh);
         }
     }
 }
@@ -589,7 +695,8 @@ pub(super) struct Kernels {
     pub(super) scale: CudaFunction,
     /// `lr_pqt_error(const float* p, const float* q, float* m, float* e, u64 batch, u64 n, u64 m, u32 r)`.
     pub(super) pqt_error: CudaFunction,
-    /// `lr_orthogonalize(float* x, u64 batch, u64 n, u32 r, float eps, float tol)`.
+    /// `lr_orthogonalize(float* x, u64 batch, u64 n, u32 r, float eps, float tol, u64 key,
+    /// u32 refill)`.
     pub(super) orthogonalize: CudaFunction,
     /// `lr_cast_{src}_{dst}(const S* src, D* dst, u64 n)` for the pairs of [`CASTS`].
     casts: Vec<((&'static str, &'static str), CudaFunction)>,

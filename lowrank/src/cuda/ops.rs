@@ -46,6 +46,48 @@ impl CudaBackend {
     /// per matrix, in blocks of 128. Otherwise one block per matrix (grid-stride beyond
     /// the cap) of about 4 elements of a column per thread: a multiple of 32, at most 256
     /// when the batch fills the device and 1024 when it does not.
+    /// `lr_orthogonalize` over `batch` matrices, refilling zero columns under `refill`'s
+    /// key when given (see [`Backend::orthogonalize_refill`]).
+    fn launch_orthogonalize(
+        &self,
+        batch: usize,
+        n: usize,
+        r: usize,
+        mut x: CudaViewMut<'_, f32>,
+        eps: f32,
+        refill: Option<u64>,
+    ) -> Result<()> {
+        let d = Dims::new(batch, n, 1, r)?;
+        d.expect("x", x.len(), d.p_len())?;
+        check_epsilon(eps)?;
+        if d.p_len() == 0 {
+            return Ok(());
+        }
+        // The CPU's threshold, computed the same way in f32.
+        let tol = crate::dims::zero_column_tolerance(n);
+        let cfg = self.ortho_config(batch, n);
+        let (batch, n, r) = (batch as u64, n as u64, r as u32);
+        let (key, refill) = (refill.unwrap_or(0), u32::from(refill.is_some()));
+        let mut launch = self.stream.launch_builder(&self.kernels.orthogonalize);
+        launch
+            .arg(&mut x)
+            .arg(&batch)
+            .arg(&n)
+            .arg(&r)
+            .arg(&eps)
+            .arg(&tol)
+            .arg(&key)
+            .arg(&refill);
+        // SAFETY: the arguments match `lr_orthogonalize(float* x, u64 batch, u64 n, u32 r,
+        // float eps, float tol, u64 key, u32 refill)`; `x` holds `batch*n*r` f32s
+        // (checked), the kernel indexes below that only (the refill writes only inside
+        // the matrix it counts), `r <= 64` and the block size is a multiple of 32 in
+        // 32..=1024 (the sizes of its shared arrays; the serial path for small `n` uses
+        // none).
+        unsafe { launch.launch(cfg) }.map_err(driver_error)?;
+        Ok(())
+    }
+
     fn ortho_config(&self, batch: usize, n: usize) -> LaunchConfig {
         if n < ORTHO_SERIAL_N {
             return self.launch_config(batch.div_ceil(128), 128);
@@ -219,33 +261,22 @@ impl Backend for CudaBackend {
         batch: usize,
         n: usize,
         r: usize,
-        mut x: CudaViewMut<'_, f32>,
+        x: CudaViewMut<'_, f32>,
         eps: f32,
     ) -> Result<()> {
-        let d = Dims::new(batch, n, 1, r)?;
-        d.expect("x", x.len(), d.p_len())?;
-        check_epsilon(eps)?;
-        if d.p_len() == 0 {
-            return Ok(());
-        }
-        // The CPU's threshold, computed the same way in f32.
-        let tol = crate::dims::zero_column_tolerance(n);
-        let cfg = self.ortho_config(batch, n);
-        let (batch, n, r) = (batch as u64, n as u64, r as u32);
-        let mut launch = self.stream.launch_builder(&self.kernels.orthogonalize);
-        launch
-            .arg(&mut x)
-            .arg(&batch)
-            .arg(&n)
-            .arg(&r)
-            .arg(&eps)
-            .arg(&tol);
-        // SAFETY: the arguments match `lr_orthogonalize(float* x, u64 batch, u64 n, u32 r,
-        // float eps, float tol)`; `x` holds `batch*n*r` f32s (checked), the kernel indexes
-        // below that only, `r <= 64` and the block size is a multiple of 32 in 32..=1024
-        // (the sizes of its shared arrays; the serial path for small `n` uses none).
-        unsafe { launch.launch(cfg) }.map_err(driver_error)?;
-        Ok(())
+        self.launch_orthogonalize(batch, n, r, x, eps, None)
+    }
+
+    fn orthogonalize_refill(
+        &self,
+        batch: usize,
+        n: usize,
+        r: usize,
+        x: CudaViewMut<'_, f32>,
+        eps: f32,
+        key: u64,
+    ) -> Result<()> {
+        self.launch_orthogonalize(batch, n, r, x, eps, Some(key))
     }
 
     fn add(&self, mut y: CudaViewMut<'_, f32>, x: CudaView<'_, f32>) -> Result<()> {
