@@ -166,6 +166,7 @@ fn build(
         .chunks(m)
         .checkpoint(checkpoint)
         .schedule(schedule)
+        .defer_weight_grads(true)
         .build()
         .expect("a valid pipe")
 }
@@ -280,18 +281,61 @@ fn target_dir() -> PathBuf {
         })
 }
 
-/// GFLOP/s of Linear(1024, 1024)'s forward and backward at `rows` rows, for the note on
-/// micro-batch efficiency.
-fn linear_gflops(rows: usize, reps: usize) -> f64 {
-    let mut layer: Layers = vec![Box::new(Linear::new(WIDTH, WIDTH, 0))];
-    let x = input(rows, WIDTH);
-    let mb = MicroBatch {
-        index: 0,
-        offset: 0,
-        len: rows,
+/// GFLOP/s of Linear(1024, 1024)'s phases over the whole batch split into `m`
+/// micro-batches, as a partition runs them: the forward pass of every micro-batch, the
+/// backward pass without the weight gradient (input and bias gradients) of every
+/// micro-batch, and the weight gradient: one product per micro-batch (`deferred` false: a
+/// flush after each backward call, what a non-deferring backward call adds) or one flush
+/// after all of them.
+fn phase_gflops(m: usize, deferred: bool, reps: usize) -> [f64; 3] {
+    let mut layer = Linear::new(WIDTH, WIDTH, 0);
+    let plan = MicroBatch::plan(BATCH, m).expect("plan");
+    let xs: Vec<CpuTensor> = plan.iter().map(|mb| input(mb.len, WIDTH)).collect();
+    let flop = 2.0 * (BATCH * WIDTH * WIDTH) as f64;
+    let mut saved = Vec::new();
+    let forward = best(reps, || {
+        saved.clear();
+        for (x, &mb) in xs.iter().zip(&plan) {
+            let mut ctx = Context::new(true, 0, 0, mb.len).with_micro_batch(mb);
+            let (y, s) = layer
+                .forward(Batch::single(x.clone()), &mut ctx)
+                .expect("forward");
+            black_box(y);
+            saved.push(s);
+        }
+    });
+    // Returns (backward time, weight gradient time) of one pass over the micro-batches.
+    let pass = |layer: &mut Linear| {
+        let (mut back, mut weight) = (Duration::ZERO, Duration::ZERO);
+        for (s, &mb) in saved.iter().zip(&plan) {
+            let mut ctx = Context::new(true, 0, 0, mb.len)
+                .with_micro_batch(mb)
+                .with_phase(Phase::Backward)
+                .with_deferred_weight_grads(true);
+            let dy = Batch::single(CpuTensor::ones(&[mb.len, WIDTH]));
+            let start = Instant::now();
+            black_box(layer.backward(dy, s.clone(), &mut ctx).expect("backward"));
+            back += start.elapsed();
+            if !deferred {
+                let start = Instant::now();
+                layer.flush_grads().expect("flush");
+                weight += start.elapsed();
+            }
+        }
+        if deferred {
+            let start = Instant::now();
+            layer.flush_grads().expect("flush");
+            weight += start.elapsed();
+        }
+        (back, weight)
     };
-    let t = best(reps.max(5), || direct_step(&mut layer, &x, mb));
-    3.0 * 2.0 * (rows * WIDTH * WIDTH) as f64 / t.as_secs_f64() / 1e9
+    let (mut back, mut weight) = pass(&mut layer);
+    for _ in 0..reps {
+        let (b, w) = pass(&mut layer);
+        (back, weight) = (back.min(b), weight.min(w));
+    }
+    layer.zero_grad();
+    [forward, back, weight].map(|t| flop / t.as_secs_f64().max(1e-9) / 1e9)
 }
 
 fn main() {
@@ -400,11 +444,25 @@ fn main() {
         );
         let _ = writeln!(
             out,
-            "baseline (unpipelined, one thread, whole batch): {:.2} ms/step; Linear(1024, 1024) forward+backward: {:.1} GFLOP/s at 256 rows, {:.1} at 32 rows",
+            "baseline (unpipelined, one thread, whole batch): {:.2} ms/step",
             baseline.as_secs_f64() * 1e3,
-            linear_gflops(BATCH, a.reps),
-            linear_gflops(32, a.reps)
         );
+        let _ = writeln!(
+            out,
+            "Linear(1024, 1024) GFLOP/s over batch {BATCH} (forward / input gradient / weight gradient):"
+        );
+        for (m, deferred, what) in [
+            (1, false, "whole batch"),
+            (8, false, "8 micro-batches, weight gradient per micro-batch"),
+            (
+                8,
+                true,
+                "8 micro-batches, weight gradient deferred to one flush",
+            ),
+        ] {
+            let [f, dx, dw] = phase_gflops(m, deferred, a.reps.max(5));
+            let _ = writeln!(out, "  {f:6.1} / {dx:6.1} / {dw:6.1}  {what}");
+        }
         let _ = writeln!(
             out,
             "{:<8} {:<12} {:>3} {:>9} {:>8} {:>6} {:>12} {:>13}",

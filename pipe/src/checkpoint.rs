@@ -112,6 +112,9 @@ pub(crate) struct StageCall<'s, T> {
     pub micro_batch: MicroBatch,
     /// The number of micro-batches of the mini-batch.
     pub micro_batches: usize,
+    /// Whether backward calls may defer their weight gradients until the stage is flushed
+    /// ([`flush`]).
+    pub defer_weight_grads: bool,
 }
 
 impl<T: Tensor> StageCall<'_, T> {
@@ -122,6 +125,7 @@ impl<T: Tensor> StageCall<'_, T> {
             .with_micro_batches(self.micro_batches)
             .with_phase(phase)
             .with_checkpointing(checkpointing)
+            .with_deferred_weight_grads(self.defer_weight_grads)
     }
 
     /// Lends the tracker to layer `l`'s context if the layer declares skips.
@@ -221,6 +225,32 @@ impl<T: Tensor> StageCall<'_, T> {
         }
         Ok(g)
     }
+}
+
+/// Adds the weight gradients the `layers` of `stage` (global index of the first:
+/// `first_layer`) deferred ([`Layer::flush_grads`]); a failure names the layer, as a
+/// backward task.
+pub(crate) fn flush<T: Tensor>(
+    stage: usize,
+    first_layer: usize,
+    layers: &mut [Box<dyn Layer<T>>],
+) -> Result<(), Error> {
+    for (l, layer) in layers.iter_mut().enumerate() {
+        guard(|| layer.flush_grads()).map_err(|fault| {
+            fault.at(Site {
+                partition: stage,
+                layer: Some((first_layer + l, layer.name().to_string())),
+                micro_batch: None,
+                task: Task::Backward,
+            })
+        })?;
+    }
+    Ok(())
+}
+
+/// Bytes the layers keep for deferred weight gradients.
+pub(crate) fn deferred_bytes<T: Tensor>(layers: &[Box<dyn Layer<T>>]) -> usize {
+    layers.iter().map(|l| l.deferred_bytes()).sum()
 }
 
 /// A failure inside a guarded call, before its site is known.

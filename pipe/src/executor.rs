@@ -49,6 +49,10 @@ pub struct Memory {
     /// a value waits there from its arrival until it is popped (under checkpointing, until
     /// the recomputation pops it again), a gradient until it is sent back or taken.
     pub skips: usize,
+    /// Of `held`, the bytes the partition's layers keep for deferred weight gradients
+    /// ([`Layer::deferred_bytes`]) from a backward action until the partition's last one
+    /// of the run ([`PipeBuilder::defer_weight_grads`](crate::PipeBuilder::defer_weight_grads)).
+    pub deferred: usize,
 }
 
 impl Memory {
@@ -56,6 +60,13 @@ impl Memory {
     pub(crate) fn set_skips(&mut self, old: usize, new: usize) {
         self.held = (self.held + new).saturating_sub(old);
         self.skips = (self.skips + new).saturating_sub(old);
+        self.peak = self.peak.max(self.held);
+    }
+
+    /// Adjusts the deferred bytes to `now`, and the totals with them.
+    pub(crate) fn set_deferred(&mut self, now: usize) {
+        self.held = (self.held + now).saturating_sub(self.deferred);
+        self.deferred = now;
         self.peak = self.peak.max(self.held);
     }
 }
@@ -92,6 +103,8 @@ pub(crate) struct Job<'a, 'l, T> {
     pub seed: u64,
     pub step: u64,
     pub checkpoint_stop: usize,
+    /// Whether backward actions may defer weight gradients to the stage's last one.
+    pub defer_weight_grads: bool,
     pub timeout: Duration,
     /// Record spans measured from this instant.
     pub record: Option<Instant>,
@@ -124,6 +137,7 @@ pub(crate) struct Common<'a> {
     pub seed: u64,
     pub step: u64,
     pub checkpoint_stop: usize,
+    pub defer_weight_grads: bool,
     pub timeout: Duration,
     pub record: Option<Instant>,
     pub skips: &'a SkipPlan,
@@ -216,6 +230,7 @@ pub(crate) fn execute<T: Tensor>(job: Job<'_, '_, T>) -> Result<Outcome<T>, Erro
         seed: job.seed,
         step: job.step,
         checkpoint_stop: job.checkpoint_stop,
+        defer_weight_grads: job.defer_weight_grads,
         timeout: job.timeout,
         record: job.record,
         skips: job.skips,

@@ -58,6 +58,7 @@ pub struct Context {
     phase: Phase,
     checkpointing: bool,
     profiling: bool,
+    defer_weight_grads: bool,
     skips: Option<SkipSlot>,
 }
 
@@ -90,6 +91,7 @@ impl fmt::Debug for Context {
             .field("phase", &self.phase)
             .field("checkpointing", &self.checkpointing)
             .field("profiling", &self.profiling)
+            .field("defer_weight_grads", &self.defer_weight_grads)
             .field("skips", &self.skips.as_ref().map(|s| &s.decl))
             .finish()
     }
@@ -114,6 +116,7 @@ impl Context {
             phase: Phase::Forward,
             checkpointing: false,
             profiling: false,
+            defer_weight_grads: false,
             skips: None,
         }
     }
@@ -154,6 +157,24 @@ impl Context {
     pub fn with_profiling(mut self, profiling: bool) -> Self {
         self.profiling = profiling;
         self
+    }
+
+    /// The same context, allowing (or not) a backward call to defer its weight gradients
+    /// until [`Layer::flush_grads`] (see [`defers_weight_grads`](Context::defers_weight_grads)).
+    pub fn with_deferred_weight_grads(mut self, defer: bool) -> Self {
+        self.defer_weight_grads = defer;
+        self
+    }
+
+    /// Whether this backward call may defer its weight gradients: keep what it needs to
+    /// compute them (its input and output gradient) and add them to the parameter
+    /// gradients in [`Layer::flush_grads`], which the caller promises to call before
+    /// reading the gradients. A [`Pipe`](crate::Pipe) built with
+    /// [`defer_weight_grads(true)`](crate::PipeBuilder::defer_weight_grads) sets it in its
+    /// backward contexts and flushes each partition after its last backward action of a
+    /// run; a layer may ignore it. Default `false`: gradients are added in `backward`.
+    pub fn defers_weight_grads(&self) -> bool {
+        self.defer_weight_grads && self.phase == Phase::Backward
     }
 
     /// Training (true) or evaluation (false).
@@ -367,7 +388,10 @@ pub struct ParamMut<'a, T> {
 ///   updates no running state (batch-norm statistics).
 /// - `backward` adds its parameter gradients into the layer (never overwrites them) and
 ///   returns one gradient item per input item ([`Item::None`](crate::Item::None) where an
-///   input has none).
+///   input has none). Where its context allows it ([`Context::defers_weight_grads`]), it
+///   may instead keep what the gradients need and add them in
+///   [`flush_grads`](Layer::flush_grads), in the order its backward calls came, so that
+///   the sums are the same as if each call had added its own.
 pub trait Layer<T: Tensor>: Send {
     /// Computes the output and the state `backward` needs.
     fn forward(
@@ -400,8 +424,26 @@ pub trait Layer<T: Tensor>: Send {
         Vec::new()
     }
 
-    /// Sets the accumulated gradients to zero. Default: nothing to do.
+    /// Sets the accumulated gradients to zero, and drops any deferred gradient work (see
+    /// [`flush_grads`](Layer::flush_grads)). Default: nothing to do.
     fn zero_grad(&mut self) {}
+
+    /// Adds every parameter gradient deferred by backward calls whose context allowed it
+    /// ([`Context::defers_weight_grads`]), and lets go of what was kept for them. A layer
+    /// can then compute them as one product over all the micro-batches' rows instead of one
+    /// per micro-batch. The pipe calls it on each layer of a partition right after the
+    /// partition's last backward action of a run (before
+    /// [`on_gradients_final`](crate::Pipe::on_gradients_final)'s callback), and after a
+    /// failed run. Default: nothing deferred.
+    fn flush_grads(&mut self) -> Result<(), Error> {
+        Ok(())
+    }
+
+    /// Bytes kept for deferred gradients (see [`flush_grads`](Layer::flush_grads)), counted
+    /// through [`Tensor::size_bytes`]; the pipe counts them as held memory. Default: 0.
+    fn deferred_bytes(&self) -> usize {
+        0
+    }
 
     /// The skips this layer stashes and pops (torchgpipe's `@skippable`), fixed before any
     /// run: the pipe reads it once when it is built, verifies the whole sequence and

@@ -18,8 +18,11 @@
 //! - [`Schedule`]: per worker, an ordered list of [`Action`]s, validated before it runs;
 //!   [`Schedule::gpipe`] and [`Schedule::one_f_one_b`] generate them.
 //! - [`Pipe`]: the partitions, the micro-batching, the checkpoint mode, deferred batch
-//!   norm; `forward` / `backward`, or `step` with a per-micro-batch loss. Skips that cross
-//!   partitions move straight from the stashing partition to the popping one.
+//!   norm, deferred weight gradients ([`PipeBuilder::defer_weight_grads`]: input gradients
+//!   first, each partition's weight gradients in one product per layer after its last
+//!   backward action, off the critical path); `forward` / `backward`, or `step` with a
+//!   per-micro-batch loss. Skips that cross partitions move straight from the stashing
+//!   partition to the popping one.
 //! - [`balance`]: balances by time or size, with torchgpipe's block partition.
 //!
 //! A two-partition pipe, checked against the same layers run as one model:
@@ -58,7 +61,9 @@
 //! - **Transparency** (`transparency.rs`): for every balance, chunk count, checkpoint mode
 //!   and schedule, outputs and every gradient are bit-identical to the same layers run
 //!   unpipelined over the same micro-batches, gradients accumulated in the schedule's
-//!   backward order; without batch norm they match the whole-batch model within 1e-5.
+//!   backward order, with weight gradients deferred or not (deferred ones are the same
+//!   sums in the same order); without batch norm they match the whole-batch model within
+//!   1e-5.
 //! - **Randomness independent of chunking** (`checkpoint.rs`, `transparency.rs`): dropout
 //!   masks are the same whatever the chunks, balance or schedule, and recomputation
 //!   replays them exactly.
@@ -66,7 +71,9 @@
 //!   most one; the checkpoint stop counts the actual ones.
 //! - **Memory** (`memory.rs`): between forward and backward `always` holds only the
 //!   micro-batch inputs, `never` every saved activation; 1F1B holds at most `n - j`
-//!   micro-batches on partition `j`.
+//!   micro-batches on partition `j`. Deferred weight gradients (`deferred_grads.rs`) are
+//!   counted as held from the backward that defers them to the partition's flush, complete
+//!   before [`Pipe::on_gradients_final`]'s callback, and flushed after a failed run.
 //! - **Failures** (`failure.rs`, `threads.rs`): a layer's error or panic stops every
 //!   worker (none starts an action after seeing the stop), the error names the partition,
 //!   the layer and the micro-batch, every wait between workers is bounded by the timeout,

@@ -145,6 +145,39 @@ pub(crate) fn gemm(a: View<'_>, b: View<'_>, c: ViewMut<'_>, accumulate: bool) {
     fallback(a, b, c, accumulate);
 }
 
+/// Whether [`gemm`] runs this module's kernel (AVX-512F), whose results do not depend on
+/// how `k` is split: `C += A₁·B₁` then `C += A₂·B₂` gives bit for bit what one product over
+/// the stacked operands gives (each element of `C` is one chain of multiply-adds over `k`
+/// in order, stored and reloaded exactly in between). The fallback promises no such thing.
+pub(crate) fn splits_exactly() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        avx512::available()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Writes the transpose of the row-major `rows × cols` matrix `src` into `dst`
+/// (row-major `cols × rows`), in square blocks so that both sides stay in cache. Panics
+/// if either slice is shorter than `rows · cols`.
+pub(crate) fn transpose(src: &[f32], rows: usize, cols: usize, dst: &mut [f32]) {
+    const BLOCK: usize = 32;
+    let (src, dst) = (&src[..rows * cols], &mut dst[..rows * cols]);
+    for i0 in (0..rows).step_by(BLOCK) {
+        for j0 in (0..cols).step_by(BLOCK) {
+            for i in i0..rows.min(i0 + BLOCK) {
+                let row = &src[i * cols..(i + 1) * cols];
+                for j in j0..cols.min(j0 + BLOCK) {
+                    dst[j * rows + i] = row[j];
+                }
+            }
+        }
+    }
+}
+
 /// `ndarray`'s product, for machines without AVX-512F.
 fn fallback(a: View<'_>, b: View<'_>, c: ViewMut<'_>, accumulate: bool) {
     fn view(v: View<'_>) -> ArrayView2<'_, f32> {
@@ -757,6 +790,56 @@ mod tests {
             let a = View::row_major(&ad[start * k..(start + rows) * k], rows, k);
             gemm(a, b, ViewMut::row_major(&mut part, rows, n), false);
             assert_eq!(part, whole[start * n..(start + rows) * n], "rows {start}..");
+        }
+    }
+
+    #[test]
+    fn transpose_moves_every_element() {
+        for (rows, cols) in [(1, 1), (3, 70), (33, 32), (64, 5)] {
+            let src = values(rows * cols, 6);
+            let mut dst = vec![0.0; rows * cols];
+            transpose(&src, rows, cols, &mut dst);
+            for i in 0..rows {
+                for j in 0..cols {
+                    assert_eq!(dst[j * rows + i], src[i * cols + j], "{rows} x {cols}");
+                }
+            }
+        }
+    }
+
+    /// What deferred weight gradients rely on: with the AVX-512 kernel, products over
+    /// consecutive blocks of `k` accumulated one after another equal one product over all
+    /// of `k`, bit for bit.
+    #[test]
+    fn split_k_accumulates_exactly() {
+        if !splits_exactly() {
+            return;
+        }
+        let (m, n) = (40, 70);
+        for ks in [&[32usize, 32, 32][..], &[7, 130, 1], &[256, 200]] {
+            let k: usize = ks.iter().sum();
+            let (ad, bd) = (values(k * m, 7), values(k * n, 8));
+            // A = Xᵀ for a row-major X of k rows, as a weight gradient's.
+            let start = values(m * n, 9);
+            let mut whole = start.clone();
+            gemm(
+                View::row_major(&ad, k, m).t(),
+                View::row_major(&bd, k, n),
+                ViewMut::row_major(&mut whole, m, n),
+                true,
+            );
+            let mut parts = start;
+            let mut k0 = 0;
+            for &kk in ks {
+                gemm(
+                    View::row_major(&ad[k0 * m..(k0 + kk) * m], kk, m).t(),
+                    View::row_major(&bd[k0 * n..(k0 + kk) * n], kk, n),
+                    ViewMut::row_major(&mut parts, m, n),
+                    true,
+                );
+                k0 += kk;
+            }
+            assert_eq!(whole, parts, "k split as {ks:?}");
         }
     }
 

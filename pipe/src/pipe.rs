@@ -30,6 +30,7 @@ pub struct PipeBuilder<T: Tensor> {
     seed: u64,
     record: bool,
     deferred_batch_norm: bool,
+    defer_weight_grads: bool,
 }
 
 impl<T: Tensor> PipeBuilder<T> {
@@ -84,6 +85,22 @@ impl<T: Tensor> PipeBuilder<T> {
     /// Default off.
     pub fn deferred_batch_norm(mut self, on: bool) -> Self {
         self.deferred_batch_norm = on;
+        self
+    }
+
+    /// Deferred weight gradients (the B/W split of zero-bubble schedules): a backward action
+    /// computes only its input gradient and lets each layer keep what its weight gradient
+    /// needs ([`Context::defers_weight_grads`](crate::Context::defers_weight_grads)); right
+    /// after a partition's last backward action of a run, each of its layers adds them
+    /// ([`Layer::flush_grads`]): [`Linear`](crate::Linear) as one product over every
+    /// micro-batch's rows, about as fast per row as the whole batch, and off the pipeline's
+    /// critical path (the bubble no longer waits for weight gradients). Gradients are the
+    /// same sums, bit for bit on AVX-512. The cost is memory: a deferring layer holds its
+    /// input and output gradient for every micro-batch until the flush, counted in
+    /// [`Memory::deferred`](crate::Memory::deferred); this undoes what checkpointing and 1F1B
+    /// save on activations, so leave it off where memory binds. Default off.
+    pub fn defer_weight_grads(mut self, on: bool) -> Self {
+        self.defer_weight_grads = on;
         self
     }
 
@@ -152,6 +169,7 @@ impl<T: Tensor> PipeBuilder<T> {
             on_final: None,
             skips,
             moves: Moves::default(),
+            defer_weight_grads: self.defer_weight_grads,
         })
     }
 }
@@ -216,6 +234,7 @@ pub struct Pipe<T: Tensor> {
     on_final: Option<Box<FinalHook<T>>>,
     skips: SkipPlan,
     moves: Moves,
+    defer_weight_grads: bool,
 }
 
 impl<T: Tensor> Pipe<T> {
@@ -233,6 +252,7 @@ impl<T: Tensor> Pipe<T> {
             seed: 0,
             record: false,
             deferred_batch_norm: false,
+            defer_weight_grads: false,
         }
     }
 
@@ -438,6 +458,7 @@ impl<T: Tensor> Pipe<T> {
             } else {
                 0
             },
+            defer_weight_grads: self.defer_weight_grads,
             timeout: self.timeout,
             record: origin,
             on_final: self.on_final.as_deref(),
@@ -453,8 +474,16 @@ impl<T: Tensor> Pipe<T> {
                 Ok(outcome)
             }
             Err(error) => {
+                // Whatever backward actions completed keep their gradients, as without
+                // deferral; nothing deferred is held past the run.
+                if self.defer_weight_grads {
+                    for (j, layers) in self.partitions.iter_mut().enumerate() {
+                        let _ = crate::checkpoint::flush(j, self.first_layer[j], layers);
+                    }
+                }
                 for memory in &mut self.memory {
                     memory.held = 0;
+                    memory.deferred = 0;
                 }
                 if error.poisons() {
                     self.poison = Some(error.site().cloned());
@@ -604,6 +633,12 @@ impl<T: Tensor> Pipe<T> {
     /// The most micro-batches per mini-batch.
     pub fn chunks(&self) -> usize {
         self.chunks
+    }
+
+    /// Whether backward actions defer weight gradients to each partition's last one
+    /// ([`PipeBuilder::defer_weight_grads`]).
+    pub fn defers_weight_grads(&self) -> bool {
+        self.defer_weight_grads
     }
 
     /// The checkpoint mode.

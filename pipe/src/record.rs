@@ -16,6 +16,9 @@ pub enum SpanKind {
     Backward,
     /// The loss function, run on the last stage right after its forward.
     Loss,
+    /// The deferred weight gradients of a stage ([`Layer::flush_grads`](crate::Layer::flush_grads)),
+    /// right after its last backward action of a run (the span's action).
+    WeightGrad,
 }
 
 /// One piece of a worker's time: `kind` work for `action`, from `start` to `end` after the

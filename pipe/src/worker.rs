@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use skip::{Moves, Tracker};
 
-use crate::checkpoint::{guard, Keep, Kept, StageCall};
+use crate::checkpoint::{deferred_bytes, flush, guard, Keep, Kept, StageCall};
 use crate::error::{Error, Site, Task};
 use crate::executor::{Common, FinalHook, LossFn, Memory, Msg, Shared, StageSlot, Trackers};
 use crate::microbatch::Batch;
@@ -147,7 +147,9 @@ impl<'a, 'l, 's, T: Tensor> Worker<'a, 'l, 's, T> {
                 Work::Backward => self.backward(action),
             };
             if result.is_ok() && last_backward[action.stage] == Some(k) {
-                result = self.gradients_final(action.stage);
+                result = self
+                    .flush_weight_grads(action)
+                    .and_then(|()| self.gradients_final(action.stage));
             }
             match result {
                 Ok(()) => {}
@@ -202,6 +204,7 @@ impl<'a, 'l, 's, T: Tensor> Worker<'a, 'l, 's, T> {
             step: common.step,
             micro_batch: common.micro_batches[mb],
             micro_batches: common.micro_batches.len(),
+            defer_weight_grads: common.defer_weight_grads,
         }
     }
 
@@ -407,6 +410,10 @@ impl<'a, 'l, 's, T: Tensor> Worker<'a, 'l, 's, T> {
         let result = call.backward(grad, saved);
         let tracker = call.tracker.take();
         self.span(action, SpanKind::Backward, start);
+        if common.defer_weight_grads {
+            let slot = &mut self.stages[host].slot;
+            slot.memory.set_deferred(deferred_bytes(slot.layers));
+        }
         let grad_input = result?;
         if let Some(mut tracker) = tracker {
             self.send_skip_grads(action, &mut tracker)?;
@@ -425,6 +432,21 @@ impl<'a, 'l, 's, T: Tensor> Worker<'a, 'l, 's, T> {
                 batch: grad_input,
             },
         )
+    }
+
+    /// After the last backward action of its stage: adds the weight gradients the stage's
+    /// layers deferred (a [`SpanKind::WeightGrad`] span), so they are final.
+    fn flush_weight_grads(&mut self, action: Action) -> Result<(), Halt> {
+        if !self.common.defer_weight_grads {
+            return Ok(());
+        }
+        let host = self.host(action.stage)?;
+        let start = Instant::now();
+        let slot = &mut self.stages[host].slot;
+        let result = flush(action.stage, slot.first_layer, slot.layers);
+        slot.memory.set_deferred(deferred_bytes(slot.layers));
+        self.span(action, SpanKind::WeightGrad, start);
+        Ok(result?)
     }
 
     /// Runs the gradients-final callback for `stage`.

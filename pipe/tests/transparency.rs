@@ -5,7 +5,10 @@
 //!     gradients accumulated in the schedule's backward order: outputs, input gradients,
 //!     every parameter gradient and batch-norm running statistics (through evaluation
 //!     outputs after the step), for every balance,
-//!     chunk count, checkpoint mode and schedule (Dropout included).
+//!     chunk count, checkpoint mode and schedule (Dropout included), with weight gradients
+//!     added by each backward action or deferred to each partition's last one
+//!     ([`PipeBuilder::defer_weight_grads`](pipe::PipeBuilder::defer_weight_grads); the
+//!     reference adds them in `backward`).
 //! (b) Without batch norm, equal to the unpipelined model on the whole batch within 1e-5
 //!     relative.
 
@@ -68,6 +71,7 @@ fn run_pipe(
     chunks: usize,
     mode: Checkpoint,
     drive: Drive,
+    defer: bool,
 ) -> Run {
     let x = data(BATCH, 5, 7);
     let target = data(BATCH, 3, 8);
@@ -75,6 +79,7 @@ fn run_pipe(
         .chunks(chunks)
         .checkpoint(mode)
         .seed(SEED)
+        .defer_weight_grads(defer)
         .build()
         .unwrap();
     let plan = pipe.micro_batches(BATCH).unwrap();
@@ -104,6 +109,10 @@ fn run_pipe(
         }
     };
     assert_eq!(pipe.step_number(), 1);
+    assert!(
+        pipe.memory().iter().all(|m| m.held == 0 && m.deferred == 0),
+        "nothing held after the step"
+    );
     pipe.eval();
     let evaluated = pipe
         .forward(Batch::single(data(BATCH, 5, 7)))
@@ -130,9 +139,10 @@ fn check_bit_identical(
     chunks: usize,
     mode: Checkpoint,
     drive: Drive,
+    defer: bool,
 ) {
-    let case = format!("balance {balance:?}, chunks {chunks}, {mode}, {drive:?}");
-    let run = run_pipe(model, balance, chunks, mode, drive);
+    let case = format!("balance {balance:?}, chunks {chunks}, {mode}, {drive:?}, defer {defer}");
+    let run = run_pipe(model, balance, chunks, mode, drive, defer);
     let mut layers = model();
     let plan = pipe::MicroBatch::plan(BATCH, chunks).unwrap();
     let r = reference(
@@ -175,7 +185,9 @@ fn bit_identical_to_unpipelined_micro_batches_with_batch_norm() {
         for chunks in 1..=8 {
             for mode in MODES {
                 for drive in drives() {
-                    check_bit_identical(bn_model, balance, chunks, mode, drive);
+                    for defer in [false, true] {
+                        check_bit_identical(bn_model, balance, chunks, mode, drive, defer);
+                    }
                 }
             }
         }
@@ -188,7 +200,9 @@ fn bit_identical_to_unpipelined_micro_batches_without_batch_norm() {
         for chunks in 1..=8 {
             for mode in MODES {
                 for drive in drives() {
-                    check_bit_identical(plain_model, balance, chunks, mode, drive);
+                    for defer in [false, true] {
+                        check_bit_identical(plain_model, balance, chunks, mode, drive, defer);
+                    }
                 }
             }
         }
@@ -213,7 +227,7 @@ fn equal_to_the_whole_batch_model_within_1e_5() {
             for mode in MODES {
                 for drive in drives() {
                     let case = format!("balance {balance:?}, chunks {chunks}, {mode}, {drive:?}");
-                    let run = run_pipe(plain_model, balance, chunks, mode, drive);
+                    let run = run_pipe(plain_model, balance, chunks, mode, drive, chunks % 2 == 0);
                     assert!(
                         relative(&run.output, &r.outputs[0]) <= 1e-5,
                         "output, {case}"

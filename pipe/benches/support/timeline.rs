@@ -59,10 +59,20 @@ fn bar(kind: SpanKind, action: Action, start: Duration, end: Duration) -> Bar {
         SpanKind::Backward => "B",
         SpanKind::Recompute => "R",
         SpanKind::Loss => "",
+        SpanKind::WeightGrad => return named(kind, "W", start, end),
     };
     Bar {
         kind,
         label: format!("{letter}{}", action.micro_batch),
+        start: start.as_secs_f64(),
+        end: end.as_secs_f64(),
+    }
+}
+
+fn named(kind: SpanKind, label: &str, start: Duration, end: Duration) -> Bar {
+    Bar {
+        kind,
+        label: label.to_string(),
         start: start.as_secs_f64(),
         end: end.as_secs_f64(),
     }
@@ -121,16 +131,21 @@ fn ideal(schedule: &Schedule, means: &[HashMap<SpanKind, f64>], stop: usize) -> 
                     break;
                 };
                 let mut t = free[w].max(ready);
+                let last_backward = a.work == Work::Backward
+                    && !list[heads[w] + 1..]
+                        .iter()
+                        .any(|b| b.work == Work::Backward && b.stage == a.stage);
                 let mut push = |kind: SpanKind, len: f64, t: &mut f64| {
-                    let letter = match kind {
-                        SpanKind::Forward => "F",
-                        SpanKind::Backward => "B",
-                        SpanKind::Recompute => "R",
-                        SpanKind::Loss => "",
+                    let label = match kind {
+                        SpanKind::Forward => format!("F{}", a.micro_batch),
+                        SpanKind::Backward => format!("B{}", a.micro_batch),
+                        SpanKind::Recompute => format!("R{}", a.micro_batch),
+                        SpanKind::Loss => String::new(),
+                        SpanKind::WeightGrad => "W".to_string(),
                     };
                     bars[w].push(Bar {
                         kind,
-                        label: format!("{letter}{}", a.micro_batch),
+                        label,
                         start: *t,
                         end: *t + len,
                     });
@@ -151,6 +166,11 @@ fn ideal(schedule: &Schedule, means: &[HashMap<SpanKind, f64>], stop: usize) -> 
                     }
                 }
                 done.insert(a, t);
+                if last_backward {
+                    // The deferred weight gradients, after the stage's last backward; the
+                    // gradient it sends on is ready before them.
+                    push(SpanKind::WeightGrad, d(w, SpanKind::WeightGrad), &mut t);
+                }
                 free[w] = t;
                 heads[w] += 1;
                 placed += 1;
@@ -171,6 +191,7 @@ fn color(kind: SpanKind) -> &'static str {
         SpanKind::Backward => "#54a24b",
         SpanKind::Recompute => "#f58518",
         SpanKind::Loss => "#b279a2",
+        SpanKind::WeightGrad => "#2ca089",
     }
 }
 
@@ -280,6 +301,7 @@ pub fn svg(traces: &[Trace], note: &str) -> String {
         (SpanKind::Backward, "backward"),
         (SpanKind::Recompute, "recompute"),
         (SpanKind::Loss, "loss"),
+        (SpanKind::WeightGrad, "weight gradients"),
     ] {
         let _ = writeln!(
             svg,

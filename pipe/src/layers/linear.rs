@@ -6,13 +6,15 @@ use super::{matrix, same_shape};
 use crate::cpu::CpuTensor;
 use crate::error::Error;
 use crate::layer::{Context, Layer, Param, ParamMut, Saved};
-use crate::matmul::{gemm, View, ViewMut};
+use crate::matmul::{gemm, splits_exactly, transpose, View, ViewMut};
 use crate::microbatch::Batch;
 use crate::rng::Stream;
+use crate::tensor::Tensor;
 
-/// Up to this many rows the forward pass computes `yᵀ = Wᵀ xᵀ`, streaming the weight
-/// through broadcasts and packing only `xᵀ`; beyond it, `y = x W` with the weight packed,
-/// which is faster once enough rows share each packed block.
+/// Up to this many rows the forward pass computes `yᵀ = Wᵀ xᵀ`, streaming a transposed
+/// copy of the weight (kept between calls) through broadcasts and packing only `xᵀ`;
+/// beyond it, `y = x W` with the weight packed, which is faster once enough rows share
+/// each packed block.
 const TRANSPOSED_FORWARD_ROWS: usize = 64;
 /// The same choice for the input gradient: `dxᵀ = W dyᵀ` up to this many rows, else
 /// `dx = dy Wᵀ`.
@@ -23,13 +25,41 @@ const TRANSPOSED_BACKWARD_ROWS: usize = 64;
 ///
 /// The products run on the crate's single-threaded kernel (AVX-512 where available, see
 /// the `matmul` module), chosen so that a micro-batch of a few dozen rows runs nearly as
-/// fast per row as a whole batch.
-#[derive(Debug, Clone)]
+/// fast per row as a whole batch:
+/// - the forward pass on at most 64 rows streams `Wᵀ` from a transposed copy of the
+///   weight, made on the first such call after the weight changed (through
+///   [`parameters_mut`](Layer::parameters_mut)) and kept: one more weight's worth of
+///   memory, one transpose per optimizer step;
+/// - where its context allows it ([`Context::defers_weight_grads`]), backward computes
+///   only the input and bias gradients and keeps `(x, dy)`; [`flush_grads`](Layer::flush_grads)
+///   then adds `dW += Xᵀ dY` as one product over every kept row (in the order the
+///   backward calls came), which streams the weight gradient once instead of once per
+///   micro-batch. With the AVX-512 kernel the result is bit-identical to adding each
+///   call's product in turn.
+#[derive(Clone)]
 pub struct Linear {
     weight: CpuTensor,
     bias: CpuTensor,
     weight_grad: CpuTensor,
     bias_grad: CpuTensor,
+    /// `Wᵀ`, row-major `[outputs, inputs]`, for the forward pass on few rows; empty until
+    /// made, and emptied whenever the weight may have changed.
+    weight_t: Vec<f32>,
+    /// Per deferred backward call, in order: its input and output gradient.
+    deferred: Vec<(CpuTensor, CpuTensor)>,
+}
+
+impl std::fmt::Debug for Linear {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Linear")
+            .field("weight", &self.weight)
+            .field("bias", &self.bias)
+            .field("weight_grad", &self.weight_grad)
+            .field("bias_grad", &self.bias_grad)
+            .field("weight_t", &!self.weight_t.is_empty())
+            .field("deferred", &self.deferred.len())
+            .finish()
+    }
 }
 
 impl Linear {
@@ -62,6 +92,8 @@ impl Linear {
             bias: bias.into(),
             weight_grad: wg.into(),
             bias_grad: bg.into(),
+            weight_t: Vec::new(),
+            deferred: Vec::new(),
         }
     }
 
@@ -81,6 +113,46 @@ impl Linear {
 
     fn inputs(&self) -> usize {
         self.weight.shape()[0]
+    }
+
+    /// `Wᵀ`, row-major `[outputs, inputs]`, made if missing.
+    fn weight_t(&mut self) -> Result<&[f32], Error> {
+        let (inputs, outputs) = (self.inputs(), self.outputs());
+        if self.weight_t.len() != inputs * outputs {
+            let w = contiguous(&self.weight, "Linear weight")?;
+            self.weight_t = vec![0.0; inputs * outputs];
+            transpose(w, inputs, outputs, &mut self.weight_t);
+        }
+        Ok(&self.weight_t)
+    }
+
+    /// `dW += xᵀ dy` over `rows` rows.
+    fn add_weight_grad(&mut self, xs: &[f32], dys: &[f32], rows: usize) -> Result<(), Error> {
+        let (inputs, outputs) = (self.inputs(), self.outputs());
+        let shape = self.weight_grad.shape().to_vec();
+        let dw = self.weight_grad.array_mut();
+        let dw = match dw.as_slice_mut() {
+            Some(dw) if shape == [inputs, outputs] => dw,
+            _ => {
+                return Err(Error::Shape {
+                    op: "Linear weight gradient",
+                    expected: vec![inputs, outputs],
+                    got: shape,
+                })
+            }
+        };
+        same_shape(
+            "Linear::flush_grads",
+            &[rows * inputs, rows * outputs],
+            &[xs.len(), dys.len()],
+        )?;
+        gemm(
+            View::row_major(xs, rows, inputs).t(),
+            View::row_major(dys, rows, outputs),
+            ViewMut::row_major(dw, inputs, outputs),
+            true,
+        );
+        Ok(())
     }
 }
 
@@ -108,7 +180,6 @@ impl Layer<CpuTensor> for Linear {
             expected: vec![0, inputs],
             got: x.shape().to_vec(),
         })?;
-        let w = View::row_major(contiguous(&self.weight, "Linear weight")?, inputs, outputs);
         let b = contiguous(&self.bias, "Linear bias")?;
         same_shape("Linear bias", &[outputs], &[b.len()])?;
         // y = 1 bᵀ + x W.
@@ -119,9 +190,11 @@ impl Layer<CpuTensor> for Linear {
         let out = ViewMut::row_major(&mut y, rows, outputs);
         let x_view = View::row_major(xs, rows, inputs);
         if rows <= TRANSPOSED_FORWARD_ROWS {
-            // As yᵀ += Wᵀ xᵀ: the weight streams through broadcasts, xᵀ is packed.
-            gemm(w.t(), x_view.t(), out.t(), true);
+            // As yᵀ += Wᵀ xᵀ: Wᵀ streams through broadcasts along its rows, xᵀ is packed.
+            let wt = View::row_major(self.weight_t()?, outputs, inputs);
+            gemm(wt, x_view.t(), out.t(), true);
         } else {
+            let w = View::row_major(contiguous(&self.weight, "Linear weight")?, inputs, outputs);
             gemm(x_view, w, out, true);
         }
         let y = CpuTensor::from_shape_vec(&[rows, outputs], y)?;
@@ -132,7 +205,7 @@ impl Layer<CpuTensor> for Linear {
         &mut self,
         grad_output: Batch<CpuTensor>,
         saved: Saved<CpuTensor>,
-        _ctx: &mut Context,
+        ctx: &mut Context,
     ) -> Result<Batch<CpuTensor>, Error> {
         let dy = grad_output.into_single()?;
         let [x] = <[CpuTensor; 1]>::try_from(saved.into_tensors()).map_err(|v| Error::Arity {
@@ -144,53 +217,82 @@ impl Layer<CpuTensor> for Linear {
         let dym = matrix(&dy, "Linear::backward", outputs)?;
         same_shape("Linear::backward", &[rows, outputs], dy.shape())?;
         let db = dym.sum_axis(Axis(0)).insert_axis(Axis(0));
-        let (xs, dys) = (
-            x.array().as_standard_layout(),
-            dy.array().as_standard_layout(),
-        );
-        let (Some(xs), Some(dys)) = (xs.as_slice(), dys.as_slice()) else {
-            return Err(Error::Shape {
-                op: "Linear::backward",
-                expected: vec![rows, outputs],
-                got: dy.shape().to_vec(),
-            });
-        };
-        // dW += xᵀ dy, straight into the accumulated gradient.
-        let shape = self.weight_grad.shape().to_vec();
-        let dw = self.weight_grad.array_mut();
-        let dw = match dw.as_slice_mut() {
-            Some(dw) if shape == [inputs, outputs] => dw,
-            _ => {
+        let defer = ctx.defers_weight_grads();
+        let dx = {
+            let (xs, dys) = (
+                x.array().as_standard_layout(),
+                dy.array().as_standard_layout(),
+            );
+            let (Some(xs), Some(dys)) = (xs.as_slice(), dys.as_slice()) else {
                 return Err(Error::Shape {
-                    op: "Linear weight gradient",
-                    expected: vec![inputs, outputs],
-                    got: shape,
-                })
+                    op: "Linear::backward",
+                    expected: vec![rows, outputs],
+                    got: dy.shape().to_vec(),
+                });
+            };
+            if !defer {
+                // dW += xᵀ dy, straight into the accumulated gradient.
+                self.add_weight_grad(xs, dys, rows)?;
             }
+            // dx = dy Wᵀ.
+            let w = View::row_major(contiguous(&self.weight, "Linear weight")?, inputs, outputs);
+            let dy_view = View::row_major(dys, rows, outputs);
+            let mut dx = vec![0.0f32; rows * inputs];
+            let out = ViewMut::row_major(&mut dx, rows, inputs);
+            if rows <= TRANSPOSED_BACKWARD_ROWS {
+                // As dxᵀ = W dyᵀ: the weight streams through broadcasts, dyᵀ is packed.
+                gemm(w, dy_view.t(), out.t(), false);
+            } else {
+                gemm(dy_view, w.t(), out, false);
+            }
+            dx
         };
-        let x_view = View::row_major(xs, rows, inputs);
-        let dy_view = View::row_major(dys, rows, outputs);
-        gemm(
-            x_view.t(),
-            dy_view,
-            ViewMut::row_major(dw, inputs, outputs),
-            true,
-        );
-        // dx = dy Wᵀ.
-        let w = View::row_major(contiguous(&self.weight, "Linear weight")?, inputs, outputs);
-        let mut dx = vec![0.0f32; rows * inputs];
-        let out = ViewMut::row_major(&mut dx, rows, inputs);
-        if rows <= TRANSPOSED_BACKWARD_ROWS {
-            // As dxᵀ = W dyᵀ: the weight streams through broadcasts, dyᵀ is packed.
-            gemm(w, dy_view.t(), out.t(), false);
-        } else {
-            gemm(dy_view, w.t(), out, false);
-        }
         *self.bias_grad.array_mut() += &db.into_dyn();
+        if defer {
+            // Kept for `flush_grads`.
+            self.deferred.push((x, dy));
+        }
         Ok(Batch::single(CpuTensor::from_shape_vec(
             &[rows, inputs],
             dx,
         )?))
+    }
+
+    fn flush_grads(&mut self) -> Result<(), Error> {
+        let deferred = std::mem::take(&mut self.deferred);
+        let (inputs, outputs) = (self.inputs(), self.outputs());
+        if deferred.len() == 1 || !splits_exactly() {
+            // One product per call, as backward would have added them.
+            for (x, dy) in &deferred {
+                let rows = x.shape()[0];
+                let (xs, dys) = (
+                    x.array().as_standard_layout(),
+                    dy.array().as_standard_layout(),
+                );
+                let (Some(xs), Some(dys)) = (xs.as_slice(), dys.as_slice()) else {
+                    continue;
+                };
+                self.add_weight_grad(xs, dys, rows)?;
+            }
+            return Ok(());
+        }
+        // One product over every kept row: the same sums (the kernel splits k exactly),
+        // with the weight gradient read and written once.
+        let rows: usize = deferred.iter().map(|(x, _)| x.shape()[0]).sum();
+        let mut xs = Vec::with_capacity(rows * inputs);
+        let mut dys = Vec::with_capacity(rows * outputs);
+        for (x, dy) in &deferred {
+            xs.extend(x.array().iter());
+            dys.extend(dy.array().iter());
+        }
+        self.add_weight_grad(&xs, &dys, rows)
+    }
+
+    fn deferred_bytes(&self) -> usize {
+        self.deferred
+            .iter()
+            .map(|(x, dy)| x.size_bytes() + dy.size_bytes())
+            .sum()
     }
 
     fn parameters(&self) -> Vec<Param<'_, CpuTensor>> {
@@ -201,6 +303,8 @@ impl Layer<CpuTensor> for Linear {
     }
 
     fn parameters_mut(&mut self) -> Vec<ParamMut<'_, CpuTensor>> {
+        // The weight may change: the transposed copy is made again when next needed.
+        self.weight_t = Vec::new();
         super::weight_and_bias_mut(
             (&mut self.weight, &mut self.weight_grad),
             (&mut self.bias, &mut self.bias_grad),
@@ -210,5 +314,6 @@ impl Layer<CpuTensor> for Linear {
     fn zero_grad(&mut self) {
         self.weight_grad.array_mut().fill(0.0);
         self.bias_grad.array_mut().fill(0.0);
+        self.deferred.clear();
     }
 }
