@@ -254,12 +254,16 @@ impl<B: CommBackend, H: HalfFormat> CommHook<B> for Compress<B, H> {
             Ok(h) => h,
             Err(e) => return Work::ready(Err(Error::from(e).into())),
         };
+        let keep = self.spare.clone();
         be.clone()
             .all_reduce(&*self.group, half, ReduceOp::Avg)
             .then(move |r| {
                 let h = r?;
                 let mut widen = || be.cast::<H, f32>(B::view(&h, ..)?, B::view_mut(&mut full, ..)?);
                 widen().map_err(Error::from)?;
+                // Kept for the next call (a device backend orders its reuse after the
+                // cast just queued, on the same stream).
+                *keep.lock().unwrap_or_else(|p| p.into_inner()) = Some(h);
                 Ok(full)
             })
     }
