@@ -5,7 +5,10 @@
 //! folder stays well under the 64 MiB that may travel), next to `run.sh`, which there:
 //! checks that a binary built here starts, finds the driver, cuBLAS, NVRTC and NCCL
 //! (system folders and the Python packages' `nvidia/*/lib`), runs everything and prints a
-//! summary.
+//! summary. The folder also carries `torch_hooks.py` (PyTorch's `powerSGD_hook` on the
+//! shapes of the `cuda_hooks` bench, the reference of issue 17) and the CPU compression
+//! report (`ddp-hooks/benches/report.rs`, run with `--quick`; its JSON lines go to
+//! `$OUT/report.jsonl`, where `cargo xtask bench` would draw them).
 
 use crate::{cargo, on_path, workspace_root, Failure};
 use std::path::{Path, PathBuf};
@@ -18,9 +21,14 @@ const WANTED: &[(&str, &str, &str)] = &[
     ("test", "cuda", "ddp-hooks-cuda-test"),
     ("test", "nccl", "collectives-nccl-test"),
     ("test", "threads_cuda", "collectives-threads-cuda-test"),
+    ("bench", "cuda_hooks", "ddp-hooks-cuda-hooks-bench"),
+    ("bench", "report", "ddp-hooks-report-bench"),
 ];
 
 const RUN_SH: &str = include_str!("gpu_check_run.sh");
+
+/// PyTorch's hook on the same shapes, run by `run.sh` with the machine's Python.
+const TORCH_PY: &str = include_str!("gpu_check_torch.py");
 
 pub fn run(args: &[String]) -> Result<(), Failure> {
     if let Some(a) = args.first() {
@@ -46,9 +54,12 @@ pub fn run(args: &[String]) -> Result<(), Failure> {
         strip(&dst);
         total += std::fs::metadata(&dst)?.len();
     }
-    let script = out_dir.join("run.sh");
-    std::fs::write(&script, RUN_SH)?;
-    set_executable(&script)?;
+    for (file, text) in [("run.sh", RUN_SH), ("torch_hooks.py", TORCH_PY)] {
+        let script = out_dir.join(file);
+        std::fs::write(&script, text)?;
+        set_executable(&script)?;
+        total += text.len() as u64;
+    }
     println!(
         "gpu-check: {} ({:.1} MiB in all)",
         out_dir.display(),
@@ -86,6 +97,10 @@ fn build() -> Result<Vec<(String, String, PathBuf)>, Failure> {
         "cuda",
         "--bench",
         "cuda",
+        "--bench",
+        "cuda_hooks",
+        "--bench",
+        "report",
         "--message-format=json-render-diagnostics",
     ])
     .stderr(Stdio::inherit())
