@@ -6,10 +6,16 @@
 //! makes the exit status non-zero.
 //!
 //! Values are small multiples of 1/2, so every sum is exact in every type and in any
-//! order: results are compared for equality.
+//! order: results are compared for equality. The deterministic reductions (the default)
+//! are also compared bit for bit with the thread backend's, run in each process on every
+//! rank's inputs, with values whose sums depend on the order of additions; MPI's native
+//! reductions (`with_deterministic(false)`) get the exact-value checks.
+//!
+//! `--timing` (after the executable) runs only a timing of a 16 MiB all-reduce, the
+//! deterministic path against native `MPI_Iallreduce`; rank 0 prints it.
 
 use collectives::mpi::MpiGroup;
-use collectives::{Buffer, DType, Error, ProcessGroup, ReduceOp};
+use collectives::{run_local, Buffer, DType, Error, ProcessGroup, ReduceOp, ThreadGroup};
 use half::{bf16, f16};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -24,6 +30,18 @@ const CHECKS: &[(&str, Check)] = &[
     (
         "all_reduce_coalesced: mixed types and lengths, one call",
         coalesced,
+    ),
+    (
+        "deterministic: all_reduce (every type, op, length) bit-identical to threads",
+        identical_all_reduce,
+    ),
+    (
+        "deterministic: all_reduce_wire, coalesced, reduce_scatter bit-identical to threads",
+        identical_others,
+    ),
+    (
+        "native MPI reductions (with_deterministic(false)): exact values",
+        native,
     ),
     ("broadcast: every root, every type", broadcast),
     ("all_gather: every type, in rank order", all_gather),
@@ -70,6 +88,17 @@ fn main() {
         }
     };
     let rank = world.rank();
+    if std::env::args().any(|a| a == "--timing") {
+        let code = match timing(&world) {
+            Ok(()) => 0,
+            Err(e) => {
+                eprintln!("rank {rank}: timing: {e}");
+                1
+            }
+        };
+        drop(world);
+        std::process::exit(code);
+    }
     let (mut passed, mut failed) = (0, 0);
     for (name, check) in CHECKS {
         let mine = check(&world);
@@ -470,6 +499,14 @@ fn debug_mode(g: &Arc<MpiGroup>) -> Result<(), String> {
             .wait(),
         ["Sum", "Max"],
     )?;
+    // Ranks that chose different reductions would pair different collectives.
+    let dbg = dbg.with_deterministic(rank != 0);
+    expect(
+        "deterministic vs native",
+        dbg.all_reduce(x(), ReduceOp::Sum).wait(),
+        ["(native MPI reduction)", "(deterministic)"],
+    )?;
+    let dbg = dbg.with_deterministic(true);
     // The mismatched operations were skipped everywhere: the group still works.
     let got = dbg
         .all_reduce(input(DType::BF16, rank, 64, 8), ReduceOp::Max)
@@ -501,9 +538,12 @@ fn timeout(g: &Arc<MpiGroup>) -> Result<(), String> {
         .with_timeout(limit)
         .map_err(|e| e.to_string())?
         // The late operation below pairs with the abandoned one only without descriptor
-        // checks (under COLLECTIVES_DEBUG=1 the world has them).
-        .with_debug(false);
-    let x = || Buffer::F32(vec![1.0; 4]);
+        // checks (under COLLECTIVES_DEBUG=1 the world has them), and only with the
+        // deterministic all-reduce's stages (whatever COLLECTIVES_MPI_DETERMINISTIC says).
+        .with_debug(false)
+        .with_deterministic(true);
+    // The deterministic all-reduce, in two stages: it times out in its all-to-all.
+    let x = || Buffer::F32(vec![1.0; 4 * size]);
     let mut result = Ok(());
     if rank == 0 {
         // The other ranks do not issue this operation (yet).
@@ -527,13 +567,299 @@ fn timeout(g: &Arc<MpiGroup>) -> Result<(), String> {
     }
     same("world barrier", g.barrier().wait(), Ok(()))?;
     if rank != 0 {
-        // Now pair the abandoned operation, so that it completes and rank 0 can finalise.
+        // Now pair the abandoned operation's first stage, so that it completes and rank 0
+        // can finalise: a reduce-scatter is that all-to-all alone (equal chunks of 4).
         same(
-            "the late all_reduce",
-            sub.all_reduce(x(), ReduceOp::Sum).wait(),
+            "the late reduce_scatter",
+            sub.reduce_scatter(x(), ReduceOp::Sum).wait(),
             Ok(Buffer::F32(vec![size as f32; 4])),
         )?;
     }
     same("world barrier after", g.barrier().wait(), Ok(()))?;
     result
+}
+
+/// Rank `rank`'s element `i` of order-sensitive test vector `salt`: magnitudes from 2^-12
+/// to 2^12 of both signs (so sums of three or more depend on the order of additions, in
+/// every type), with infinities, signed zeros and NaNs among them (whose results depend
+/// on the order for Max and Min, and for the sign of a zero).
+fn wide_value(rank: usize, i: usize, salt: usize) -> f64 {
+    let h = (i as u64 + 1)
+        .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+        .wrapping_add((rank as u64 + 1).wrapping_mul(0xc2b2_ae3d_27d4_eb4f))
+        .wrapping_add(salt as u64 * 0x1656_67b1_9e37_79f9);
+    let h = h ^ (h >> 29);
+    if i % 11 == 7 {
+        let special = [
+            f64::NAN,
+            -f64::NAN,
+            0.0,
+            -0.0,
+            f64::INFINITY,
+            f64::NEG_INFINITY,
+        ];
+        return special[(i / 11 + rank + salt) % special.len()];
+    }
+    let exponent = (h % 25) as i32 - 12;
+    let mantissa = 1.0 + ((h >> 8) % 1024) as f64 / 1024.0;
+    let sign = if (h >> 20) & 1 == 0 { 1.0 } else { -1.0 };
+    sign * mantissa * 2f64.powi(exponent)
+}
+
+fn wide(dtype: DType, rank: usize, len: usize, salt: usize) -> Buffer {
+    buffer(dtype, (0..len).map(|i| wide_value(rank, i, salt)))
+}
+
+/// Every rank's result of `call` on a thread group of `size` ranks (in this process).
+fn on_threads<T: Send>(
+    size: usize,
+    call: impl Fn(&ThreadGroup) -> collectives::Result<T> + Sync,
+) -> Result<Vec<T>, String> {
+    run_local(size, |g| call(&g))
+        .map_err(|e| format!("run_local: {e}"))?
+        .into_iter()
+        .map(|r| {
+            r.and_then(|x| x)
+                .map_err(|e| format!("thread backend: {e}"))
+        })
+        .collect()
+}
+
+/// The buffer's bits, with every NaN as one pattern: Rust leaves a NaN's sign and payload
+/// unspecified (the compiler may swap an addition's operands), so only NaN-ness is a
+/// result; every other value compares bit for bit, signed zeros included.
+fn bits(b: &Buffer) -> (DType, Vec<u64>) {
+    let v: Vec<u64> = match b {
+        Buffer::F32(v) => v
+            .iter()
+            .map(|x| {
+                if x.is_nan() {
+                    u64::MAX
+                } else {
+                    u64::from(x.to_bits())
+                }
+            })
+            .collect(),
+        Buffer::F16(v) => v
+            .iter()
+            .map(|x| {
+                if x.is_nan() {
+                    u64::MAX
+                } else {
+                    u64::from(x.to_bits())
+                }
+            })
+            .collect(),
+        Buffer::BF16(v) => v
+            .iter()
+            .map(|x| {
+                if x.is_nan() {
+                    u64::MAX
+                } else {
+                    u64::from(x.to_bits())
+                }
+            })
+            .collect(),
+        Buffer::F64(v) => v
+            .iter()
+            .map(|x| if x.is_nan() { u64::MAX } else { x.to_bits() })
+            .collect(),
+    };
+    (b.dtype(), v)
+}
+
+fn identical(what: &str, got: collectives::Result<Buffer>, want: &Buffer) -> Result<(), String> {
+    let got = got.map_err(|e| format!("{what}: {e}"))?;
+    let (g, w) = (bits(&got), bits(want));
+    if g == w {
+        return Ok(());
+    }
+    let at = g.1.iter().zip(&w.1).position(|(a, b)| a != b);
+    Err(format!(
+        "{what}: not bit-identical to the thread backend ({:?} x {} vs {:?} x {}; first \
+         difference at element {at:?}: got {:?}, want {:?})",
+        g.0,
+        g.1.len(),
+        w.0,
+        w.1.len(),
+        at.map(|i| slice_f64(&got, i)),
+        at.map(|i| slice_f64(want, i)),
+    ))
+}
+
+fn slice_f64(b: &Buffer, i: usize) -> f64 {
+    match b {
+        Buffer::F32(v) => f64::from(v[i]),
+        Buffer::F16(v) => v[i].to_f64(),
+        Buffer::BF16(v) => v[i].to_f64(),
+        Buffer::F64(v) => v[i],
+    }
+}
+
+fn identical_all_reduce(g: &Arc<MpiGroup>) -> Result<(), String> {
+    let (rank, size) = (g.rank(), g.size());
+    if !g.deterministic() {
+        return Err("the world is not deterministic by default".into());
+    }
+    // Lengths not divisible by the group size, shorter than it, and across the chunking.
+    let lens = [0, 1, size + 1, 257 * size + 3, 5000];
+    for (salt, dtype) in TYPES.into_iter().enumerate() {
+        for op in OPS {
+            for len in lens {
+                let got = g.all_reduce(wide(dtype, rank, len, salt), op).wait();
+                let want = on_threads(size, |t| {
+                    t.all_reduce(wide(dtype, t.rank(), len, salt), op).wait()
+                })?;
+                identical(&format!("{dtype:?} {op:?} x {len}"), got, &want[rank])?;
+            }
+        }
+    }
+    // The test can fail: with three or more ranks, these sums depend on the order.
+    if size >= 3 {
+        let sum = |order: &mut dyn Iterator<Item = usize>, i: usize| {
+            order.fold(0f32, |acc, r| acc + wide_value(r, i, 0) as f32)
+        };
+        let differ = (0..5000)
+            .filter(|&i| sum(&mut (0..size), i) != sum(&mut (0..size).rev(), i))
+            .count();
+        if differ == 0 {
+            return Err("the inputs' sums do not depend on the order".into());
+        }
+    }
+    Ok(())
+}
+
+fn identical_others(g: &Arc<MpiGroup>) -> Result<(), String> {
+    let (rank, size) = (g.rank(), g.size());
+    for wire in [DType::F16, DType::BF16] {
+        for op in OPS {
+            let len = 1000 * size + 1;
+            let got = g
+                .all_reduce_wire(wide(DType::F32, rank, len, 9), wire, op)
+                .wait();
+            let want = on_threads(size, |t| {
+                t.all_reduce_wire(wide(DType::F32, t.rank(), len, 9), wire, op)
+                    .wait()
+            })?;
+            identical(
+                &format!("all_reduce_wire {wire:?} {op:?}"),
+                got,
+                &want[rank],
+            )?;
+        }
+    }
+    let layout = [
+        (DType::F32, 5),
+        (DType::F16, 3),
+        (DType::F64, 4),
+        (DType::BF16, 0),
+        (DType::BF16, 7),
+        (DType::F32, 1000),
+        (DType::F64, 1),
+        (DType::F16, 0),
+    ];
+    let bufs = |r: usize| -> Vec<Buffer> {
+        layout
+            .iter()
+            .enumerate()
+            .map(|(salt, &(d, n))| wide(d, r, n, salt))
+            .collect()
+    };
+    for op in OPS {
+        let got = g
+            .all_reduce_coalesced(bufs(rank), op)
+            .wait()
+            .map_err(|e| format!("coalesced {op:?}: {e}"))?;
+        let want = on_threads(size, |t| t.all_reduce_coalesced(bufs(t.rank()), op).wait())?;
+        same(
+            &format!("coalesced {op:?}: buffers"),
+            got.len(),
+            layout.len(),
+        )?;
+        for (k, (got, want)) in got.into_iter().zip(&want[rank]).enumerate() {
+            identical(&format!("coalesced {op:?}, buffer {k}"), Ok(got), want)?;
+        }
+    }
+    for dtype in TYPES {
+        for op in OPS {
+            let len = 300 * size;
+            let got = g.reduce_scatter(wide(dtype, rank, len, 10), op).wait();
+            let want = on_threads(size, |t| {
+                t.reduce_scatter(wide(dtype, t.rank(), len, 10), op).wait()
+            })?;
+            identical(
+                &format!("reduce_scatter {dtype:?} {op:?}"),
+                got,
+                &want[rank],
+            )?;
+        }
+    }
+    Ok(())
+}
+
+fn native(g: &Arc<MpiGroup>) -> Result<(), String> {
+    let all: Vec<usize> = (0..g.size()).collect();
+    let sub = g
+        .subgroup(&all)
+        .map_err(|e| e.to_string())?
+        .ok_or("a member got None")?
+        .with_deterministic(false);
+    let sub = Arc::new(sub);
+    all_reduce(&sub)?;
+    coalesced(&sub)?;
+    reduce_scatter(&sub)?;
+    in_flight(&sub)
+}
+
+/// Median all-reduce time of 16 MiB of `f32`, deterministic and native, on this group.
+fn timing(g: &Arc<MpiGroup>) -> Result<(), String> {
+    let all: Vec<usize> = (0..g.size()).collect();
+    let native = g
+        .subgroup(&all)
+        .map_err(|e| e.to_string())?
+        .ok_or("a member got None")?
+        .with_deterministic(false);
+    let len = 4 << 20;
+    let reps = 15;
+    let time = |grp: &dyn ProcessGroup| -> Result<Duration, String> {
+        let mut times = Vec::new();
+        let mut buf = Buffer::F32((0..len).map(|i| (i % 1000) as f32 * 0.001).collect());
+        for rep in 0..reps + 2 {
+            grp.barrier().wait().map_err(|e| e.to_string())?;
+            let start = Instant::now();
+            buf = grp
+                .all_reduce(buf, ReduceOp::Avg)
+                .wait()
+                .map_err(|e| e.to_string())?;
+            if rep >= 2 {
+                times.push(start.elapsed());
+            }
+        }
+        times.sort();
+        Ok(times[times.len() / 2])
+    };
+    // Alternated, so that load from elsewhere falls on both alike.
+    let (mut det, mut nat) = (Vec::new(), Vec::new());
+    for _ in 0..3 {
+        det.push(time(g.as_ref())?);
+        nat.push(time(&native)?);
+    }
+    det.sort();
+    nat.sort();
+    if g.rank() == 0 {
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        let gbps = |d: Duration| (len * 4) as f64 / d.as_secs_f64() / 1e9;
+        println!(
+            "all_reduce of 16 MiB f32 (Avg) on {} processes, median of {reps} (best of 3 medians): \
+             deterministic {:.2} ms ({:.2} GB/s), native MPI_Iallreduce {:.2} ms ({:.2} GB/s): \
+             ratio {:.2}",
+            g.size(),
+            ms(det[0]),
+            gbps(det[0]),
+            ms(nat[0]),
+            gbps(nat[0]),
+            det[0].as_secs_f64() / nat[0].as_secs_f64()
+        );
+    }
+    Ok(())
 }

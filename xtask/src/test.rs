@@ -18,7 +18,7 @@ struct Optional {
 
 /// The optional suites.
 const OPTIONAL: &[Optional] = &[Optional {
-    name: "the MPI backend of collectives (mpirun -np 2)",
+    name: "the MPI backend of collectives (mpirun -np 2 and -np 4)",
     needs: &["mpirun", "mpicc"],
     packages: "libopenmpi-dev openmpi-bin libclang-dev",
     // The backend's unit tests, which need no `mpirun`.
@@ -36,8 +36,10 @@ const OPTIONAL: &[Optional] = &[Optional {
 }];
 
 /// Compiles the MPI backend's doc example, builds `collectives/tests/mpi.rs` (one process
-/// per rank, `harness = false`) and runs it on two processes under `mpirun`; then a short
-/// `cargo xtask train --backend mpi` run (2 processes) checked against thread ranks.
+/// per rank, `harness = false`) and runs it under `mpirun` on two processes, then on four
+/// (oversubscribed: its bit-for-bit checks against the thread backend's order need three
+/// or more ranks for the order of additions to matter); then short `cargo xtask train
+/// --backend mpi` runs (2 and 4 processes) that must end bit-identical to thread ranks.
 fn mpi_suite() -> Result<(), Failure> {
     run_status(cargo(&[
         "test",
@@ -54,9 +56,11 @@ fn mpi_suite() -> Result<(), Failure> {
         &["-p", "collectives", "--features", "mpi", "--test", "mpi"],
         "mpi",
     )?;
-    let mut cmd = crate::mpirun(2);
-    cmd.arg(exe);
-    run_status(cmd)?;
+    for ranks in [2, 4] {
+        let mut cmd = crate::mpirun(ranks);
+        cmd.arg(&exe);
+        run_status(cmd)?;
+    }
     // The training example across processes, against the same run on thread ranks.
     crate::train::mpi_check()
 }

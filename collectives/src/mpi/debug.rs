@@ -5,7 +5,7 @@
 use crate::{Buffer, DType, Error, ReduceOp};
 
 /// Words per descriptor on the wire.
-pub(super) const WORDS: usize = 8;
+pub(super) const WORDS: usize = 9;
 
 /// The collective a descriptor describes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -45,6 +45,8 @@ pub(super) struct Desc {
     parts: usize,
     /// A digest of each buffer's type and length, or of the rank list of `new_group`.
     digest: u64,
+    /// A reduction through MPI's own operations rather than the deterministic ones.
+    native: bool,
 }
 
 impl Desc {
@@ -58,7 +60,15 @@ impl Desc {
             len: buf.len(),
             parts: 1,
             digest: 0,
+            native: false,
         }
+    }
+
+    /// The same descriptor for a reduction through MPI's own operations (`on`) or the
+    /// deterministic ones: ranks that chose differently would pair different collectives.
+    pub(super) fn native(mut self, on: bool) -> Desc {
+        self.native = on;
+        self
     }
 
     /// A coalesced all-reduce.
@@ -74,6 +84,7 @@ impl Desc {
             len: bufs.iter().map(Buffer::len).sum(),
             parts: bufs.len(),
             digest: fnv1a(words),
+            native: false,
         }
     }
 
@@ -87,6 +98,7 @@ impl Desc {
             len: 0,
             parts: 0,
             digest: 0,
+            native: false,
         }
     }
 
@@ -100,6 +112,7 @@ impl Desc {
             len: ranks.len(),
             parts: 0,
             digest: fnv1a(ranks.iter().map(|&r| r as u64)),
+            native: false,
         }
     }
 
@@ -116,6 +129,7 @@ impl Desc {
             self.len as u64,
             self.parts as u64,
             self.digest,
+            u64::from(self.native),
         ]
     }
 
@@ -139,6 +153,11 @@ impl Desc {
                 len: index(w[5])?,
                 parts: index(w[6])?,
                 digest: w[7],
+                native: match w[8] {
+                    0 => false,
+                    1 => true,
+                    _ => return None,
+                },
             },
         ))
     }
@@ -146,6 +165,21 @@ impl Desc {
 
 impl std::fmt::Display for Desc {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.fmt_op(f)?;
+        match self.kind {
+            Kind::AllReduce | Kind::Coalesced | Kind::ReduceScatter if self.native => {
+                write!(f, " (native MPI reduction)")
+            }
+            Kind::AllReduce | Kind::Coalesced | Kind::ReduceScatter => {
+                write!(f, " (deterministic)")
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+impl Desc {
+    fn fmt_op(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let dtype = self.dtype.map_or(String::new(), |d| format!("{d:?} x "));
         match self.kind {
             Kind::AllReduce => write!(
@@ -242,7 +276,8 @@ mod tests {
             Some(1),
             &Buffer::BF16(vec![half::bf16::ZERO; 8]),
         );
-        for d in [&a, &b, &Desc::barrier(), &Desc::new_group(&[2, 0])] {
+        let native = a.clone().native(true);
+        for d in [&a, &b, &native, &Desc::barrier(), &Desc::new_group(&[2, 0])] {
             assert_eq!(Desc::decode(&d.encode(7)), Some((7, d.clone())));
         }
         let same: Vec<u64> = [a.encode(3), a.encode(3)].concat();
@@ -261,5 +296,13 @@ mod tests {
             Desc::coalesced(ReduceOp::Sum, &bufs)
         };
         assert_ne!(coalesced(&[1, 2]), coalesced(&[2, 1]));
+        // Ranks that chose different reductions would pair different collectives.
+        let Err(Error::Mismatch(m)) = compare(&[a.encode(4), native.encode(4)].concat()) else {
+            panic!("deterministic vs native is no mismatch");
+        };
+        assert!(
+            m.contains("(deterministic)") && m.contains("(native MPI reduction)"),
+            "{m}"
+        );
     }
 }

@@ -10,6 +10,14 @@
 //! An operation with a check is started on the main communicator only once its check has
 //! passed and every earlier operation of that communicator has been started, so both
 //! communicators see their collectives in the same order on every rank, as MPI requires.
+//!
+//! An operation may run in stages ([`staged`]): each stage starts its requests once every
+//! request of the stage before has completed, after local work on the buffers (the
+//! deterministic all-reduce reduces its chunk between an all-to-all and an all-gather).
+//! While such an operation has stages left to start, it *holds* its communicator: no
+//! later operation starts there until its last stage has, so every rank issues the
+//! stages and the operations around them in one order, whichever completes first
+//! locally.
 
 use super::debug::{self, Desc, WORDS};
 use super::raw::{self, Request};
@@ -94,9 +102,19 @@ impl Action {
 /// Completes an operation's work from its buffers (or an error).
 type Finish = Box<dyn FnOnce(Result<Box<dyn Any>>)>;
 
+/// A later stage of a staged collective, on its buffers (type-erased).
+type Step = Box<dyn FnOnce(&SimpleCommunicator, &mut dyn Any, &mut Vec<Request>) -> Result<()>>;
+
+/// One stage of a collective on buffers `B`: local work on them, then the requests it
+/// starts (pushed as each starts).
+pub(super) type Stage<B> =
+    Box<dyn FnOnce(&SimpleCommunicator, &mut B, &mut Vec<Request>) -> Result<()> + Send>;
+
 /// A collective whose MPI requests are in flight, with the buffers they use.
 pub(super) struct Running {
     requests: Vec<Request>,
+    /// The stages still to start, each once every request before it has completed.
+    steps: VecDeque<Step>,
     /// An error from starting it after some requests had started.
     error: Option<Error>,
     /// The buffers MPI reads and writes: kept apart from `finish` so that they can outlive
@@ -120,6 +138,25 @@ where
     B: Send + 'static,
     T: Send + 'static,
 {
+    staged(done, bufs, vec![Box::new(start)], finish)
+}
+
+/// A collective in stages on prepared buffers: each stage runs once every request of the
+/// stages before has completed (at once if they started none), and `finish` turns the
+/// buffers into the work's value after the last. One deadline bounds them all. A stage
+/// that fails after an earlier one started requests leaves this rank out of step with
+/// its peers (they go on to the next stage), so its communicator is then broken, as after
+/// a timeout: the peers' operation times out, and every later one fails at once.
+pub(super) fn staged<B, T>(
+    done: Completer<T>,
+    bufs: B,
+    stages: Vec<Stage<B>>,
+    finish: impl FnOnce(B) -> Result<T> + Send + 'static,
+) -> Start
+where
+    B: Send + 'static,
+    T: Send + 'static,
+{
     Box::new(move |comm| {
         let comm = match comm {
             Ok(comm) => comm,
@@ -130,7 +167,18 @@ where
         };
         let mut bufs = bufs;
         let mut requests = Vec::new();
-        let error = start(comm, &mut bufs, &mut requests).err();
+        let mut stages = VecDeque::from(stages);
+        let mut error = None;
+        // The first stages that start no requests (nothing to send: one rank) run now.
+        while requests.is_empty() {
+            let Some(stage) = stages.pop_front() else {
+                break;
+            };
+            if let Err(e) = stage(comm, &mut bufs, &mut requests) {
+                error = Some(e);
+                stages.clear();
+            }
+        }
         if requests.is_empty() {
             done.complete(match error {
                 Some(e) => Err(e),
@@ -138,8 +186,24 @@ where
             });
             return None;
         }
+        let steps = stages
+            .into_iter()
+            .map(|stage| {
+                Box::new(
+                    move |comm: &SimpleCommunicator,
+                          bufs: &mut dyn Any,
+                          requests: &mut Vec<Request>| {
+                        let bufs = bufs.downcast_mut::<B>().ok_or_else(|| {
+                            Error::Backend("internal: a stage lost its buffers".into())
+                        })?;
+                        stage(comm, bufs, requests)
+                    },
+                ) as Step
+            })
+            .collect();
         Some(Running {
             requests,
+            steps,
             error,
             bufs: Box::new(bufs),
             finish: Box::new(move |r: Result<Box<dyn Any>>| {
@@ -288,6 +352,9 @@ struct Comm {
     seq: u64,
     /// The handle is gone: free the communicator once the queue is empty.
     freed: bool,
+    /// A started operation has stages left to start: nothing else starts here until it
+    /// has started its last (see the module docs).
+    held: bool,
 }
 
 impl Comm {
@@ -301,6 +368,7 @@ impl Comm {
             queue: VecDeque::new(),
             seq: 0,
             freed: false,
+            held: false,
         }
     }
 
@@ -496,7 +564,8 @@ impl Engine {
         let now = Instant::now();
         let mut i = 0;
         while i < self.running.len() {
-            let (run, deadline, _, _) = &mut self.running[i];
+            let (run, deadline, id, _) = &mut self.running[i];
+            let (id, deadline) = (*id, *deadline);
             let mut error = run.error.take();
             run.requests.retain_mut(|r| match r.test() {
                 Ok(done) => !done,
@@ -506,15 +575,57 @@ impl Engine {
                 }
             });
             run.error = error;
-            if run.requests.is_empty() {
+            if run.requests.is_empty() && run.error.is_none() && !run.steps.is_empty() {
+                // The next stage, on this rank's own time: its local work is done when it
+                // returns, and its requests are tested from the next round on.
+                let step = run.steps.pop_front();
+                let started = match (step, self.comms.get(&id)) {
+                    (Some(step), Some(c)) => catch_unwind(AssertUnwindSafe(|| {
+                        step(&c.main, &mut *run.bufs, &mut run.requests)
+                    }))
+                    .unwrap_or_else(|_| {
+                        Err(Error::Backend(format!("a stage of {} panicked", run.what)))
+                    }),
+                    _ => Err(Error::Backend(format!(
+                        "internal: a stage of {} lost its communicator",
+                        run.what
+                    ))),
+                };
+                if let Err(e) = started {
+                    // This rank will not start the stages its peers start next.
+                    run.steps.clear();
+                    if let Some(c) = self.comms.get_mut(&id) {
+                        c.break_with(&e, &mut self.graveyard);
+                    }
+                    run.error = Some(e);
+                }
+                if run.steps.is_empty() {
+                    // Its last stage has started: later operations may start after it.
+                    if let Some(c) = self.comms.get_mut(&id) {
+                        c.held = false;
+                    }
+                }
+                progressed = true;
+            } else if run.requests.is_empty() {
                 let (run, ..) = self.running.swap_remove(i);
+                if let Some(c) = self.comms.get_mut(&id) {
+                    if !run.steps.is_empty() {
+                        // Failed between stages: the peers go on to stages this rank
+                        // skips.
+                        let e = run.error.clone().unwrap_or_else(|| {
+                            Error::Backend("internal: stages left after success".into())
+                        });
+                        c.held = false;
+                        c.break_with(&e, &mut self.graveyard);
+                    }
+                }
                 let result = match run.error {
                     Some(e) => Err(e),
                     None => Ok(run.bufs),
                 };
                 guarded(&run.what, || (run.finish)(result));
                 progressed = true;
-            } else if now >= *deadline {
+            } else if now >= deadline {
                 let (run, _, comm, timeout) = self.running.swap_remove(i);
                 let e = Error::Timeout {
                     what: run.what.clone(),
@@ -522,6 +633,9 @@ impl Engine {
                     missing: Vec::new(),
                 };
                 if let Some(c) = self.comms.get_mut(&comm) {
+                    if !run.steps.is_empty() {
+                        c.held = false;
+                    }
                     c.break_with(&e, &mut self.graveyard);
                 }
                 self.graveyard.bury(run.requests, run.bufs, timeout);
@@ -542,6 +656,9 @@ impl Engine {
             let Some(comm) = self.comms.get_mut(&id) else {
                 return progressed;
             };
+            if comm.held {
+                return progressed;
+            }
             let Some(front) = comm.queue.front_mut() else {
                 return progressed;
             };
@@ -588,6 +705,8 @@ impl Engine {
                     let started = guarded(&what, || start(Ok(&comm.main)));
                     if let Some(Some(mut run)) = started {
                         run.what = what;
+                        // Its later stages start before anything issued after it.
+                        comm.held = !run.steps.is_empty();
                         self.running.push((run, w.deadline, id, w.op.timeout));
                     }
                 }
@@ -630,7 +749,9 @@ impl Engine {
     /// Frees the communicators whose handles are gone and whose queues are empty
     /// (operations still running on them complete normally: MPI defers the free).
     fn collect_freed(&mut self) {
-        self.comms.retain(|_, c| !(c.freed && c.queue.is_empty()));
+        // A held communicator has an operation with stages left to start on it.
+        self.comms
+            .retain(|_, c| !(c.freed && c.queue.is_empty() && !c.held));
     }
 
     /// Frees the communicators and finalises MPI, unless abandoned operations are still

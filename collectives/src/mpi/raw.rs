@@ -11,7 +11,7 @@ use mpi::collective::SystemOperation;
 use mpi::datatype::Equivalence;
 use mpi::ffi;
 use mpi::raw::AsRaw;
-use mpi::topology::SimpleCommunicator;
+use mpi::topology::{Communicator, SimpleCommunicator};
 use std::os::raw::{c_char, c_int, c_void};
 
 /// A started non-blocking operation. Not `Send` (it holds an MPI handle): it lives on the
@@ -213,6 +213,117 @@ pub(super) unsafe fn ireduce_scatter_block<T: Equivalence>(
             )
         }
     })
+}
+
+/// Checks that `counts[k]` elements from `displs[k]` fit in a buffer of `len`, for every
+/// rank `k` of a group of `size`: the variable-count collectives read and write exactly
+/// there, so this is what makes them safe to start on these buffers.
+fn check_layout(counts: &[c_int], displs: &[c_int], size: usize, len: usize) -> Result<()> {
+    let fits = counts.len() == size
+        && displs.len() == size
+        && counts.iter().zip(displs).all(|(&c, &d)| {
+            let (Ok(c), Ok(d)) = (usize::try_from(c), usize::try_from(d)) else {
+                return false;
+            };
+            d.checked_add(c).is_some_and(|end| end <= len)
+        });
+    if fits {
+        Ok(())
+    } else {
+        Err(Error::Backend(format!(
+            "internal: a layout of {} counts and {} displacements does not fit {size} ranks \
+             and a buffer of {len} elements",
+            counts.len(),
+            displs.len()
+        )))
+    }
+}
+
+/// Starts `MPI_Ialltoallv`: `scounts[k]` elements of `send` from `sdispls[k]` go to rank
+/// `k`; rank `k`'s `rcounts[k]` elements land in `recv` at `rdispls[k]`. Every layout is
+/// checked against its buffer and the communicator's size first.
+///
+/// # Safety
+/// As [`iallreduce`], and the four count and displacement arrays must stay allocated and
+/// unchanged until the request completes too (MPI reads them while it runs).
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn ialltoallv<T: Equivalence>(
+    comm: &SimpleCommunicator,
+    send: &[T],
+    scounts: &[c_int],
+    sdispls: &[c_int],
+    recv: &mut [T],
+    rcounts: &[c_int],
+    rdispls: &[c_int],
+) -> Result<Request> {
+    let size = comm_size(comm);
+    check_layout(scounts, sdispls, size, send.len())?;
+    check_layout(rcounts, rdispls, size, recv.len())?;
+    start("MPI_Ialltoallv", |req| {
+        // SAFETY: every rank's block lies inside its buffer (checked above); the buffers'
+        // and arrays' lifetimes are the caller's promise.
+        unsafe {
+            ffi::MPI_Ialltoallv(
+                send.as_ptr().cast::<c_void>(),
+                scounts.as_ptr(),
+                sdispls.as_ptr(),
+                datatype::<T>(),
+                recv.as_mut_ptr().cast::<c_void>(),
+                rcounts.as_ptr(),
+                rdispls.as_ptr(),
+                datatype::<T>(),
+                comm.as_raw(),
+                req,
+            )
+        }
+    })
+}
+
+/// Starts `MPI_Iallgatherv`: this rank's `send` goes to every rank, rank `k`'s lands in
+/// `recv` at `displs[k]` (`counts[k]` elements; `counts[rank]` must be `send.len()`).
+///
+/// # Safety
+/// As [`ialltoallv`].
+pub(super) unsafe fn iallgatherv<T: Equivalence>(
+    comm: &SimpleCommunicator,
+    send: &[T],
+    recv: &mut [T],
+    counts: &[c_int],
+    displs: &[c_int],
+) -> Result<Request> {
+    let size = comm_size(comm);
+    check_layout(counts, displs, size, recv.len())?;
+    let n = count(send.len())?;
+    if counts.get(comm_rank(comm)) != Some(&n) {
+        return Err(Error::Backend(format!(
+            "internal: MPI_Iallgatherv of {n} elements where the layout expects {:?}",
+            counts.get(comm_rank(comm))
+        )));
+    }
+    start("MPI_Iallgatherv", |req| {
+        // SAFETY: as in `ialltoallv`.
+        unsafe {
+            ffi::MPI_Iallgatherv(
+                send.as_ptr().cast::<c_void>(),
+                n,
+                datatype::<T>(),
+                recv.as_mut_ptr().cast::<c_void>(),
+                counts.as_ptr(),
+                displs.as_ptr(),
+                datatype::<T>(),
+                comm.as_raw(),
+                req,
+            )
+        }
+    })
+}
+
+fn comm_size(comm: &SimpleCommunicator) -> usize {
+    usize::try_from(comm.size()).unwrap_or(0)
+}
+
+fn comm_rank(comm: &SimpleCommunicator) -> usize {
+    usize::try_from(comm.rank()).unwrap_or(usize::MAX)
 }
 
 /// Starts `MPI_Ibarrier`.
