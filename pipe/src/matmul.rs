@@ -160,18 +160,27 @@ pub(crate) fn splits_exactly() -> bool {
     }
 }
 
-/// Writes the transpose of the row-major `rows × cols` matrix `src` into `dst`
-/// (row-major `cols × rows`), in square blocks so that both sides stay in cache. Panics
-/// if either slice is shorter than `rows · cols`.
-pub(crate) fn transpose(src: &[f32], rows: usize, cols: usize, dst: &mut [f32]) {
+/// Writes the transpose of the row-major `rows × cols` matrix `src` into `dst` as a
+/// row-major `cols × rows` matrix whose rows are `ld` apart (`dst[j·ld + i] = src[i·cols + j]`),
+/// in square blocks so that both sides stay in cache. Panics if a slice is too short or
+/// `ld < rows`.
+pub(crate) fn transpose(src: &[f32], rows: usize, cols: usize, dst: &mut [f32], ld: usize) {
     const BLOCK: usize = 32;
-    let (src, dst) = (&src[..rows * cols], &mut dst[..rows * cols]);
+    assert!(
+        ld >= rows,
+        "transpose: leading dimension below the row count"
+    );
+    if rows == 0 || cols == 0 {
+        return;
+    }
+    let src = &src[..rows * cols];
+    let dst = &mut dst[..(cols - 1) * ld + rows];
     for i0 in (0..rows).step_by(BLOCK) {
         for j0 in (0..cols).step_by(BLOCK) {
             for i in i0..rows.min(i0 + BLOCK) {
                 let row = &src[i * cols..(i + 1) * cols];
                 for j in j0..cols.min(j0 + BLOCK) {
-                    dst[j * rows + i] = row[j];
+                    dst[j * ld + i] = row[j];
                 }
             }
         }
@@ -797,11 +806,13 @@ mod tests {
     fn transpose_moves_every_element() {
         for (rows, cols) in [(1, 1), (3, 70), (33, 32), (64, 5)] {
             let src = values(rows * cols, 6);
-            let mut dst = vec![0.0; rows * cols];
-            transpose(&src, rows, cols, &mut dst);
-            for i in 0..rows {
-                for j in 0..cols {
-                    assert_eq!(dst[j * rows + i], src[i * cols + j], "{rows} x {cols}");
+            let ld = rows + 3;
+            let mut dst = vec![-7.0; cols * ld];
+            transpose(&src, rows, cols, &mut dst, ld);
+            for j in 0..cols {
+                for i in 0..ld {
+                    let want = if i < rows { src[i * cols + j] } else { -7.0 };
+                    assert_eq!(dst[j * ld + i], want, "{rows} x {cols} at ({j}, {i})");
                 }
             }
         }

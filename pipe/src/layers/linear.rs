@@ -121,13 +121,25 @@ impl Linear {
         if self.weight_t.len() != inputs * outputs {
             let w = contiguous(&self.weight, "Linear weight")?;
             self.weight_t = vec![0.0; inputs * outputs];
-            transpose(w, inputs, outputs, &mut self.weight_t);
+            transpose(w, inputs, outputs, &mut self.weight_t, inputs);
         }
         Ok(&self.weight_t)
     }
 
-    /// `dW += xᵀ dy` over `rows` rows.
+    /// `dW += xᵀ dy` over `rows` rows, from the row-major `x` (`[rows, inputs]`).
     fn add_weight_grad(&mut self, xs: &[f32], dys: &[f32], rows: usize) -> Result<(), Error> {
+        same_shape(
+            "Linear weight gradient",
+            &[rows * self.inputs()],
+            &[xs.len()],
+        )?;
+        let xt = View::row_major(xs, rows, self.inputs()).t();
+        self.add_weight_grad_t(xt, dys)
+    }
+
+    /// `dW += xᵀ dy`, from `xᵀ` (`[inputs, rows]`) and the row-major `dy`.
+    fn add_weight_grad_t(&mut self, xt: View<'_>, dys: &[f32]) -> Result<(), Error> {
+        let rows = xt.cols;
         let (inputs, outputs) = (self.inputs(), self.outputs());
         let shape = self.weight_grad.shape().to_vec();
         let dw = self.weight_grad.array_mut();
@@ -142,12 +154,12 @@ impl Linear {
             }
         };
         same_shape(
-            "Linear::flush_grads",
-            &[rows * inputs, rows * outputs],
-            &[xs.len(), dys.len()],
+            "Linear weight gradient",
+            &[inputs, rows * outputs],
+            &[xt.rows, dys.len()],
         )?;
         gemm(
-            View::row_major(xs, rows, inputs).t(),
+            xt,
             View::row_major(dys, rows, outputs),
             ViewMut::row_major(dw, inputs, outputs),
             true,
@@ -270,22 +282,37 @@ impl Layer<CpuTensor> for Linear {
                     dy.array().as_standard_layout(),
                 );
                 let (Some(xs), Some(dys)) = (xs.as_slice(), dys.as_slice()) else {
-                    continue;
+                    return Err(Error::Shape {
+                        op: "Linear::flush_grads",
+                        expected: vec![rows, inputs],
+                        got: x.shape().to_vec(),
+                    });
                 };
                 self.add_weight_grad(xs, dys, rows)?;
             }
             return Ok(());
         }
         // One product over every kept row: the same sums (the kernel splits k exactly),
-        // with the weight gradient read and written once.
+        // with the weight gradient read and written once. Xᵀ is gathered transposed, so
+        // that the kernel's broadcasts run along its rows.
         let rows: usize = deferred.iter().map(|(x, _)| x.shape()[0]).sum();
-        let mut xs = Vec::with_capacity(rows * inputs);
+        let mut xt = vec![0.0f32; inputs * rows];
         let mut dys = Vec::with_capacity(rows * outputs);
+        let mut r0 = 0;
         for (x, dy) in &deferred {
-            xs.extend(x.array().iter());
+            let len = x.shape()[0];
+            let xs = x.array().as_standard_layout();
+            let xs = xs.as_slice().ok_or(Error::Shape {
+                op: "Linear::flush_grads",
+                expected: vec![len, inputs],
+                got: x.shape().to_vec(),
+            })?;
+            same_shape("Linear::flush_grads", &[len * inputs], &[xs.len()])?;
+            transpose(xs, len, inputs, &mut xt[r0..], rows);
             dys.extend(dy.array().iter());
+            r0 += len;
         }
-        self.add_weight_grad(&xs, &dys, rows)
+        self.add_weight_grad_t(View::row_major(&xt, inputs, rows), &dys)
     }
 
     fn deferred_bytes(&self) -> usize {
