@@ -14,7 +14,14 @@
 //! backward pass (batch 32, `gemm`), synchronising only the last micro-step (`accumulate`)
 //! against synchronising every one, at 1 and 10 Gbit/s (accounted as above).
 //!
-//! Arguments: `hooks` or `accum` (default both), `--quick`, `--json`.
+//! `batch` suite (run only when named): the per-layer PowerSGD hook with and without
+//! `batch_tensors_with_same_shape` on one preset (`--preset NAME`, default `bert-base`),
+//! r = 1, 2, 4, on 2 ranks of one CPU thread each, for each SIMD instruction set of this
+//! CPU (`--isa avx2` or `--isa avx512` for one), the two settings alternated step by step
+//! so that load drifts touch both alike; the hook time per step (median, slowest rank)
+//! and its ratio to the memory bound as in the `hooks` suite.
+//!
+//! Arguments: `hooks`, `accum` (default both) or `batch`, `--quick`, `--json`.
 
 #[path = "measure/mod.rs"]
 mod measure;
@@ -24,8 +31,8 @@ mod models;
 use accum::{Accumulator, GradSync};
 use collectives::link::{Charge, Link, Linked};
 use collectives::{run_local, ProcessGroup};
-use ddp_hooks::{CommHook, HookSpec, Reducer, ReducerConfig};
-use lowrank::CpuBackend;
+use ddp_hooks::{CommHook, HookSpec, PowerSgdConfig, Reducer, ReducerConfig};
+use lowrank::{CpuBackend, Isa};
 use measure::{median, read_bandwidth, synthetic, BOUND_PASSES, LATENCY, RANKS};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -35,6 +42,140 @@ struct Args {
     json: bool,
     hooks: bool,
     accum: bool,
+    batch: bool,
+    preset: String,
+    isa: Option<String>,
+}
+
+/// Hook times per step of PowerSGD (`cfg`, batching off then on) on `shapes` through
+/// the reducer, on [`RANKS`] ranks with the kernels of `isa`: for each setting, the
+/// slowest rank's time of each timed step. Both hooks run on every rank, alternately,
+/// each on its own reducer.
+fn batch_pair(
+    shapes: &[Vec<usize>],
+    grads: &[Vec<Vec<f32>>],
+    cfg: &PowerSgdConfig,
+    isa: Isa,
+    steps: usize,
+) -> [Vec<Duration>; 2] {
+    let warmup = measure::POWERSGD_WARMUP;
+    let out = run_local(RANKS, |g| {
+        let rank = g.rank();
+        let be = Arc::new(
+            CpuBackend::new()
+                .with_threads(1)
+                .expect("threads")
+                .with_isa(isa)
+                .expect("isa"),
+        );
+        // One group for both: each step of one hook finishes before the other's starts,
+        // so every rank issues the same collectives in the same order.
+        let group: Arc<dyn ProcessGroup> = Arc::new(g);
+        let mut reducers: Vec<_> = [false, true]
+            .into_iter()
+            .map(|batch| {
+                let group = group.clone();
+                let cfg = PowerSgdConfig {
+                    batch_tensors_with_same_shape: batch,
+                    ..cfg.clone()
+                };
+                let hook = HookSpec::PowerSgd(cfg)
+                    .build(be.clone(), group)
+                    .expect("hook");
+                Reducer::new(be.clone(), shapes, hook, ReducerConfig::default()).expect("reducer")
+            })
+            .collect();
+        let mut times = [Vec::new(), Vec::new()];
+        for step in 0..warmup + steps {
+            for (which, reducer) in reducers.iter_mut().enumerate() {
+                for (p, grad) in grads[rank].iter().enumerate() {
+                    reducer.grad_mut(p).expect("grad").copy_from_slice(grad);
+                }
+                let t = Instant::now();
+                for p in (0..shapes.len()).rev() {
+                    reducer.mark_ready(p).expect("ready");
+                }
+                reducer.finish().expect("finish");
+                if step >= warmup {
+                    times[which].push(t.elapsed());
+                }
+            }
+        }
+        times
+    })
+    .expect("ranks");
+    let ranks: Vec<_> = out.into_iter().map(|r| r.expect("rank")).collect();
+    [0, 1].map(|which| {
+        (0..steps)
+            .map(|i| ranks.iter().map(|r| r[which][i]).max().unwrap_or_default())
+            .collect()
+    })
+}
+
+fn batch_suite(a: &Args) {
+    let Some((model, shapes, _)) = models::presets().into_iter().find(|p| p.0 == a.preset) else {
+        eprintln!("unknown preset `{}`", a.preset);
+        std::process::exit(2);
+    };
+    let isas: Vec<Isa> = Isa::supported()
+        .into_iter()
+        .filter(|i| *i != Isa::Portable)
+        .filter(|i| a.isa.as_deref().is_none_or(|want| want == i.name()))
+        .collect();
+    let shapes = shapes();
+    let grad_bytes = 4 * models::params(&shapes);
+    let grads = measure::synthetic_ranks(&shapes);
+    let bw = read_bandwidth();
+    let steps = if a.quick { 3 } else { 7 };
+    if !a.json {
+        println!(
+            "{model}: PowerSGD, batch_tensors_with_same_shape off vs on, {RANKS} ranks x 1 thread; read bandwidth {:.1} GB/s",
+            bw / 1e9
+        );
+        println!(
+            "{:<8} {:>4} {:>14} {:>12} {:>8} {:>10} {:>10} {:>6}",
+            "isa", "rank", "unbatched ms", "batched ms", "ratio", "bound off", "bound on", "load"
+        );
+    }
+    for isa in isas {
+        for r in [1, 2, 4] {
+            let cfg = PowerSgdConfig {
+                matrix_approximation_rank: r,
+                start_powersgd_iter: 2,
+                ..PowerSgdConfig::default()
+            };
+            let [off, on] = batch_pair(&shapes, &grads, &cfg, isa, steps);
+            let (off, on) = (
+                median(off).as_secs_f64() * 1e3,
+                median(on).as_secs_f64() * 1e3,
+            );
+            let bound = |ms: f64| ms / (BOUND_PASSES * grad_bytes as f64 / bw * 1e3);
+            let load = std::fs::read_to_string("/proc/loadavg")
+                .ok()
+                .and_then(|l| l.split_whitespace().next().map(str::to_owned))
+                .unwrap_or_else(|| "?".into());
+            if a.json {
+                println!(
+                    "{{\"bench\":\"ddp-hooks/batch\",\"model\":\"{model}\",\"isa\":\"{}\",\"rank\":{r},\"ranks\":{RANKS},\"unbatched_ms\":{off:.3},\"batched_ms\":{on:.3},\"bound_ratio_unbatched\":{:.3},\"bound_ratio_batched\":{:.3},\"load\":{load}}}",
+                    isa.name(),
+                    bound(off),
+                    bound(on)
+                );
+            } else {
+                println!(
+                    "{:<8} {:>4} {:>14.1} {:>12.1} {:>7.3}x {:>9.2}x {:>9.2}x {:>6}",
+                    isa.name(),
+                    r,
+                    off,
+                    on,
+                    on / off,
+                    bound(off),
+                    bound(on),
+                    load
+                );
+            }
+        }
+    }
 }
 
 fn hooks_suite(a: &Args) {
@@ -292,8 +433,15 @@ fn accum_suite(a: &Args) {
 fn main() {
     let argv: Vec<String> = std::env::args().collect();
     let has = |s: &str| argv.iter().any(|a| a == s);
+    let value = |s: &str| {
+        argv.iter()
+            .position(|a| a == s)
+            .and_then(|i| argv.get(i + 1))
+            .cloned()
+    };
+    let batch = has("batch");
     let (hooks, accum) = match (has("hooks"), has("accum")) {
-        (false, false) => (true, true),
+        (false, false) => (!batch, !batch),
         other => other,
     };
     let a = Args {
@@ -301,11 +449,17 @@ fn main() {
         json: has("--json"),
         hooks,
         accum,
+        batch,
+        preset: value("--preset").unwrap_or_else(|| "bert-base".into()),
+        isa: value("--isa"),
     };
     if a.hooks {
         hooks_suite(&a);
     }
     if a.accum {
         accum_suite(&a);
+    }
+    if a.batch {
+        batch_suite(&a);
     }
 }

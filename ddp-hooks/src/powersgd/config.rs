@@ -1,7 +1,9 @@
 //! PowerSGD's hyperparameters, with PyTorch's defaults, validated at construction.
 
 use crate::{Error, Result};
+use lowrank::Backend;
 use serde::{Deserialize, Serialize};
+use std::any::TypeId;
 
 /// Every hyperparameter of PyTorch's `PowerSGDState`, under Rust names, with the same
 /// defaults.
@@ -27,8 +29,30 @@ pub struct PowerSgdConfig {
     pub random_seed: u64,
     /// Steps between compression-statistics log lines (default 10 000).
     pub compression_stats_logging_frequency: u64,
-    /// Batch same-shape tensors into one product (default off). Results are the same
-    /// either way up to rounding; the flag is kept for configuration parity.
+    /// Same-shape tensors of a bucket go through each kernel in one batched call: one
+    /// batched product of each kind and one batched orthogonalisation per shape
+    /// (PyTorch's flag, PR #75157). Off in [`Default`] (PyTorch's default); on in
+    /// [`PowerSgdConfig::default_for`] a CUDA backend.
+    ///
+    /// - **Same results.** The outputs are the unbatched hook's up to rounding
+    ///   (bit-identical on the CPU backend, whose batched kernels compute each matrix as
+    ///   the unbatched ones); the random `Q` of every tensor is the same either way (drawn
+    ///   tensor by tensor in bucket order).
+    /// - **Same saved state.** The hook keeps its memories grouped by shape, as PyTorch,
+    ///   but saves them in bucket order ([`SavedBucket`](super::SavedBucket)): a state
+    ///   saved with the flag on loads with it off and the other way round, and a hook
+    ///   that loads a state keeps its own setting.
+    /// - **Copies.** Same-shape matrices that lie one after another in the bucket (a
+    ///   bias-free model's projections) are batched in place. Others (BERT's, separated by
+    ///   their biases) are stacked by copy into a buffer the hook keeps per bucket (the
+    ///   size of those matrices), and copied back after decompression, as PyTorch's
+    ///   `torch.stack`: two extra passes over them in, two out, on top of the 7 of the
+    ///   fused algorithm.
+    /// - **When it pays.** Batching saves kernel launches and per-call overhead, so it
+    ///   pays where launches cost more than memory traffic (CUDA, small matrices). On
+    ///   the CPU each call is already a pass over the matrices at memory bandwidth, with
+    ///   an overhead of microseconds: it saves nothing measurable there, and stacking
+    ///   costs its copies (measured on BERT-base in the `hooks` bench, `batch` suite).
     pub batch_tensors_with_same_shape: bool,
 }
 
@@ -49,6 +73,40 @@ impl Default for PowerSgdConfig {
 }
 
 impl PowerSgdConfig {
+    /// PyTorch's defaults, except [`batch_tensors_with_same_shape`] as
+    /// [`PowerSgdConfig::batches_on`] says for `backend`: on for CUDA.
+    ///
+    /// [`Default`] keeps PyTorch's defaults on every backend; start from this instead to
+    /// get the backend's own, then set any field (the flag included) as usual:
+    ///
+    /// ```
+    /// use ddp_hooks::PowerSgdConfig;
+    /// let cpu = lowrank::CpuBackend::new();
+    /// let config = PowerSgdConfig {
+    ///     matrix_approximation_rank: 4,
+    ///     ..PowerSgdConfig::default_for(&cpu)
+    /// };
+    /// assert!(!config.batch_tensors_with_same_shape);
+    /// ```
+    ///
+    /// [`batch_tensors_with_same_shape`]: PowerSgdConfig::batch_tensors_with_same_shape
+    pub fn default_for<B: Backend + 'static>(backend: &B) -> Self {
+        PowerSgdConfig {
+            batch_tensors_with_same_shape: Self::batches_on(backend),
+            ..PowerSgdConfig::default()
+        }
+    }
+
+    /// Whether batching same-shape tensors pays on `backend`: where each kernel launch
+    /// costs more than the copies batching may make, that is on
+    /// [`lowrank::CudaBackend`]. Not on [`lowrank::CpuBackend`], whose calls cost
+    /// microseconds next to their passes over memory (see
+    /// [`batch_tensors_with_same_shape`](PowerSgdConfig::batch_tensors_with_same_shape)).
+    pub fn batches_on<B: Backend + 'static>(backend: &B) -> bool {
+        let _ = backend;
+        TypeId::of::<B>() == TypeId::of::<lowrank::CudaBackend>()
+    }
+
     /// Checks every value. PyTorch checks only the `start_powerSGD_iter` rule (kept here
     /// with its message); the others would give NaN or silent misbehaviour there.
     pub fn validate(&self) -> Result<()> {

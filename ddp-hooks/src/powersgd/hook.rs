@@ -1,6 +1,6 @@
 //! The per-layer PowerSGD hook.
 
-use super::plan::Plan;
+use super::plan::{Group, Memory, Plan, Source};
 use super::progress::{in_flight, lock, refill_zero_columns, Progress};
 use super::sequence::Sequencer;
 use super::state::SavedBucket;
@@ -23,10 +23,21 @@ struct Inner<B: Backend> {
     /// Error feedback per bucket: (bucket length, error of its compressed tensors).
     errors: BTreeMap<usize, (usize, B::Buffer<f32>)>,
     factors: BTreeMap<usize, Factors<B>>,
+    /// The plan whose order a bucket's memories are in; absent: the saved order (a
+    /// loaded state, not yet used).
+    orders: BTreeMap<usize, Arc<Plan>>,
+    /// Stacking buffers of the batches whose matrices are not contiguous in the bucket,
+    /// kept from step to step (absent while a step is in flight); never saved.
+    stacks: BTreeMap<usize, B::Buffer<f32>>,
 }
 
 /// The PowerSGD hook: owns its state (a [`PowerSgdState`] when saved) and reduces every
 /// bucket it is given over its process group.
+///
+/// Each step calls each kernel once per tensor, or once per shape with
+/// [`PowerSgdConfig::batch_tensors_with_same_shape`] (the same results; see that field
+/// for the copies it may make and where it pays, and [`PowerSgdConfig::default_for`]
+/// for the backend's default).
 pub struct PowerSgd<B: CommBackend> {
     backend: Arc<B>,
     group: Arc<dyn ProcessGroup>,
@@ -50,6 +61,8 @@ impl<B: CommBackend> PowerSgd<B> {
                 progress: Progress::new(config),
                 errors: BTreeMap::new(),
                 factors: BTreeMap::new(),
+                orders: BTreeMap::new(),
+                stacks: BTreeMap::new(),
             })),
             sequence: Sequencer::default(),
         })
@@ -82,13 +95,20 @@ impl<B: CommBackend> PowerSgd<B> {
             be.download(B::view(buf, ..)?, &mut v)?;
             Ok(v)
         };
+        // Memories are saved in the saved order, whatever the plan's (see `plan.rs`).
+        let saved = |index: usize, memory: Memory, v: Vec<f32>| -> Result<Vec<f32>> {
+            match g.orders.get(&index) {
+                Some(plan) if !plan.in_saved_order() => Ok(plan.ours_to_saved(memory, &v)?),
+                _ => Ok(v),
+            }
+        };
         let mut buckets = BTreeMap::new();
         for (&index, (len, e)) in &g.errors {
             buckets.insert(
                 index,
                 SavedBucket {
                     len: *len,
-                    error: host(e)?,
+                    error: saved(index, Memory::Error, host(e)?)?,
                     p: Vec::new(),
                     q: Vec::new(),
                 },
@@ -96,7 +116,10 @@ impl<B: CommBackend> PowerSgd<B> {
         }
         for (&index, f) in &g.factors {
             let (p, q) = match (&f.p, &f.q) {
-                (Some(p), Some(q)) => (host(p)?, host(q)?),
+                (Some(p), Some(q)) => (
+                    saved(index, Memory::P, host(p)?)?,
+                    saved(index, Memory::Q, host(q)?)?,
+                ),
                 _ => return Err(in_flight(index)),
             };
             let entry = buckets.entry(index).or_insert_with(|| SavedBucket {
@@ -114,8 +137,10 @@ impl<B: CommBackend> PowerSgd<B> {
     }
 
     /// A hook that continues from `state` over `group` (which may differ from the group
-    /// the state was saved with, as in PyTorch). The state is checked first
-    /// ([`PowerSgdState::validate`]): a NaN or an infinity is [`Error::NonFinite`].
+    /// the state was saved with, as in PyTorch), with the state's configuration. The
+    /// state is checked first ([`PowerSgdState::validate`]): a NaN or an infinity is
+    /// [`Error::NonFinite`]. [`CommHook::load_state`] instead loads into a hook whose
+    /// configuration must match, except `batch_tensors_with_same_shape`, which it keeps.
     pub fn load(
         backend: Arc<B>,
         group: Arc<dyn ProcessGroup>,
@@ -126,12 +151,19 @@ impl<B: CommBackend> PowerSgd<B> {
         Ok(hook)
     }
 
-    /// Replaces this hook's state with `state` (same configuration), checked and uploaded
-    /// before anything changes, so a failure leaves the hook as it was.
+    /// Replaces this hook's state with `state` (same configuration, except perhaps
+    /// `batch_tensors_with_same_shape`, which the hook keeps: it changes no saved value),
+    /// checked and uploaded before anything changes, so a failure leaves the hook as it
+    /// was.
     fn restore(&self, state: PowerSgdState) -> Result<()> {
         state.validate()?;
         let config = self.config();
-        if state.config != config {
+        let batch = config.batch_tensors_with_same_shape;
+        let comparable = PowerSgdConfig {
+            batch_tensors_with_same_shape: batch,
+            ..state.config.clone()
+        };
+        if comparable != config {
             return Err(Error::State(format!(
                 "the state was saved with {:?}, this hook has {config:?}",
                 state.config
@@ -165,8 +197,12 @@ impl<B: CommBackend> PowerSgd<B> {
             return Err(in_flight(index));
         }
         g.progress = Progress::from_state(&state);
+        g.progress.config.batch_tensors_with_same_shape = batch;
         g.errors = errors;
         g.factors = factors;
+        // The memories are in the saved order until each bucket's next step.
+        g.orders.clear();
+        g.stacks.clear();
         Ok(())
     }
 
@@ -181,6 +217,10 @@ impl<B: CommBackend> PowerSgd<B> {
     /// in flight while they run; otherwise they overlap the earlier buckets'
     /// communication, and the uncompressed all-reduce is launched the moment the turn
     /// comes.
+    ///
+    /// Every kernel runs once per batch of the plan ([`Plan::groups`]): one tensor each
+    /// without `batch_tensors_with_same_shape`, every same-shape tensor of the bucket
+    /// with it.
     fn start(&self, bucket: GradBucket<B>) -> Result<Work<B::Buffer<f32>>> {
         let (be, group) = (self.backend.clone(), self.group.clone());
         let (index, is_last) = (bucket.index(), bucket.is_last());
@@ -202,8 +242,11 @@ impl<B: CommBackend> PowerSgd<B> {
             &layout,
             cfg.matrix_approximation_rank,
             cfg.min_compression_rate,
+            cfg.batch_tensors_with_same_shape,
         )?);
         check_memory(g, index, &plan)?;
+        let first_use = !g.orders.contains_key(&index);
+        reorder(&*be, g, index, &plan)?;
 
         let mut u = be.alloc::<f32>(plan.u_len)?;
         let mut at = 0;
@@ -223,7 +266,12 @@ impl<B: CommBackend> PowerSgd<B> {
         }
         let randomize = !cfg.warm_start || !g.factors.contains_key(&index);
         if randomize {
-            let (p, q) = (be.alloc(plan.p_len)?, be.alloc(plan.q_len)?);
+            // Drawn in the saved order, so the values of every tensor's Q do not depend
+            // on the batching.
+            let mut q = vec![0.0; plan.q_len];
+            g.progress.rng.fill(&mut q);
+            let q = be.upload(&plan.saved_to_ours(Memory::Q, &q)?)?;
+            let p = be.alloc(plan.p_len)?;
             g.factors.insert(
                 index,
                 Factors {
@@ -233,20 +281,31 @@ impl<B: CommBackend> PowerSgd<B> {
                 },
             );
         }
+        if first_use {
+            if plan.stack_len > 0 {
+                tracing::info!(
+                    bucket = index,
+                    batches = plan.groups.len(),
+                    tensors = plan.compressed.len(),
+                    stacked = plan.stack_len,
+                    "PowerSGD batches same-shape tensors; {} elements not contiguous in the bucket are stacked by copy each step",
+                    plan.stack_len
+                );
+            }
+            g.orders.insert(index, plan.clone());
+        }
         let factors = g.factors.get_mut(&index).ok_or_else(|| in_flight(index))?;
         if factors.p.is_none() {
             return Err(in_flight(index));
         }
         let q = factors.q.as_mut().ok_or_else(|| in_flight(index))?;
-        if randomize {
-            be.fill_normal(&mut g.progress.rng, B::view_mut(q, ..)?)?;
-        }
-        for mat in &plan.compressed {
-            let qs = mat.q_off..mat.q_off + mat.m * mat.r;
-            be.orthogonalize(1, mat.m, mat.r, B::view_mut(q, qs)?, eps)?;
+        for grp in &plan.groups {
+            let (b, m, r) = (grp.dims.batch(), grp.dims.m(), grp.dims.r());
+            be.orthogonalize(b, m, r, B::view_mut(q, grp.q_range())?, eps)?;
         }
         // A zero column of Q (from a zero or low-rank gradient) would stay zero under
-        // warm start; it is redrawn from the stream shared by every rank.
+        // warm start; it is redrawn from the stream shared by every rank, tensor by
+        // tensor in bucket order, so batching does not change what is drawn.
         refill_zero_columns(
             &*be,
             &mut g.progress.rng,
@@ -254,6 +313,11 @@ impl<B: CommBackend> PowerSgd<B> {
             plan.compressed.iter().map(|mat| (mat.q_off, mat.m, mat.r)),
             eps,
         )?;
+        let mut stack = match (plan.stack_len, g.stacks.remove(&index)) {
+            (0, _) => None,
+            (len, Some(s)) if B::buffer_len(&s) == len => Some(s),
+            (len, _) => Some(be.try_alloc(len)?),
+        };
         let mut p = factors.p.take().ok_or_else(|| in_flight(index))?;
         g.progress.record(plan.before, plan.after, is_last);
         drop(guard);
@@ -261,7 +325,7 @@ impl<B: CommBackend> PowerSgd<B> {
         // Issue this bucket's collectives in the same order on every rank: the
         // uncompressed tensors first, then P (summed, not averaged: it is orthogonalised
         // next) once the products are done, then Q from P's continuation.
-        let (products, products_done) = Work::<(B::Buffer<f32>, B::Buffer<f32>)>::pending();
+        let (products, products_done) = Work::<(B::Buffer<f32>, Memories<B>)>::pending();
         let (inner1, inner2) = (self.inner.clone(), self.inner.clone());
         let (plan0, plan1) = (plan.clone(), plan.clone());
         let work = self.sequence.next(move |issued| {
@@ -271,14 +335,14 @@ impl<B: CommBackend> PowerSgd<B> {
                 Work::ready(Ok(u))
             };
             let be1 = be.clone();
-            let chain = products.and_then(move |(p, x)| {
+            let chain = products.and_then(move |(p, xs)| {
                 let be2 = be1.clone();
                 be1.all_reduce(&*group, p, ReduceOp::Sum)
                     .and_then(move |p| {
-                        let work = match compute_q(&*be2, &inner1, index, &plan1, eps, p, &x) {
+                        let work = match compute_q(&*be2, &inner1, index, &plan1, eps, p, &xs) {
                             Ok(q) => be2
                                 .all_reduce(&*group, q, ReduceOp::Avg)
-                                .then(move |q| Ok((q?, x))),
+                                .then(move |q| Ok((q?, xs))),
                             Err(e) => Work::ready(Err(e.into())),
                         };
                         issued.complete(Ok(()));
@@ -286,9 +350,8 @@ impl<B: CommBackend> PowerSgd<B> {
                     })
             });
             chain.zip(work_u).then(move |r| {
-                let ((q, mut x), u) = r?;
-                decompress(&*be, &inner2, index, is_last, &plan, q, &mut x, &u)?;
-                Ok(x)
+                let ((q, xs), u) = r?;
+                Ok(decompress(&*be, &inner2, index, is_last, &plan, q, xs, &u)?)
             })
         });
         // The products, on this thread; their result releases P's all-reduce. On failure
@@ -300,9 +363,10 @@ impl<B: CommBackend> PowerSgd<B> {
             &plan0,
             &cfg,
             &mut x,
+            stack.as_mut(),
             &mut p,
         ) {
-            Ok(()) => products_done.complete(Ok((p, x))),
+            Ok(()) => products_done.complete(Ok((p, Memories { x, stack }))),
             Err(e) => {
                 if let Some(f) = lock(&self.inner).factors.get_mut(&index) {
                     f.p = Some(p);
@@ -314,8 +378,69 @@ impl<B: CommBackend> PowerSgd<B> {
     }
 }
 
-/// Error feedback and the first product of every compressed tensor: `X = G + E` in
-/// place, `P = X Q` (or `P = G Q` without error feedback).
+/// The bucket and, when some batch is stacked, its stacking buffer, in flight.
+struct Memories<B: Backend> {
+    x: B::Buffer<f32>,
+    stack: Option<B::Buffer<f32>>,
+}
+
+impl<B: Backend> Memories<B> {
+    /// The buffer a batch's matrices are in.
+    fn of(&self, grp: &Group) -> Result<&B::Buffer<f32>> {
+        match (grp.x, &self.stack) {
+            (Source::Bucket(_), _) => Ok(&self.x),
+            (Source::Stack(_), Some(s)) => Ok(s),
+            (Source::Stack(_), None) => Err(no_stack()),
+        }
+    }
+}
+
+/// A stacked batch without a stacking buffer: a bug, reported rather than a panic.
+fn no_stack() -> Error {
+    Error::Kernel("a stacked PowerSGD batch has no stacking buffer".into())
+}
+
+/// Puts a bucket's memories into the order of `plan`, if they are in another (a loaded
+/// state is in the saved order; a layout may have changed at the same sizes). Runs once
+/// per load, through the host.
+fn reorder<B: CommBackend>(be: &B, g: &mut Inner<B>, index: usize, plan: &Arc<Plan>) -> Result<()> {
+    let same = match g.orders.get(&index) {
+        Some(old) => old.same_order(plan),
+        None => plan.in_saved_order(),
+    };
+    if same {
+        return Ok(());
+    }
+    let old = g.orders.get(&index).cloned();
+    let convert = |memory: Memory, buf: &mut B::Buffer<f32>| -> Result<()> {
+        let mut v = vec![0.0; B::buffer_len(buf)];
+        be.download(B::view(buf, ..)?, &mut v)?;
+        if let Some(old) = &old {
+            v = old.ours_to_saved(memory, &v)?;
+        }
+        *buf = be.upload(&plan.saved_to_ours(memory, &v)?)?;
+        Ok(())
+    };
+    if let Some((_, e)) = g.errors.get_mut(&index) {
+        convert(Memory::Error, e)?;
+    }
+    if let Some(f) = g.factors.get_mut(&index) {
+        match (&mut f.p, &mut f.q) {
+            (Some(p), Some(q)) => {
+                convert(Memory::P, p)?;
+                convert(Memory::Q, q)?;
+            }
+            _ => return Err(in_flight(index)),
+        }
+    }
+    g.orders.insert(index, plan.clone());
+    Ok(())
+}
+
+/// Error feedback and the first product of every batch: `X = G + E` in place, `P = X Q`
+/// (or `P = G Q` without error feedback). A stacked batch's matrices are copied into the
+/// stack first.
+#[allow(clippy::too_many_arguments)]
 fn first_products<B: CommBackend>(
     be: &B,
     inner: &Mutex<Inner<B>>,
@@ -323,6 +448,7 @@ fn first_products<B: CommBackend>(
     plan: &Plan,
     cfg: &PowerSgdConfig,
     x: &mut B::Buffer<f32>,
+    mut stack: Option<&mut B::Buffer<f32>>,
     p: &mut B::Buffer<f32>,
 ) -> Result<()> {
     let g = lock(inner);
@@ -331,23 +457,37 @@ fn first_products<B: CommBackend>(
         .get(&index)
         .and_then(|f| f.q.as_ref())
         .ok_or_else(|| in_flight(index))?;
-    for mat in &plan.compressed {
-        let d = mat.dims();
-        let xs = mat.offset..mat.offset + mat.n * mat.m;
-        let ps = mat.p_off..mat.p_off + mat.n * mat.r;
-        let qs = mat.q_off..mat.q_off + mat.m * mat.r;
+    for grp in &plan.groups {
+        let d = grp.dims;
+        let src: &mut B::Buffer<f32> = match grp.x {
+            Source::Bucket(_) => &mut *x,
+            Source::Stack(at) => {
+                let s = stack.as_deref_mut().ok_or_else(no_stack)?;
+                let mut to = at;
+                for &k in &grp.members {
+                    let mat = &plan.compressed[k];
+                    let nm = mat.n * mat.m;
+                    be.copy(
+                        B::view(x, mat.offset..mat.offset + nm)?,
+                        B::view_mut(s, to..to + nm)?,
+                    )?;
+                    to += nm;
+                }
+                s
+            }
+        };
+        let (xs, ps, qs) = (grp.x_range(), grp.p_range(), grp.q_range());
         match g.errors.get(&index) {
             Some((_, e)) if cfg.use_error_feedback => {
-                let es = mat.e_off..mat.e_off + mat.n * mat.m;
                 be.add_mq(
                     d,
-                    B::view_mut(x, xs)?,
-                    B::view(e, es)?,
+                    B::view_mut(src, xs)?,
+                    B::view(e, grp.e_range())?,
                     B::view(q, qs)?,
                     B::view_mut(p, ps)?,
                 )?;
             }
-            _ => be.mq(d, B::view(x, xs)?, B::view(q, qs)?, B::view_mut(p, ps)?)?,
+            _ => be.mq(d, B::view(src, xs)?, B::view(q, qs)?, B::view_mut(p, ps)?)?,
         }
     }
     Ok(())
@@ -402,29 +542,34 @@ fn compute_q<B: CommBackend>(
     plan: &Plan,
     eps: f32,
     mut p: B::Buffer<f32>,
-    x: &B::Buffer<f32>,
+    xs: &Memories<B>,
 ) -> Result<B::Buffer<f32>> {
     let mut g = lock(inner);
     let factors = g.factors.get_mut(&index).ok_or_else(|| in_flight(index))?;
     let mut q = factors.q.take().ok_or_else(|| in_flight(index))?;
-    for mat in &plan.compressed {
-        let ps = mat.p_off..mat.p_off + mat.n * mat.r;
-        be.orthogonalize(1, mat.n, mat.r, B::view_mut(&mut p, ps.clone())?, eps)?;
-        let xs = mat.offset..mat.offset + mat.n * mat.m;
-        let qs = mat.q_off..mat.q_off + mat.m * mat.r;
+    for grp in &plan.groups {
+        let (d, ps) = (grp.dims, grp.p_range());
+        be.orthogonalize(
+            d.batch(),
+            d.n(),
+            d.r(),
+            B::view_mut(&mut p, ps.clone())?,
+            eps,
+        )?;
         be.mtp(
-            mat.dims(),
-            B::view(x, xs)?,
+            d,
+            B::view(xs.of(grp)?, grp.x_range())?,
             B::view(&p, ps)?,
-            B::view_mut(&mut q, qs)?,
+            B::view_mut(&mut q, grp.q_range())?,
         )?;
     }
     factors.p = Some(p);
     Ok(q)
 }
 
-/// `M̂ = P̂ Qᵀ` into the bucket (with the error update), the uncompressed means copied
-/// back, the factors kept for warm start, and the iteration counted.
+/// `M̂ = P̂ Qᵀ` into the bucket (with the error update; a stacked batch is copied back),
+/// the uncompressed means copied back, the factors kept for warm start, the stack kept
+/// for the next step, and the iteration counted.
 #[allow(clippy::too_many_arguments)]
 fn decompress<B: CommBackend>(
     be: &B,
@@ -433,44 +578,62 @@ fn decompress<B: CommBackend>(
     is_last: bool,
     plan: &Plan,
     q: B::Buffer<f32>,
-    x: &mut B::Buffer<f32>,
+    xs: Memories<B>,
     u: &B::Buffer<f32>,
-) -> Result<()> {
+) -> Result<B::Buffer<f32>> {
+    let Memories { mut x, mut stack } = xs;
     let mut guard = lock(inner);
     let g = &mut *guard;
     let ef = g.progress.config.use_error_feedback;
     let factors = g.factors.get_mut(&index).ok_or_else(|| in_flight(index))?;
     let p = factors.p.as_ref().ok_or_else(|| in_flight(index))?;
-    for mat in &plan.compressed {
-        let d = mat.dims();
-        let xs = mat.offset..mat.offset + mat.n * mat.m;
-        let ps = mat.p_off..mat.p_off + mat.n * mat.r;
-        let qs = mat.q_off..mat.q_off + mat.m * mat.r;
+    for grp in &plan.groups {
+        let (d, ps, qs, xr) = (grp.dims, grp.p_range(), grp.q_range(), grp.x_range());
+        let src: &mut B::Buffer<f32> = match grp.x {
+            Source::Bucket(_) => &mut x,
+            Source::Stack(_) => stack.as_mut().ok_or_else(no_stack)?,
+        };
         match g.errors.get_mut(&index) {
             Some((_, e)) if ef => {
-                let es = mat.e_off..mat.e_off + mat.n * mat.m;
                 be.pqt_error(
                     d,
                     B::view(p, ps)?,
                     B::view(&q, qs)?,
-                    B::view_mut(x, xs)?,
-                    B::view_mut(e, es)?,
+                    B::view_mut(src, xr)?,
+                    B::view_mut(e, grp.e_range())?,
                 )?;
             }
-            _ => be.pqt(d, B::view(p, ps)?, B::view(&q, qs)?, B::view_mut(x, xs)?)?,
+            _ => be.pqt(d, B::view(p, ps)?, B::view(&q, qs)?, B::view_mut(src, xr)?)?,
+        }
+        if let (Source::Stack(mut from), Some(s)) = (grp.x, &stack) {
+            for &k in &grp.members {
+                let mat = &plan.compressed[k];
+                let nm = mat.n * mat.m;
+                be.copy(
+                    B::view(s, from..from + nm)?,
+                    B::view_mut(&mut x, mat.offset..mat.offset + nm)?,
+                )?;
+                from += nm;
+            }
         }
     }
     let mut at = 0;
     for &(off, len) in &plan.uncompressed {
-        be.copy(B::view(u, at..at + len)?, B::view_mut(x, off..off + len)?)?;
+        be.copy(
+            B::view(u, at..at + len)?,
+            B::view_mut(&mut x, off..off + len)?,
+        )?;
         at += len;
     }
     factors.q = Some(q);
     if !g.progress.config.warm_start {
         g.factors.remove(&index);
     }
+    if let Some(s) = stack {
+        g.stacks.insert(index, s);
+    }
     g.progress.maybe_increase_iter(is_last);
-    Ok(())
+    Ok(x)
 }
 
 impl<B: CommBackend> CommHook<B> for PowerSgd<B> {
@@ -494,7 +657,9 @@ impl<B: CommBackend> CommHook<B> for PowerSgd<B> {
         Ok(HookState::PowerSgd(Box::new(self.save()?)))
     }
 
-    /// Loads a [`HookState::PowerSgd`] saved with the same configuration.
+    /// Loads a [`HookState::PowerSgd`] saved with the same configuration, except perhaps
+    /// `batch_tensors_with_same_shape`: the hook keeps its own (the saved memories do
+    /// not depend on it).
     fn load_state(&self, state: HookState) -> Result<()> {
         match state {
             HookState::PowerSgd(s) => self.restore(*s),

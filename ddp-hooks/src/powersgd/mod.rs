@@ -16,6 +16,12 @@
 //! 6. decompression and the error update in one pass: `M̂ = P̂ Qᵀ`, `E = X - M̂`;
 //! 7. `Q` is kept for the next step (warm start).
 //!
+//! With `batch_tensors_with_same_shape`, each step runs once per shape instead of once
+//! per tensor: the same-shape tensors of a bucket form one batch of `lowrank`'s kernels
+//! (in place when they lie one after another in the bucket, else stacked by copy), with
+//! the same results, random draws and saved state as without (see
+//! [`PowerSgdConfig::batch_tensors_with_same_shape`]).
+//!
 //! Iterations before `start_powersgd_iter` use the exact all-reduce. Error feedback
 //! covers compressed tensors only (uncompressed ones are exact and carry no error), and a
 //! zero column never becomes NaN.

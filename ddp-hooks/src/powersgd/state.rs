@@ -24,8 +24,10 @@ use std::collections::BTreeMap;
 ///   start reuses), column-major in the same way.
 ///
 /// Uncompressed parameters (biases, small matrices) are averaged exactly and carry no
-/// memory. Unlike PyTorch, whose memory is grouped by shape, the order is the
-/// parameters' order.
+/// memory. The order is the parameters' order whatever
+/// [`batch_tensors_with_same_shape`] says: with it the hook keeps its memories grouped
+/// by shape, as PyTorch does (always, there), and reorders them when it saves and at a
+/// loaded bucket's next step, so a state saved with either setting loads with either.
 ///
 /// **Batched hook ([`BatchedPowerSgd`](crate::BatchedPowerSgd)).** The bucket of `len`
 /// elements is one `side x side` matrix, row-major, `side = ceil(sqrt(len))`, zero-padded
@@ -35,6 +37,7 @@ use std::collections::BTreeMap;
 /// unclamped rank `r`.
 ///
 /// [`ParamSlot::matrix`]: crate::ParamSlot::matrix
+/// [`batch_tensors_with_same_shape`]: super::PowerSgdConfig::batch_tensors_with_same_shape
 /// [`Layout::params`]: crate::Layout::params
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct SavedBucket {
