@@ -542,8 +542,10 @@ fn timeout(g: &Arc<MpiGroup>) -> Result<(), String> {
         // deterministic all-reduce's stages (whatever COLLECTIVES_MPI_DETERMINISTIC says).
         .with_debug(false)
         .with_deterministic(true);
-    // The deterministic all-reduce, in two stages: it times out in its all-to-all.
-    let x = || Buffer::F32(vec![1.0; 4 * size]);
+    // The deterministic all-reduce of a large buffer (over 32 KiB: in two stages): it
+    // times out in its all-to-all.
+    let block = 16 * 1024;
+    let x = || Buffer::F32(vec![1.0; block * size]);
     let mut result = Ok(());
     if rank == 0 {
         // The other ranks do not issue this operation (yet).
@@ -568,11 +570,11 @@ fn timeout(g: &Arc<MpiGroup>) -> Result<(), String> {
     same("world barrier", g.barrier().wait(), Ok(()))?;
     if rank != 0 {
         // Now pair the abandoned operation's first stage, so that it completes and rank 0
-        // can finalise: a reduce-scatter is that all-to-all alone (equal chunks of 4).
+        // can finalise: a reduce-scatter is that all-to-all alone (equal chunks).
         same(
             "the late reduce_scatter",
             sub.reduce_scatter(x(), ReduceOp::Sum).wait(),
-            Ok(Buffer::F32(vec![size as f32; 4])),
+            Ok(Buffer::F32(vec![size as f32; block])),
         )?;
     }
     same("world barrier after", g.barrier().wait(), Ok(()))?;
@@ -701,8 +703,9 @@ fn identical_all_reduce(g: &Arc<MpiGroup>) -> Result<(), String> {
     if !g.deterministic() {
         return Err("the world is not deterministic by default".into());
     }
-    // Lengths not divisible by the group size, shorter than it, and across the chunking.
-    let lens = [0, 1, size + 1, 257 * size + 3, 5000];
+    // Lengths not divisible by the group size, shorter than it, and across the chunking;
+    // up to 32 KiB a buffer is all-gathered whole, above it cut into chunks: both paths.
+    let lens = [0, 1, size + 1, 257 * size + 3, 5000, 20_000 * size + 1];
     for (salt, dtype) in TYPES.into_iter().enumerate() {
         for op in OPS {
             for len in lens {
@@ -732,8 +735,10 @@ fn identical_all_reduce(g: &Arc<MpiGroup>) -> Result<(), String> {
 fn identical_others(g: &Arc<MpiGroup>) -> Result<(), String> {
     let (rank, size) = (g.rank(), g.size());
     for wire in [DType::F16, DType::BF16] {
-        for op in OPS {
-            let len = 1000 * size + 1;
+        for (op, len) in OPS
+            .into_iter()
+            .flat_map(|op| [(op, 1000 * size + 1), (op, 20_000 * size + 1)])
+        {
             let got = g
                 .all_reduce_wire(wide(DType::F32, rank, len, 9), wire, op)
                 .wait();
@@ -757,6 +762,8 @@ fn identical_others(g: &Arc<MpiGroup>) -> Result<(), String> {
         (DType::F32, 1000),
         (DType::F64, 1),
         (DType::F16, 0),
+        // Makes the f32 flat large (chunked) while the others stay small (gathered).
+        (DType::F32, 10_000),
     ];
     let bufs = |r: usize| -> Vec<Buffer> {
         layout

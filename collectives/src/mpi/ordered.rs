@@ -15,6 +15,10 @@
 //! order; rank `k` reduces it; an `MPI_Iallgatherv` gives everyone every reduced chunk.
 //! Each rank sends `(n-1)/n` of the buffer twice, in its own type (halves as 16 bits, half
 //! what the native path sends after widening them). A reduce-scatter is the first half.
+//!
+//! Buffers of at most [`SMALL`] bytes (PowerSGD's factors, most of a step's collectives)
+//! take one latency instead of two: an `MPI_Iallgather` of the whole buffer, then every
+//! rank reduces every element, in the same order, so with the same bits.
 
 use super::progress::{collective, staged, Stage, Start};
 use super::raw::{self, Request};
@@ -26,6 +30,126 @@ use std::os::raw::c_int;
 
 /// Elements combined at a time: the accumulator stays in L1 (as the thread backend's).
 const BLOCK: usize = 1024;
+
+/// Buffers up to this many bytes are all-gathered whole and reduced by every rank (one
+/// round of messages; `n` times the bytes, which at this size cost less than a second
+/// round's latency); longer ones are cut into chunks (two rounds, a ring's bytes).
+pub(super) const SMALL: usize = 32 * 1024;
+
+/// Whether a buffer takes the one-round path. The same on every rank (it depends only on
+/// the buffer's type and length, which every rank shares).
+fn small(dtype: DType, len: usize) -> bool {
+    len.saturating_mul(dtype.size()) <= SMALL
+}
+
+/// A small buffer's all-reduce: every rank's whole buffer to every rank, then the same
+/// reduction everywhere.
+struct Gathered {
+    /// This rank's values.
+    data: Buffer,
+    /// Every rank's buffer, in rank order; row `rank` becomes the result.
+    all: Buffer,
+    rank: usize,
+    size: usize,
+}
+
+impl Gathered {
+    fn new(data: Buffer, rank: usize, size: usize) -> Result<Gathered> {
+        let all = data
+            .len()
+            .checked_mul(size)
+            .ok_or_else(|| Error::InvalidArgument("a buffer too long to gather".into()))?;
+        raw::count(all)?;
+        Ok(Gathered {
+            all: Buffer::zeros(data.dtype(), all),
+            data,
+            rank,
+            size,
+        })
+    }
+
+    /// Starts the all-gather (nothing to exchange on one rank).
+    fn start(&mut self, comm: &SimpleCommunicator, requests: &mut Vec<Request>) -> Result<()> {
+        if self.size == 1 {
+            return Ok(());
+        }
+        // SAFETY: MPI gets pointers into the vectors' heap storage, which stays put when
+        // this moves; the collective keeps it alive until the request completes (or
+        // forever), and nothing touches either buffer until then.
+        let request = unsafe {
+            match (&self.data, &mut self.all) {
+                (Buffer::F32(s), Buffer::F32(r)) => raw::iallgather(comm, s, r),
+                (Buffer::F64(s), Buffer::F64(r)) => raw::iallgather(comm, s, r),
+                (Buffer::F16(s), Buffer::F16(r)) => {
+                    raw::iallgather::<u16>(comm, cast_slice(s), cast_slice_mut(r))
+                }
+                (Buffer::BF16(s), Buffer::BF16(r)) => {
+                    raw::iallgather::<u16>(comm, cast_slice(s), cast_slice_mut(r))
+                }
+                _ => Err(mixed()),
+            }
+        };
+        requests.push(request?);
+        Ok(())
+    }
+
+    /// Every rank's buffer reduced in rank order (this rank's own read from `data`).
+    fn finish(mut self, op: ReduceOp) -> Result<Buffer> {
+        let (rank, n, m) = (self.rank, self.size, self.data.len());
+        match (&mut self.all, &self.data) {
+            (Buffer::F32(v), Buffer::F32(d)) => reduce_chunk(v, d, rank, n, m, op),
+            (Buffer::F16(v), Buffer::F16(d)) => reduce_chunk(v, d, rank, n, m, op),
+            (Buffer::BF16(v), Buffer::BF16(d)) => reduce_chunk(v, d, rank, n, m, op),
+            (Buffer::F64(v), Buffer::F64(d)) => reduce_chunk(v, d, rank, n, m, op),
+            _ => return Err(mixed()),
+        }
+        cut(&mut self.all, rank * m, m)
+    }
+}
+
+/// One flat buffer of a coalesced all-reduce, on the path its size picks.
+enum Part {
+    Small(Gathered),
+    Large(Exchange),
+}
+
+impl Part {
+    fn new(data: Buffer, rank: usize, size: usize) -> Result<Part> {
+        if small(data.dtype(), data.len()) {
+            Gathered::new(data, rank, size).map(Part::Small)
+        } else {
+            Exchange::new(data, rank, size).map(Part::Large)
+        }
+    }
+
+    /// The first round: the all-gather, or the all-to-all.
+    fn start(&mut self, comm: &SimpleCommunicator, requests: &mut Vec<Request>) -> Result<()> {
+        match self {
+            Part::Small(g) => g.start(comm, requests),
+            Part::Large(x) => x.scatter(comm, requests),
+        }
+    }
+
+    /// The second round, for a large buffer: its reduction and all-gather.
+    fn gather(
+        &mut self,
+        op: ReduceOp,
+        comm: &SimpleCommunicator,
+        requests: &mut Vec<Request>,
+    ) -> Result<()> {
+        match self {
+            Part::Small(_) => Ok(()),
+            Part::Large(x) => x.gather(op, comm, requests),
+        }
+    }
+
+    fn finish(self, op: ReduceOp) -> Result<Buffer> {
+        match self {
+            Part::Small(g) => g.finish(op),
+            Part::Large(x) => Ok(x.data),
+        }
+    }
+}
 
 /// One buffer's exchange: its data, the chunk of every rank that this rank reduces, and
 /// the layouts MPI reads while the requests run (so they live as long as the buffers).
@@ -271,7 +395,8 @@ fn mixed() -> Error {
     Error::Backend("internal: send and receive buffers of different types".into())
 }
 
-/// `all_reduce`, deterministic: one exchange, in two stages.
+/// `all_reduce`, deterministic: one all-gather for a small buffer; else one exchange, in
+/// two stages.
 pub(super) fn all_reduce(
     buf: Buffer,
     op: ReduceOp,
@@ -279,21 +404,17 @@ pub(super) fn all_reduce(
     size: usize,
     done: Completer<Buffer>,
 ) -> Start {
-    let x = match Exchange::new(buf, rank, size) {
-        Ok(x) => x,
-        Err(e) => return failed(done, e),
-    };
-    let stages: Vec<Stage<Exchange>> = vec![
-        Box::new(|comm, x, requests| x.scatter(comm, requests)),
-        Box::new(move |comm, x, requests| x.gather(op, comm, requests)),
-    ];
-    staged(done, x, stages, |x| Ok(x.data))
+    all_reduce_parts(vec![buf], op, rank, size, done, |mut flats| {
+        flats
+            .pop()
+            .ok_or_else(|| Error::Backend("internal: all_reduce lost its buffer".into()))
+    })
 }
 
 /// `all_reduce_coalesced`, deterministic: the buffers are concatenated into one flat
 /// buffer per type (each reduced in its own type, as the thread backend reduces each
-/// buffer), and the flats' exchanges run side by side: at most four all-to-alls, then
-/// four all-gathers, whatever the number of buffers.
+/// buffer), and the flats' collectives run side by side: at most four in each round,
+/// whatever the number of buffers.
 pub(super) fn all_reduce_coalesced(
     bufs: Vec<Buffer>,
     op: ReduceOp,
@@ -321,23 +442,8 @@ pub(super) fn all_reduce_coalesced(
         }
     }
     // The types present, in a fixed order (the same on every rank, as the layouts are).
-    let exchanges: Result<Vec<Exchange>> = flats
-        .into_iter()
-        .filter(|f| !f.is_empty())
-        .map(|f| Exchange::new(f, rank, size))
-        .collect();
-    let exchanges = match exchanges {
-        Ok(x) => x,
-        Err(e) => return failed(done, e),
-    };
-    let stages: Vec<Stage<Vec<Exchange>>> = vec![
-        Box::new(|comm, xs, requests| xs.iter_mut().try_for_each(|x| x.scatter(comm, requests))),
-        Box::new(move |comm, xs, requests| {
-            xs.iter_mut().try_for_each(|x| x.gather(op, comm, requests))
-        }),
-    ];
-    staged(done, exchanges, stages, move |xs| {
-        let mut flats: Vec<Buffer> = xs.into_iter().map(|x| x.data).collect();
+    let flats: Vec<Buffer> = flats.into_iter().filter(|f| !f.is_empty()).collect();
+    all_reduce_parts(flats, op, rank, size, done, move |mut flats| {
         let mut offsets = vec![0usize; flats.len()];
         layout
             .into_iter()
@@ -357,6 +463,44 @@ pub(super) fn all_reduce_coalesced(
                 cut(&mut flats[i], at, len)
             })
             .collect()
+    })
+}
+
+/// Reduces `flats` side by side, each on the path its size picks, and hands the results
+/// (in order) to `unpack`. Two stages if any is large (the small ones' all-gathers start
+/// with the large ones' all-to-alls), else one.
+fn all_reduce_parts<T: Send + 'static>(
+    flats: Vec<Buffer>,
+    op: ReduceOp,
+    rank: usize,
+    size: usize,
+    done: Completer<T>,
+    unpack: impl FnOnce(Vec<Buffer>) -> Result<T> + Send + 'static,
+) -> Start {
+    let parts: Result<Vec<Part>> = flats
+        .into_iter()
+        .map(|f| Part::new(f, rank, size))
+        .collect();
+    let parts = match parts {
+        Ok(p) => p,
+        Err(e) => return failed(done, e),
+    };
+    let mut stages: Vec<Stage<Vec<Part>>> = vec![Box::new(|comm, parts, requests| {
+        parts.iter_mut().try_for_each(|p| p.start(comm, requests))
+    })];
+    if parts.iter().any(|p| matches!(p, Part::Large(_))) {
+        stages.push(Box::new(move |comm, parts, requests| {
+            parts
+                .iter_mut()
+                .try_for_each(|p| p.gather(op, comm, requests))
+        }));
+    }
+    staged(done, parts, stages, move |parts| {
+        let flats = parts
+            .into_iter()
+            .map(|p| p.finish(op))
+            .collect::<Result<Vec<Buffer>>>()?;
+        unpack(flats)
     })
 }
 
@@ -510,6 +654,15 @@ mod tests {
         }
         let v: Vec<bf16> = [3.0f32, 4.0, 5.0].map(bf16::from_f32).to_vec();
         assert_eq!(reduce_as(&v, 3, 1, 2, ReduceOp::Avg), [bf16::from_f32(4.0)]);
+    }
+
+    #[test]
+    fn small_buffers_are_gathered_whole_by_bytes_not_elements() {
+        assert!(small(DType::F32, SMALL / 4));
+        assert!(!small(DType::F32, SMALL / 4 + 1));
+        assert!(small(DType::BF16, SMALL / 2));
+        assert!(!small(DType::F64, SMALL / 4));
+        assert!(!small(DType::F32, usize::MAX));
     }
 
     #[test]

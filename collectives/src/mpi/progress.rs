@@ -575,9 +575,12 @@ impl Engine {
                 }
             });
             run.error = error;
-            if run.requests.is_empty() && run.error.is_none() && !run.steps.is_empty() {
+            let stage_next =
+                run.requests.is_empty() && run.error.is_none() && !run.steps.is_empty();
+            if stage_next && now < deadline {
                 // The next stage, on this rank's own time: its local work is done when it
-                // returns, and its requests are tested from the next round on.
+                // returns, and its requests are tested from the next round on. (Past the
+                // deadline, it times out below instead of starting.)
                 let step = run.steps.pop_front();
                 let started = match (step, self.comms.get(&id)) {
                     (Some(step), Some(c)) => catch_unwind(AssertUnwindSafe(|| {
@@ -606,14 +609,14 @@ impl Engine {
                     }
                 }
                 progressed = true;
-            } else if run.requests.is_empty() {
+            } else if run.requests.is_empty() && !stage_next {
                 let (run, ..) = self.running.swap_remove(i);
                 if let Some(c) = self.comms.get_mut(&id) {
                     if !run.steps.is_empty() {
                         // Failed between stages: the peers go on to stages this rank
                         // skips.
                         let e = run.error.clone().unwrap_or_else(|| {
-                            Error::Backend("internal: stages left after success".into())
+                            Error::Backend("internal: stages left after the last".into())
                         });
                         c.held = false;
                         c.break_with(&e, &mut self.graveyard);
