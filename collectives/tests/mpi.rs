@@ -11,8 +11,8 @@
 //! rank's inputs, with values whose sums depend on the order of additions; MPI's native
 //! reductions (`with_deterministic(false)`) get the exact-value checks.
 //!
-//! `--timing` (after the executable) runs only a timing of a 16 MiB all-reduce, the
-//! deterministic path against native `MPI_Iallreduce`; rank 0 prints it.
+//! `--timing` (after the executable) runs only a timing of all-reduces of 16 MiB and
+//! 4 KiB, the deterministic path against native `MPI_Iallreduce`; rank 0 prints it.
 
 use collectives::mpi::MpiGroup;
 use collectives::{run_local, Buffer, DType, Error, ProcessGroup, ReduceOp, ThreadGroup};
@@ -818,7 +818,8 @@ fn native(g: &Arc<MpiGroup>) -> Result<(), String> {
     in_flight(&sub)
 }
 
-/// Median all-reduce time of 16 MiB of `f32`, deterministic and native, on this group.
+/// Median all-reduce times, deterministic and native, on this group: 16 MiB of `f32`
+/// (chunked, two rounds), and 4 KiB (gathered whole, one round), for latency.
 fn timing(g: &Arc<MpiGroup>) -> Result<(), String> {
     let all: Vec<usize> = (0..g.size()).collect();
     let native = g
@@ -826,47 +827,48 @@ fn timing(g: &Arc<MpiGroup>) -> Result<(), String> {
         .map_err(|e| e.to_string())?
         .ok_or("a member got None")?
         .with_deterministic(false);
-    let len = 4 << 20;
-    let reps = 15;
-    let time = |grp: &dyn ProcessGroup| -> Result<Duration, String> {
-        let mut times = Vec::new();
-        let mut buf = Buffer::F32((0..len).map(|i| (i % 1000) as f32 * 0.001).collect());
-        for rep in 0..reps + 2 {
-            grp.barrier().wait().map_err(|e| e.to_string())?;
-            let start = Instant::now();
-            buf = grp
-                .all_reduce(buf, ReduceOp::Avg)
-                .wait()
-                .map_err(|e| e.to_string())?;
-            if rep >= 2 {
-                times.push(start.elapsed());
+    for (len, reps) in [(4 << 20, 15), (1 << 10, 1000)] {
+        let time = |grp: &dyn ProcessGroup| -> Result<Duration, String> {
+            let mut times = Vec::new();
+            let mut buf = Buffer::F32((0..len).map(|i| (i % 1000) as f32 * 0.001).collect());
+            for rep in 0..reps + 2 {
+                grp.barrier().wait().map_err(|e| e.to_string())?;
+                let start = Instant::now();
+                buf = grp
+                    .all_reduce(buf, ReduceOp::Avg)
+                    .wait()
+                    .map_err(|e| e.to_string())?;
+                if rep >= 2 {
+                    times.push(start.elapsed());
+                }
             }
+            times.sort();
+            Ok(times[times.len() / 2])
+        };
+        // Alternated, so that load from elsewhere falls on both alike.
+        let (mut det, mut nat) = (Vec::new(), Vec::new());
+        for _ in 0..3 {
+            det.push(time(g.as_ref())?);
+            nat.push(time(&native)?);
         }
-        times.sort();
-        Ok(times[times.len() / 2])
-    };
-    // Alternated, so that load from elsewhere falls on both alike.
-    let (mut det, mut nat) = (Vec::new(), Vec::new());
-    for _ in 0..3 {
-        det.push(time(g.as_ref())?);
-        nat.push(time(&native)?);
-    }
-    det.sort();
-    nat.sort();
-    if g.rank() == 0 {
-        let ms = |d: Duration| d.as_secs_f64() * 1e3;
-        let gbps = |d: Duration| (len * 4) as f64 / d.as_secs_f64() / 1e9;
-        println!(
-            "all_reduce of 16 MiB f32 (Avg) on {} processes, median of {reps} (best of 3 medians): \
-             deterministic {:.2} ms ({:.2} GB/s), native MPI_Iallreduce {:.2} ms ({:.2} GB/s): \
-             ratio {:.2}",
-            g.size(),
-            ms(det[0]),
-            gbps(det[0]),
-            ms(nat[0]),
-            gbps(nat[0]),
-            det[0].as_secs_f64() / nat[0].as_secs_f64()
-        );
+        det.sort();
+        nat.sort();
+        if g.rank() == 0 {
+            let us = |d: Duration| d.as_secs_f64() * 1e6;
+            let gbps = |d: Duration| (len * 4) as f64 / d.as_secs_f64() / 1e9;
+            println!(
+                "all_reduce of {} KiB f32 (Avg) on {} processes, median of {reps} (best of 3 \
+                 medians): deterministic {:.0} us ({:.2} GB/s), native MPI_Iallreduce {:.0} us \
+                 ({:.2} GB/s): ratio {:.2}",
+                len * 4 / 1024,
+                g.size(),
+                us(det[0]),
+                gbps(det[0]),
+                us(nat[0]),
+                gbps(nat[0]),
+                det[0].as_secs_f64() / nat[0].as_secs_f64()
+            );
+        }
     }
     Ok(())
 }
