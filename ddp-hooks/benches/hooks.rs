@@ -18,8 +18,9 @@
 //! `batch_tensors_with_same_shape` on one preset (`--preset NAME`, default `bert-base`),
 //! r = 1, 2, 4, on 2 ranks of one CPU thread each, for each SIMD instruction set of this
 //! CPU (`--isa avx2` or `--isa avx512` for one), the two settings alternated step by step
-//! so that load drifts touch both alike; the hook time per step (median, slowest rank)
-//! and its ratio to the memory bound as in the `hooks` suite.
+//! so that load drifts touch both alike; the hook time per step (median, slowest rank),
+//! its ratio to the memory bound as in the `hooks` suite, and the time of the first
+//! compressed step (which allocates the hook's memories).
 //!
 //! Arguments: `hooks`, `accum` (default both) or `batch`, `--quick`, `--json`.
 
@@ -49,7 +50,8 @@ struct Args {
 
 /// Hook times per step of PowerSGD (`cfg`, batching off then on) on `shapes` through
 /// the reducer, on [`RANKS`] ranks with the kernels of `isa`: for each setting, the
-/// slowest rank's time of each timed step. Both hooks run on every rank, alternately,
+/// slowest rank's time of each step, the [`measure::POWERSGD_WARMUP`] steps first (the
+/// last of them is the first compressed step, which allocates the hook's memories). Both hooks run on every rank, alternately,
 /// each on its own reducer.
 fn batch_pair(
     shapes: &[Vec<usize>],
@@ -86,7 +88,7 @@ fn batch_pair(
             })
             .collect();
         let mut times = [Vec::new(), Vec::new()];
-        for step in 0..warmup + steps {
+        for _ in 0..warmup + steps {
             for (which, reducer) in reducers.iter_mut().enumerate() {
                 for (p, grad) in grads[rank].iter().enumerate() {
                     reducer.grad_mut(p).expect("grad").copy_from_slice(grad);
@@ -96,9 +98,7 @@ fn batch_pair(
                     reducer.mark_ready(p).expect("ready");
                 }
                 reducer.finish().expect("finish");
-                if step >= warmup {
-                    times[which].push(t.elapsed());
-                }
+                times[which].push(t.elapsed());
             }
         }
         times
@@ -106,7 +106,7 @@ fn batch_pair(
     .expect("ranks");
     let ranks: Vec<_> = out.into_iter().map(|r| r.expect("rank")).collect();
     [0, 1].map(|which| {
-        (0..steps)
+        (0..warmup + steps)
             .map(|i| ranks.iter().map(|r| r[which][i]).max().unwrap_or_default())
             .collect()
     })
@@ -133,8 +133,17 @@ fn batch_suite(a: &Args) {
             bw / 1e9
         );
         println!(
-            "{:<8} {:>4} {:>14} {:>12} {:>8} {:>10} {:>10} {:>6}",
-            "isa", "rank", "unbatched ms", "batched ms", "ratio", "bound off", "bound on", "load"
+            "{:<8} {:>4} {:>14} {:>12} {:>8} {:>10} {:>10} {:>9} {:>9} {:>6}",
+            "isa",
+            "rank",
+            "unbatched ms",
+            "batched ms",
+            "ratio",
+            "bound off",
+            "bound on",
+            "1st off",
+            "1st on",
+            "load"
         );
     }
     for isa in isas {
@@ -145,9 +154,12 @@ fn batch_suite(a: &Args) {
                 ..PowerSgdConfig::default()
             };
             let [off, on] = batch_pair(&shapes, &grads, &cfg, isa, steps);
+            let first = measure::POWERSGD_WARMUP - 1;
+            let ms = |d: Duration| d.as_secs_f64() * 1e3;
+            let (first_off, first_on) = (ms(off[first]), ms(on[first]));
             let (off, on) = (
-                median(off).as_secs_f64() * 1e3,
-                median(on).as_secs_f64() * 1e3,
+                ms(median(off[first + 1..].to_vec())),
+                ms(median(on[first + 1..].to_vec())),
             );
             let bound = |ms: f64| ms / (BOUND_PASSES * grad_bytes as f64 / bw * 1e3);
             let load = std::fs::read_to_string("/proc/loadavg")
@@ -156,14 +168,14 @@ fn batch_suite(a: &Args) {
                 .unwrap_or_else(|| "?".into());
             if a.json {
                 println!(
-                    "{{\"bench\":\"ddp-hooks/batch\",\"model\":\"{model}\",\"isa\":\"{}\",\"rank\":{r},\"ranks\":{RANKS},\"unbatched_ms\":{off:.3},\"batched_ms\":{on:.3},\"bound_ratio_unbatched\":{:.3},\"bound_ratio_batched\":{:.3},\"load\":{load}}}",
+                    "{{\"bench\":\"ddp-hooks/batch\",\"model\":\"{model}\",\"isa\":\"{}\",\"rank\":{r},\"ranks\":{RANKS},\"unbatched_ms\":{off:.3},\"batched_ms\":{on:.3},\"bound_ratio_unbatched\":{:.3},\"bound_ratio_batched\":{:.3},\"first_step_ms_unbatched\":{first_off:.3},\"first_step_ms_batched\":{first_on:.3},\"load\":{load}}}",
                     isa.name(),
                     bound(off),
                     bound(on)
                 );
             } else {
                 println!(
-                    "{:<8} {:>4} {:>14.1} {:>12.1} {:>7.3}x {:>9.2}x {:>9.2}x {:>6}",
+                    "{:<8} {:>4} {:>14.1} {:>12.1} {:>7.3}x {:>9.2}x {:>9.2}x {:>9.0} {:>9.0} {:>6}",
                     isa.name(),
                     r,
                     off,
@@ -171,6 +183,8 @@ fn batch_suite(a: &Args) {
                     on / off,
                     bound(off),
                     bound(on),
+                    first_off,
+                    first_on,
                     load
                 );
             }

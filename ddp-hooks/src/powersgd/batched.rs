@@ -238,7 +238,7 @@ impl<B: CommBackend> BatchedPowerSgd<B> {
         let randomize = !cfg.warm_start || !g.memory.contains_key(&index);
         if let std::collections::btree_map::Entry::Vacant(slot) = g.memory.entry(index) {
             let error = if cfg.use_error_feedback {
-                Some(be.alloc(side * side)?)
+                Some(super::hook::zeroed(&*be, side * side)?)
             } else {
                 None
             };
