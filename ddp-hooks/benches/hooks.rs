@@ -17,7 +17,8 @@
 //! `batch` suite (run only when named): the per-layer PowerSGD hook with and without
 //! `batch_tensors_with_same_shape` on one preset (`--preset NAME`, default `bert-base`),
 //! r = 1, 2, 4, on 2 ranks of one CPU thread each, for each SIMD instruction set of this
-//! CPU (`--isa avx2` or `--isa avx512` for one), the two settings alternated step by step
+//! CPU (`--isa avx2` or `--isa avx512` for one; `--no-bias` drops the preset's 1-D
+//! parameters), the two settings alternated step by step
 //! so that load drifts touch both alike; the hook time per step (median, slowest rank),
 //! its ratio to the memory bound as in the `hooks` suite, and the time of the first
 //! compressed step (which allocates the hook's memories).
@@ -46,6 +47,7 @@ struct Args {
     batch: bool,
     preset: String,
     isa: Option<String>,
+    no_bias: bool,
 }
 
 /// Hook times per step of PowerSGD (`cfg`, batching off then on) on `shapes` through
@@ -122,7 +124,18 @@ fn batch_suite(a: &Args) {
         .filter(|i| *i != Isa::Portable)
         .filter(|i| a.isa.as_deref().is_none_or(|want| want == i.name()))
         .collect();
-    let shapes = shapes();
+    let mut shapes = shapes();
+    if a.no_bias {
+        // Without the 1-D parameters, same-shape matrices lie one after another in the
+        // buckets (as a bias-free transformer's projections): batches are mostly in
+        // place, so this shows what batching itself does, without the stacking copies.
+        shapes.retain(|s| s.len() > 1);
+    }
+    let model = if a.no_bias {
+        format!("{model} without 1-D parameters")
+    } else {
+        model.to_string()
+    };
     let grad_bytes = 4 * models::params(&shapes);
     let grads = measure::synthetic_ranks(&shapes);
     let bw = read_bandwidth();
@@ -466,6 +479,7 @@ fn main() {
         batch,
         preset: value("--preset").unwrap_or_else(|| "bert-base".into()),
         isa: value("--isa"),
+        no_bias: has("--no-bias"),
     };
     if a.hooks {
         hooks_suite(&a);
