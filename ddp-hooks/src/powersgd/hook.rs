@@ -387,8 +387,9 @@ impl<B: CommBackend> PowerSgd<B> {
 /// TLB of every core the process runs on (an inter-processor interrupt per 4 KiB page,
 /// dear in a virtual machine). The error memory is read by the first products before
 /// decompression writes it, so its first step paid that per page: BERT-base's first
-/// compressed step took 1.9-2.7 s instead of 0.2 s on a 2-core VM, most of it in those
-/// flushes. Writing zeros first maps every page writable at once (one pass, no flush).
+/// compressed step took 1.9-2.7 s instead of 0.42-0.46 s (AVX-512, 2 ranks, 2-core VM),
+/// most of it in those flushes. Writing zeros first maps every page writable at once
+/// (one pass, no flush).
 pub(super) fn zeroed<B: Backend>(be: &B, len: usize) -> Result<B::Buffer<f32>> {
     let mut buf = be.alloc(len)?;
     be.zero(B::view_mut(&mut buf, ..)?)?;
