@@ -77,9 +77,10 @@
 //! sends what a ring all-reduce sends (`(n-1)/n` of the buffer, twice), and moves halves
 //! as 16 bits. A buffer of at most 32 KiB (PowerSGD's factors) takes one round instead of
 //! two: an `MPI_Iallgather` of the whole buffer, and every rank reduces every element, in
-//! the same order. On two processes of a 2-core AVX-512 Xeon (shared memory) both paths
-//! measured as fast as `MPI_Iallreduce`: 16 MiB in about 6 ms either way, 4 KiB in 10 us
-//! against 12 us.
+//! the same order. On two processes of a 2-core AVX-512 Xeon (Open MPI 4.1, shared
+//! memory; `tests/mpi.rs --timing`, under load from other builds) both paths measured as
+//! fast as `MPI_Iallreduce`: 16 MiB in 6 to 9 ms either way (0.93 to 1.12 times its time
+//! over eight runs), 4 KiB in 10 us against 12 to 13 us.
 //!
 //! This is the default because `MPI_Iallreduce` adds in an order of Open MPI's choosing
 //! (by message and group size): with three or more ranks its sums differ from the thread
