@@ -79,8 +79,8 @@
 //! two: an `MPI_Iallgather` of the whole buffer, and every rank reduces every element, in
 //! the same order. On two processes of a 2-core AVX-512 Xeon (Open MPI 4.1, shared
 //! memory; `tests/mpi.rs --timing`, under load from other builds) both paths measured as
-//! fast as `MPI_Iallreduce`: 16 MiB in 6 to 9 ms either way (0.93 to 1.12 times its time
-//! over eight runs), 4 KiB in 10 us against 12 to 13 us.
+//! fast as `MPI_Iallreduce`: 16 MiB in 6 to 9 ms either way (a median of 0.98 times its
+//! time over eight runs, 0.93 to 1.39), 4 KiB in 10 us against 12 to 13 us.
 //!
 //! This is the default because `MPI_Iallreduce` adds in an order of Open MPI's choosing
 //! (by message and group size): with three or more ranks its sums differ from the thread
