@@ -78,9 +78,10 @@
 //! as 16 bits. A buffer of at most 32 KiB (PowerSGD's factors) takes one round instead of
 //! two: an `MPI_Iallgather` of the whole buffer, and every rank reduces every element, in
 //! the same order. On two processes of a 2-core AVX-512 Xeon (Open MPI 4.1, shared
-//! memory; `tests/mpi.rs --timing`, under load from other builds) both paths measured as
-//! fast as `MPI_Iallreduce`: 16 MiB in 6 to 9 ms either way (a median of 0.98 times its
-//! time over eight runs, 0.93 to 1.39), 4 KiB in 10 us against 12 to 13 us.
+//! memory; `tests/mpi.rs --timing`, with other builds sharing the cores) both paths
+//! measured about as fast as `MPI_Iallreduce`: 16 MiB at a median of 0.99 times its time
+//! over fourteen runs (single runs 0.83 to 2.45, as the load came and went; 6 to 9 ms
+//! either way in the quieter ones), 4 KiB in 10 to 11 us against 12 to 13 us.
 //!
 //! This is the default because `MPI_Iallreduce` adds in an order of Open MPI's choosing
 //! (by message and group size): with three or more ranks its sums differ from the thread
