@@ -147,11 +147,12 @@ pub trait Backend: Send + Sync {
     /// [`orthogonalize`](Backend::orthogonalize), then every matrix left with fewer than
     /// `min(n, r)` non-zero columns (a zero or rank-deficient input) has its zero columns
     /// refilled and is orthogonalised again, up to [`REFILL_ATTEMPTS`](crate::REFILL_ATTEMPTS)
-    /// times. Element `i` (column-major) of matrix `b` gets
-    /// [`refill_value(key, attempt, b, i)`](crate::refill_value): counter-based values
-    /// that every backend computes bit for bit alike, drawn from no random stream, so
-    /// equal inputs and keys give every rank the same result, and a matrix with enough
-    /// non-zero columns is left exactly as `orthogonalize` left it.
+    /// times. Element `i` (column-major) of a refilled column gets
+    /// [`refill_value(key, attempt, i)`](crate::refill_value): counter-based values that
+    /// every backend computes bit for bit alike, drawn from no random stream and the same
+    /// for every matrix of the batch, so equal inputs and keys give every rank the same
+    /// result whatever the batching, and a matrix with enough non-zero columns is left
+    /// exactly as `orthogonalize` left it.
     ///
     /// PowerSGD calls it on `Q` so that a zero column (from a zero or low-rank gradient)
     /// cannot stay zero forever under warm start. It runs where the data is: on a GPU

@@ -531,7 +531,7 @@ fn check_orthogonalize_refill<B: Backend>(be: &B) {
         // The zero matrix: the orthogonalised refill values of attempt 0, within rounding
         // (a backend may launch differently for one matrix than for three).
         let filled: Vec<f32> = (0..per)
-            .map(|i| lowrank::refill_value(11, 0, 0, i as u64))
+            .map(|i| lowrank::refill_value(11, 0, i as u64))
             .collect();
         let want = orth(be, 1, n, r, &filled, 0.0);
         let diff = got[..per]

@@ -8,7 +8,7 @@
 //! Error feedback covers the padded matrix, as in PyTorch (so the pad carries error).
 //! Without warm start the factor buffers are kept and `Q` is re-drawn each step.
 
-use super::progress::{in_flight, lock, refill_zero_columns, Progress};
+use super::progress::{in_flight, lock, refill_key, Progress};
 use super::sequence::Sequencer;
 use super::state::SavedBucket;
 use super::{PowerSgdConfig, PowerSgdState};
@@ -259,10 +259,10 @@ impl<B: CommBackend> BatchedPowerSgd<B> {
         if randomize {
             be.fill_normal(&mut g.progress.rng, B::view_mut(q, ..)?)?;
         }
-        // PyTorch orthogonalises Q here without epsilon.
-        be.orthogonalize(1, side, r, B::view_mut(q, ..)?, 0.0)?;
-        // A zero column would stay zero under warm start: redrawn from the shared stream.
-        refill_zero_columns(&*be, &mut g.progress.rng, q, [(0, side, r)], 0.0)?;
+        // PyTorch orthogonalises Q here without epsilon. A zero column would stay zero
+        // under warm start: refilled inside the orthogonalisation (see `refill_key`).
+        let key = refill_key(cfg.random_seed, index, g.progress.iter);
+        be.orthogonalize_refill(1, side, r, B::view_mut(q, ..)?, 0.0, key)?;
         match &m.error {
             Some(e) => be.add_mq(
                 dims,

@@ -1,7 +1,7 @@
 //! The per-layer PowerSGD hook.
 
 use super::plan::{Group, Memory, Plan, Source};
-use super::progress::{in_flight, lock, refill_zero_columns, Progress};
+use super::progress::{in_flight, lock, refill_key, Progress};
 use super::sequence::Sequencer;
 use super::state::SavedBucket;
 use super::{PowerSgdConfig, PowerSgdState};
@@ -300,20 +300,14 @@ impl<B: CommBackend> PowerSgd<B> {
             return Err(in_flight(index));
         }
         let q = factors.q.as_mut().ok_or_else(|| in_flight(index))?;
+        // A zero column of Q (from a zero or low-rank gradient) would stay zero under
+        // warm start; it is refilled inside the orthogonalisation, with values keyed by
+        // (seed, bucket, step): the same on every rank, whatever the batching.
+        let key = refill_key(cfg.random_seed, index, g.progress.iter);
         for grp in &plan.groups {
             let (b, m, r) = (grp.dims.batch(), grp.dims.m(), grp.dims.r());
-            be.orthogonalize(b, m, r, B::view_mut(q, grp.q_range())?, eps)?;
+            be.orthogonalize_refill(b, m, r, B::view_mut(q, grp.q_range())?, eps, key)?;
         }
-        // A zero column of Q (from a zero or low-rank gradient) would stay zero under
-        // warm start; it is redrawn from the stream shared by every rank, tensor by
-        // tensor in bucket order, so batching does not change what is drawn.
-        refill_zero_columns(
-            &*be,
-            &mut g.progress.rng,
-            q,
-            plan.compressed.iter().map(|mat| (mat.q_off, mat.m, mat.r)),
-            eps,
-        )?;
         let mut stack = match (plan.stack_len, g.stacks.remove(&index)) {
             (0, _) => None,
             (len, Some(s)) if B::buffer_len(&s) == len => Some(s),

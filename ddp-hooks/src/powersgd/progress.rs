@@ -3,8 +3,8 @@
 
 use super::state::SavedBucket;
 use super::{PowerSgdConfig, PowerSgdState};
-use crate::{CompressionStats, Error, Result};
-use lowrank::{Backend, NormalRng};
+use crate::{CompressionStats, Error};
+use lowrank::NormalRng;
 use std::collections::BTreeMap;
 use std::sync::{Mutex, MutexGuard};
 
@@ -99,62 +99,25 @@ impl Progress {
     }
 }
 
-/// Attempts at redrawing a factor's zero columns before giving up on them for this step.
-/// A redrawn column is zero again only if the random draw lies in the span of the other
-/// columns (probability zero), so more than one attempt is never expected.
-const REFILL_ATTEMPTS: usize = 3;
-
-/// Redraws the zero columns of orthogonalised `Q` factors from the shared random stream
-/// and orthogonalises them again; `mats` gives each factor's `(offset, rows, cols)`
-/// (column-major) in `q`.
+/// The key of a bucket's zero-column refill at a step
+/// ([`Backend::orthogonalize_refill`](lowrank::Backend::orthogonalize_refill)).
 ///
 /// Gram-Schmidt sets a column that depends on the earlier ones to exactly zero (a zero
 /// gradient, a gradient of lower rank than the factor). Under warm start such a column
 /// would stay zero forever: `P = M Q` gets a zero column, so does the next `Q = Mᵀ P̂`,
 /// and the approximation keeps fewer than `r` directions (none at all after an all-zero
-/// step). Redrawing it lets the power iteration find the missing directions again.
+/// step). Refilling it lets the power iteration find the missing directions again.
 ///
-/// Ranks stay bit-identical: `Q` (random, or the previous step's all-reduced mean) is the
-/// same on every rank, so every rank finds the same zero columns and makes the same
-/// draws from its identical stream. Nothing is drawn when no column is zero, so the
-/// stream of a run without zero columns is unchanged. At most `min(rows, cols)` columns
-/// can be non-zero; only fewer than that triggers a redraw.
-pub(super) fn refill_zero_columns<B: Backend>(
-    be: &B,
-    rng: &mut NormalRng,
-    q: &mut B::Buffer<f32>,
-    mats: impl IntoIterator<Item = (usize, usize, usize)>,
-    eps: f32,
-) -> Result<()> {
-    let mut host = vec![0.0f32; B::buffer_len(q)];
-    be.download(B::view(q, ..)?, &mut host)?;
-    for (off, rows, cols) in mats {
-        let len = rows * cols;
-        let mut factor = match host.get(off..off + len) {
-            Some(f) => f.to_vec(),
-            None => {
-                return Err(Error::Kernel(format!(
-                    "a factor of {rows} x {cols} at {off} does not fit a Q of {} elements",
-                    host.len()
-                )))
-            }
-        };
-        for _ in 0..REFILL_ATTEMPTS {
-            let zero: Vec<usize> = (0..cols)
-                .filter(|&c| factor[c * rows..(c + 1) * rows].iter().all(|&x| x == 0.0))
-                .collect();
-            if cols - zero.len() >= rows.min(cols) {
-                break;
-            }
-            for &c in &zero {
-                let at = off + c * rows;
-                be.fill_normal(rng, B::view_mut(q, at..at + rows)?)?;
-            }
-            be.orthogonalize(1, rows, cols, B::view_mut(q, off..off + len)?, eps)?;
-            be.download(B::view(q, off..off + len)?, &mut factor)?;
-        }
-    }
-    Ok(())
+/// Ranks stay bit-identical: `Q` (random, or the previous step's all-reduced mean) and
+/// the key (the seed, the bucket, the step) are the same on every rank, and the refill
+/// values are counter-based (`lowrank::refill_value`), computed where `Q` lives: no host
+/// copy of `Q`, no host wait, nothing drawn from the random stream (which stays exactly
+/// PyTorch's sequence of initial draws), the same values whether or not same-shape
+/// tensors are batched.
+pub(super) fn refill_key(seed: u64, bucket: usize, iter: u64) -> u64 {
+    // Distinct (bucket, step) pairs give distinct keys for any realistic counts; the
+    // refill's own hashing spreads them.
+    seed ^ (bucket as u64).rotate_left(40) ^ iter.wrapping_mul(0x9E37_79B9_7F4A_7C15)
 }
 
 /// Locks a hook's state. Every update completes before the lock is released (or the step

@@ -442,7 +442,7 @@ impl Backend for CpuBackend {
             return Ok(());
         }
         let full = n.min(r);
-        for (b, m) in x.chunks_exact_mut(per).enumerate() {
+        for m in x.chunks_exact_mut(per) {
             for attempt in 0..crate::REFILL_ATTEMPTS {
                 let zero: Vec<usize> = (0..r)
                     .filter(|&c| m[c * n..(c + 1) * n].iter().all(|&v| v == 0.0))
@@ -452,7 +452,7 @@ impl Backend for CpuBackend {
                 }
                 for &c in &zero {
                     for (row, v) in m[c * n..(c + 1) * n].iter_mut().enumerate() {
-                        *v = crate::refill_value(key, attempt, b as u64, (c * n + row) as u64);
+                        *v = crate::refill_value(key, attempt, (c * n + row) as u64);
                     }
                 }
                 self.orthogonalize(1, n, r, &mut *m, eps)?;

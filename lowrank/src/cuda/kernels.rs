@@ -579,16 +579,14 @@ __device__ __forceinline__ u64 lr_mix(u64 z) {
     return z ^ (z >> 31);
 }
 
-__device__ __forceinline__ float lr_refill_value(u64 key, u64 attempt, u64 matrix,
-                                                 u64 index) {
-    const u64 h = lr_mix(lr_mix(lr_mix(key ^ attempt) ^ matrix) ^ index);
+__device__ __forceinline__ float lr_refill_value(u64 key, u64 attempt, u64 index) {
+    const u64 h = lr_mix(lr_mix(key ^ attempt) ^ index);
     return __fsub_rn(__fmul_rn((float)(h >> 40), 1.1920928955078125e-7f), 1.0f);
 }
 
-/* Serial path: refills the zero columns of matrix b (one thread) while fewer than
+/* Serial path: refills the zero columns of one matrix (one thread) while fewer than
    min(n, r) columns are non-zero, re-orthogonalising after each attempt. */
-__device__ void lr_refill_serial(float* x, u64 n, u32 r, float eps, float tol, u64 key,
-                                 u64 b) {
+__device__ void lr_refill_serial(float* x, u64 n, u32 r, float eps, float tol, u64 key) {
     const u32 full = n < (u64)r ? (u32)n : r;
     for (u64 attempt = 0; attempt < LR_REFILL_ATTEMPTS; ++attempt) {
         u32 nonzero = 0;
@@ -609,7 +607,7 @@ __device__ void lr_refill_serial(float* x, u64 n, u32 r, float eps, float tol, u
             }
             if (!any) {
                 for (u64 t = 0; t < n; ++t) {
-                    x[(u64)k * n + t] = lr_refill_value(key, attempt, b, (u64)k * n + t);
+                    x[(u64)k * n + t] = lr_refill_value(key, attempt, (u64)k * n + t);
                 }
             }
         }
@@ -617,9 +615,9 @@ __device__ void lr_refill_serial(float* x, u64 n, u32 r, float eps, float tol, u
     }
 }
 
-/* Block path of the refill: the whole block counts the non-zero columns of matrix b. */
+/* Block path of the refill: the whole block counts the non-zero columns of one matrix. */
 __device__ void lr_refill_block(float* base, u64 n, u32 r, float eps, float tol, u64 key,
-                                u64 b, LrOgShared* sh) {
+                                LrOgShared* sh) {
     const u32 full = n < (u64)r ? (u32)n : r;
     for (u64 attempt = 0; attempt < LR_REFILL_ATTEMPTS; ++attempt) {
         __syncthreads(); /* the orthogonalisation before is done with lengths */
@@ -644,7 +642,7 @@ __device__ void lr_refill_block(float* base, u64 n, u32 r, float eps, float tol,
         for (u32 k = 0; k < r; ++k) {
             if (sh->lengths[k] != 0.0f) {
                 for (u64 t = threadIdx.x; t < n; t += blockDim.x) {
-                    base[(u64)k * n + t] = lr_refill_value(key, attempt, b, (u64)k * n + t);
+                    base[(u64)k * n + t] = lr_refill_value(key, attempt, (u64)k * n + t);
                 }
             }
         }
@@ -661,7 +659,7 @@ extern "C" __global__ void __launch_bounds__(1024) lr_orthogonalize(
         LR_GRID_STRIDE(b, batch) {
             lr_gram_schmidt_serial(x + b * n * r, n, r, eps, tol);
             if (refill != 0u) {
-                lr_refill_serial(x + b * n * r, n, r, eps, tol, key, b);
+                lr_refill_serial(x + b * n * r, n, r, eps, tol, key);
             }
         }
         return;
@@ -670,7 +668,7 @@ extern "C" __global__ void __launch_bounds__(1024) lr_orthogonalize(
         float* base = x + b * n * r;
         lr_orthogonalize_block(base, n, r, eps, tol, &sh);
         if (refill != 0u) {
-            lr_refill_block(base, n, r, eps, tol, key, b, &sh);
+            lr_refill_block(base, n, r, eps, tol, key, &sh);
         }
     }
 }
