@@ -27,7 +27,8 @@
 //!
 //! - [`mpi::MpiGroup`] (feature `mpi`): MPI through the `mpi` crate (Open MPI), one
 //!   progress thread per process owning every communicator, non-blocking collectives
-//!   polled against the timeout. Open MPI 4 has no fault tolerance: a dead rank aborts the
+//!   polled against the timeout; reductions bit-identical to the thread backend's by
+//!   default (a fixed order of additions on any number of ranks). Open MPI 4 has no fault tolerance: a dead rank aborts the
 //!   whole job.
 #![deny(missing_docs)]
 
