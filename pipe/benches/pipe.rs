@@ -6,8 +6,15 @@
 //!   {1, 2, 4, 8, 16}, GPipe and 1F1B, checkpoint `never`, `except_last` and `always`.
 //!   `speedup` is the training-step throughput (forward and backward of the whole batch)
 //!   over the same layers run unpipelined on one thread on the whole batch; `ideal` is
-//!   n·m/(m + n − 1). `held_bytes` is the most the partitions held between forward and
-//!   backward during the step (saved activations, checkpointed inputs), summed.
+//!   n·m/(m + n − 1). The pipe defers weight gradients
+//!   ([`PipeBuilder::defer_weight_grads`](pipe::PipeBuilder::defer_weight_grads)): each
+//!   partition computes them after its last backward action, one product per layer over
+//!   the whole batch's rows. `held_bytes` is the most the partitions held during the step
+//!   (saved activations, checkpointed inputs, and the inputs and output gradients kept for
+//!   the deferred weight gradients), summed.
+//! - **Per-phase rates**: Linear(1024, 1024)'s forward, input-gradient and weight-gradient
+//!   GFLOP/s over the batch whole and in 8 micro-batches (weight gradient per micro-batch
+//!   or deferred), one thread.
 //! - **Overhead row**: with near-empty layers (8 × (Linear(4, 4) + ReLU), batch 8, m = 8,
 //!   GPipe), (pipelined step time − the same actions run directly in one thread) / the
 //!   number of actions on the busiest partition.
