@@ -309,7 +309,7 @@ pub fn svg(traces: &[Trace], note: &str) -> String {
             color(kind),
             x + 18.0
         );
-        x += 100.0;
+        x += 40.0 + 7.0 * name.len() as f64;
     }
     let _ = writeln!(
         svg,
