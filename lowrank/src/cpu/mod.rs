@@ -16,6 +16,8 @@ use half::{bf16, f16};
 use kernels::Mat;
 use std::any::TypeId;
 use std::ops::{Range, RangeBounds};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
 
 /// Below this many bytes of streamed data an operation runs on the calling thread: a
 /// thread start costs more than the work.
@@ -172,12 +174,26 @@ impl CpuBackend {
             (0..tasks).for_each(f);
             return;
         }
-        let f = &f;
-        rayon::scope(|s| {
-            for w in 1..workers {
-                s.spawn(move |_| split(tasks, workers, w, 1).for_each(f));
+        // The calling thread takes pieces at once, on the core it already runs on, and
+        // `workers - 1` pool jobs take the rest (`in_place_scope`: the caller is not
+        // moved into the pool, and it never runs the pool's jobs). Everyone takes pieces
+        // from one counter until none is left, so a pool thread that wakes late just does
+        // less. `scope` + `spawn` from outside the pool (the body injected into a pool
+        // thread) halved the two-thread bandwidth on a 2-core VM. Which thread runs a
+        // piece does not change its result.
+        let next = AtomicUsize::new(0);
+        let take = || loop {
+            let w = next.fetch_add(1, Ordering::Relaxed);
+            if w >= workers {
+                break;
             }
-            split(tasks, workers, 0, 1).for_each(f);
+            split(tasks, workers, w, 1).for_each(&f);
+        };
+        rayon::in_place_scope(|s| {
+            for _ in 1..workers {
+                s.spawn(|_| take());
+            }
+            take();
         });
     }
 
@@ -227,16 +243,21 @@ impl CpuBackend {
             return;
         }
         let chunk = a.len().div_ceil(pieces).next_multiple_of(64);
-        rayon::scope(|s| {
-            let mut work = a.chunks(chunk).zip(b.chunks_mut(chunk));
-            let first = work.next();
-            for (x, y) in work {
-                let f = &f;
-                s.spawn(move |_| f(x, y));
+        // As in `parallel`: the caller and `pieces - 1` pool jobs take pieces until none
+        // is left.
+        let work = Mutex::new(a.chunks(chunk).zip(b.chunks_mut(chunk)));
+        let take = || loop {
+            let piece = work.lock().unwrap_or_else(|p| p.into_inner()).next();
+            match piece {
+                Some((x, y)) => f(x, y),
+                None => break,
             }
-            if let Some((x, y)) = first {
-                f(x, y);
+        };
+        rayon::in_place_scope(|s| {
+            for _ in 1..pieces {
+                s.spawn(|_| take());
             }
+            take();
         });
     }
 }
