@@ -49,9 +49,9 @@ pub mod threads;
 mod work;
 
 pub use buffer::{Buffer, DType, ReduceOp};
-pub use error::{Error, HookError, Result};
 #[cfg(feature = "cuda")]
 pub use device::DeviceBuffer;
+pub use error::{Error, HookError, Result};
 pub use group::{Narrowed, ProcessGroup, DEFAULT_TIMEOUT};
 pub use threads::{run_local, run_local_with_timeout, ThreadGroup};
 pub use work::{Completer, Work};
