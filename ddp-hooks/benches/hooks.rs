@@ -17,7 +17,7 @@
 //! `batch` suite (run only when named): the per-layer PowerSGD hook with and without
 //! `batch_tensors_with_same_shape` on one preset (`--preset NAME`, default `bert-base`),
 //! r = 1, 2, 4, on 2 ranks of one CPU thread each, for each SIMD instruction set of this
-//! CPU (`--isa avx2` or `--isa avx512` for one; `--no-bias` drops the preset's 1-D
+//! CPU (`--isa avx2` or `--isa avx512` for one, also for the `hooks` suite; `--no-bias` drops the preset's 1-D
 //! parameters), the two settings alternated step by step
 //! so that load drifts touch both alike; the hook time per step (median, slowest rank),
 //! its ratio to the memory bound as in the `hooks` suite, and the time of the first
@@ -222,8 +222,9 @@ fn hooks_suite(a: &Args) {
     ];
     if !a.json {
         println!(
-            "read bandwidth (1 thread): {:.1} GB/s; link latency {LATENCY:?}; link time accounted",
-            bw / 1e9
+            "read bandwidth (1 thread): {:.1} GB/s; link latency {LATENCY:?}; link time accounted; {} kernels",
+            bw / 1e9,
+            measure::backend().isa().name()
         );
         println!(
             "{:<13} {:<10} {:>4} {:>9} {:>12} {:>8} {:>11} {:>11} {:>11} {:>7}",
@@ -482,6 +483,20 @@ fn main() {
         no_bias: has("--no-bias"),
     };
     if a.hooks {
+        if let Some(name) = &a.isa {
+            match lowrank::Isa::supported()
+                .into_iter()
+                .find(|i| i.name() == name)
+            {
+                Some(isa) => {
+                    let _ = measure::ISA.set(isa);
+                }
+                None => {
+                    eprintln!("--isa {name}: not an instruction set this CPU runs");
+                    std::process::exit(2);
+                }
+            }
+        }
         hooks_suite(&a);
     }
     if a.accum {

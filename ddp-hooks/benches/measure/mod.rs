@@ -15,6 +15,19 @@ use std::time::{Duration, Instant};
 
 /// Ranks of every hook measurement.
 pub const RANKS: usize = 2;
+
+/// The instruction set the measured backends use: the machine's best unless a bench set
+/// it (`hooks --isa avx2` runs the AVX2 kernels on an AVX-512 machine).
+pub static ISA: std::sync::OnceLock<lowrank::Isa> = std::sync::OnceLock::new();
+
+/// A one-thread CPU backend with the kernels of [`ISA`].
+pub fn backend() -> CpuBackend {
+    let be = CpuBackend::new().with_threads(1).expect("threads");
+    match ISA.get() {
+        Some(&isa) => be.with_isa(isa).expect("a supported instruction set"),
+        None => be,
+    }
+}
 /// Per-message latency of the modelled link.
 pub const LATENCY: Duration = Duration::from_micros(20);
 /// Steps run before timing a PowerSGD hook: it is measured with `start_iter=2`, and
@@ -128,7 +141,7 @@ pub fn measure(
         let link = Link::gbit(1.0, LATENCY).expect("a positive link speed");
         let linked = Linked::new(g, link, Charge::Account);
         let log = linked.log_handle();
-        let be = Arc::new(CpuBackend::new().with_threads(1).expect("threads"));
+        let be = Arc::new(backend());
         let mut hook = spec
             .build(be.clone(), Arc::new(linked) as Arc<dyn ProcessGroup>)
             .expect("hook");
