@@ -280,14 +280,14 @@ unsafe fn mtp_cols_rc<S: Simd, const RC: usize>(a: &Mat, cols: Range<usize>) {
     let r = a.r;
     let width = (MTP_PANEL_FLOATS / r).max(lanes) / lanes * lanes;
     let mut acc = vec![0.0f32; r * width.min(cols.len()).next_multiple_of(lanes)];
-    let mut tile = [0.0f32; RB * crate::MAX_RANK];
+    let mut tile = [0.0f32; 16 * crate::MAX_RANK];
     let mut c0 = cols.start;
     while c0 < cols.end {
         let panel = c0..(c0 + width).min(cols.end);
         acc.fill(0.0);
         let mut i = 0;
         // SAFETY: rows stay inside 0..n, columns inside `panel` inside `cols`; `acc`
-        // holds r floats per panel column rounded up to whole chunks; `tile` 8 * r.
+        // holds r floats per panel column rounded up to whole chunks; `tile` 16 * r (the largest block).
         unsafe {
             let load_tile = |tile: &mut [f32], i: usize, rows: usize| {
                 for ii in 0..rows {
@@ -304,6 +304,9 @@ unsafe fn mtp_cols_rc<S: Simd, const RC: usize>(a: &Mat, cols: Range<usize>) {
                         i += $rb;
                     }
                 };
+            }
+            if S::LANES == 16 && r >= 8 {
+                blocks!(16);
             }
             blocks!(RB);
             while i < a.n {
