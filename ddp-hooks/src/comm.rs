@@ -56,11 +56,11 @@ pub trait CommBackend: Backend + 'static {
         op: ReduceOp,
     ) -> Work<Self::Buffer<T>>;
 
-    /// All-reduces the `f32` buffer `buf` as if sent in the `wire` format, through
-    /// [`ProcessGroup::all_reduce_wire`], when this backend's buffers can go to the group
-    /// as they are; otherwise hands `buf` back (`Err`), and the caller casts it itself
-    /// (the default: a device buffer is better cast on the device, so that only 16 bits
-    /// cross the bus).
+    /// All-reduces the `f32` buffer `buf` as if sent in the `wire` format: the CPU backend
+    /// through [`ProcessGroup::all_reduce_wire`] (fused rounding on the thread backend),
+    /// the CUDA backend by casting on the device and reducing a 16-bit device buffer.
+    /// The default hands `buf` back (`Err`), and the caller casts it itself with the
+    /// backend's `cast` (what a backend outside this crate gets).
     fn all_reduce_wire(
         &self,
         pg: &dyn ProcessGroup,
@@ -143,22 +143,46 @@ impl CommBackend for lowrank::CudaBackend {
         buf: cudarc::driver::CudaSlice<T>,
         op: ReduceOp,
     ) -> Work<cudarc::driver::CudaSlice<T>> {
-        let buf = T::into_device(buf);
-        let buf = match (buf, pg.narrowed()) {
+        match (T::into_device(buf), pg.narrowed()) {
             (collectives::DeviceBuffer::F32(b), Some(n)) => {
-                return match n.wire {
-                    DType::F16 => device_wire::<f16>(self, n.inner, b, op),
-                    DType::BF16 => device_wire::<bf16>(self, n.inner, b, op),
-                    _ => n
-                        .inner
-                        .all_reduce_device(b.into(), op)
-                        .then(|r| r?.try_into()),
-                }
-                .then(|r| T::from_device(r?.into()));
+                wire_reduce(self, n.inner, b, n.wire, op).then(|r| T::from_device(r?.into()))
             }
-            (buf, _) => buf,
-        };
-        pg.all_reduce_device(buf, op).then(|r| T::from_device(r?))
+            (buf, _) => pg.all_reduce_device(buf, op).then(|r| T::from_device(r?)),
+        }
+    }
+
+    /// Always takes the buffer: cast to `wire` on the device, reduced over `pg` as a
+    /// 16-bit device buffer, widened back on the device (the `fp16`/`bf16` hooks, and the
+    /// path `all_reduce` takes for a narrowing group).
+    fn all_reduce_wire(
+        &self,
+        pg: &dyn ProcessGroup,
+        buf: cudarc::driver::CudaSlice<f32>,
+        wire: DType,
+        op: ReduceOp,
+    ) -> std::result::Result<Work<cudarc::driver::CudaSlice<f32>>, cudarc::driver::CudaSlice<f32>>
+    {
+        Ok(wire_reduce(self, pg, buf, wire, op))
+    }
+}
+
+/// `buf` reduced over `pg` as if sent in the `wire` format (`F32`, `F16`, `BF16`), cast
+/// on the device: the one device-side narrowing path of the CUDA bridge.
+#[cfg(feature = "cuda")]
+fn wire_reduce(
+    be: &lowrank::CudaBackend,
+    pg: &dyn ProcessGroup,
+    buf: cudarc::driver::CudaSlice<f32>,
+    wire: DType,
+    op: ReduceOp,
+) -> Work<cudarc::driver::CudaSlice<f32>> {
+    match wire {
+        DType::F16 => device_wire::<f16>(be, pg, buf, op),
+        DType::BF16 => device_wire::<bf16>(be, pg, buf, op),
+        DType::F32 => be.all_reduce(pg, buf, op),
+        other => Work::ready(Err(collectives::Error::InvalidArgument(format!(
+            "all_reduce_wire sends F32, F16 or BF16, not {other:?}"
+        )))),
     }
 }
 

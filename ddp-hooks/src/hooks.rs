@@ -207,9 +207,11 @@ impl HalfFormat for bf16 {
 /// backend accumulates the sum in `f32` and rounds once, so it never overflows where
 /// PyTorch pre-divides to avoid that.
 ///
-/// Host buffers go to the group's [`ProcessGroup::all_reduce_wire`]: a network backend
-/// narrows, sends 16 bits and widens; the thread backend fuses the rounding into its
-/// reduction pass (same bits, no cast passes). Device buffers are cast on the device.
+/// Through [`CommBackend::all_reduce_wire`]: host buffers go to the group's
+/// [`ProcessGroup::all_reduce_wire`] (a network backend narrows, sends 16 bits and
+/// widens; the thread backend fuses the rounding into its reduction pass: same bits, no
+/// cast passes); CUDA buffers are cast on the device. A backend without its own path is
+/// cast here with its `cast`, into a 16-bit buffer kept between calls.
 pub struct Compress<B: Backend, H: HalfFormat> {
     backend: Arc<B>,
     group: Arc<dyn ProcessGroup>,
