@@ -14,16 +14,21 @@ fn grad(rank: usize, step: usize, len: usize) -> Vec<f32> {
     v
 }
 
-#[test]
-fn cuda_powersgd_matches_cpu() {
-    let gpu = match CudaBackend::new(0) {
-        Ok(b) => Arc::new(b),
+/// GPU 0, or `None` after printing one `skipped:` line where there is no driver.
+fn gpu() -> Option<Arc<CudaBackend>> {
+    match CudaBackend::new(0) {
+        Ok(b) => Some(Arc::new(b)),
         Err(lowrank::Error::CudaUnavailable(why)) => {
             println!("skipped: no CUDA driver ({why})");
-            return;
+            None
         }
         Err(e) => panic!("CUDA present but failed to start: {e}"),
-    };
+    }
+}
+
+#[test]
+fn cuda_powersgd_matches_cpu() {
+    let Some(gpu) = gpu() else { return };
     let layout = Arc::new(Layout::packed(&[vec![64, 96], vec![64], vec![32, 40]]).unwrap());
     let cfg = PowerSgdConfig {
         matrix_approximation_rank: 2,
@@ -101,10 +106,12 @@ mod device_path {
         run_local, Buffer, DType, DeviceBuffer, Narrowed, ProcessGroup, ReduceOp, Work,
     };
     use ddp_hooks::{CommBackend, HookSpec, Reducer, ReducerConfig};
-    use lowrank::{CpuBackend, CudaBackend, NormalRng};
+    use lowrank::{CpuBackend, NormalRng};
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
     use std::time::Duration;
+
+    use super::gpu;
 
     /// Parameter shapes in forward order: matrices PowerSGD compresses, vectors it
     /// does not, and enough elements for two buckets of 1 MiB.
@@ -270,17 +277,6 @@ mod device_path {
                 diff <= 1e-5 * norm,
                 "{spec}, step {s}: the device path differs from the CPU by {diff:e} (norm {norm:e})"
             );
-        }
-    }
-
-    fn gpu() -> Option<Arc<CudaBackend>> {
-        match CudaBackend::new(0) {
-            Ok(b) => Some(Arc::new(b)),
-            Err(lowrank::Error::CudaUnavailable(why)) => {
-                println!("skipped: no CUDA driver ({why})");
-                None
-            }
-            Err(e) => panic!("CUDA present but failed to start: {e}"),
         }
     }
 
