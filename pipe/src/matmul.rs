@@ -218,9 +218,15 @@ mod avx512 {
 
     use super::{View, ViewMut};
 
-    /// Rows of `B` per packed block: at most `KC × 64` floats (64 KiB) stay in L2 while
-    /// every row tile of `C` passes over them.
-    const KC: usize = 256;
+    /// Rows of `B` per packed block: at most `KC × 64` floats (256 KiB) stay in L2 while
+    /// every row tile of `C` passes over them. A `k` of up to 1024 (a `Linear(1024, ·)`)
+    /// is one block: with 256 the 32-row products ran at 100–105 GFLOP/s on the bench
+    /// machine, with 1024 at 125–138 (fewer passes over `C`, each through transposes
+    /// when `C` is stored by columns, and longer runs along `A`'s rows).
+    const KC: usize = 1024;
+    /// Up to this `k` (a weight gradient's, the rows of a batch) `C` is swept row block by
+    /// row block in its own memory order.
+    const SWEEP_MAX_K: usize = 256;
     /// Rows of `B` per block when `C` is swept row block by row block (a short `k`).
     const SWEEP_KC: usize = 128;
     /// How many steps of `k` ahead the kernel prefetches `A` when its `k` stride is long.
@@ -280,7 +286,12 @@ mod avx512 {
     /// are positive.
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn gemm(a: View<'_>, b: View<'_>, c: ViewMut<'_>, accumulate: bool) {
-        if b.cols <= 32 {
+        if b.cols <= 16 {
+            // One vector per row of the tile: a 32-wide tile would leave half its lanes
+            // masked (16-row micro-batches ran at about 72 GFLOP/s that way).
+            // SAFETY: the caller's contract, passed on unchanged.
+            unsafe { panels::<16, 1>(a, b, c, accumulate) }
+        } else if b.cols <= 32 {
             // SAFETY: the caller's contract, passed on unchanged.
             unsafe { panels::<12, 2>(a, b, c, accumulate) }
         } else {
@@ -314,7 +325,7 @@ mod avx512 {
             (nw, masks)
         };
         let row_blocks = (0..m).step_by(R).map(|i0| (i0, R.min(m - i0)));
-        if k <= KC {
+        if k <= SWEEP_MAX_K {
             // A short k (a weight gradient's is the micro-batch's rows): for each block of
             // at most SWEEP_KC rows of B, pack every panel first (it stays in L2), then
             // sweep C row block by row block, so that C streams through in its own order
@@ -351,7 +362,7 @@ mod avx512 {
                         // SAFETY: the tile's rows of A over its kc steps are inside A's
                         // slice; the same rows of C, in the lanes the masks allow, are
                         // inside C; its pack holds kc rows of `width` floats;
-                        // rows <= R <= 12.
+                        // rows <= R <= 16.
                         unsafe { tile.run_any::<R, NV>(rows, column_major) };
                     }
                 }
@@ -386,7 +397,7 @@ mod avx512 {
                     };
                     // SAFETY: the tile's rows of A over its kc steps are inside A's slice; the
                     // same rows of C, in the lanes the masks allow, are inside C; its pack
-                    // holds kc rows of `width` floats; rows <= R <= 12.
+                    // holds kc rows of `width` floats; rows <= R <= 16.
                     unsafe { tile.run_any::<R, NV>(rows, column_major) };
                 }
             }
@@ -563,7 +574,7 @@ mod avx512 {
             *acc = regs;
         }
 
-        /// A tile of `rows` rows (`1..=12`; `R`, the full tile, comes first).
+        /// A tile of `rows` rows (`1..=16`; `R`, the full tile, comes first).
         ///
         /// # Safety
         ///
@@ -601,7 +612,7 @@ mod avx512 {
                     }
                 };
             }
-            go!(1 2 3 4 5 6 7 8 9 10 11 12);
+            go!(1 2 3 4 5 6 7 8 9 10 11 12 13 14 15);
         }
 
         /// The tile on a row-major `C`.
@@ -772,6 +783,12 @@ mod tests {
                 (25, 257, 100),
                 (6, 3, 130),
                 (17, 33, 16),
+                // One-vector tiles (n <= 16) with full and partial 16-row blocks, and a
+                // k past one packed block (KC) on each tile width.
+                (40, 20, 9),
+                (35, 1030, 16),
+                (13, 1100, 30),
+                (7, 1025, 70),
             ],
         );
     }

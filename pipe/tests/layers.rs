@@ -100,6 +100,51 @@ fn linear_gradients() {
     check(&mut Linear::new(4, 3, 1), data(5, 4, 1), ctx(5));
 }
 
+/// A row's output and input gradient do not depend on the rows beside it: a 600-row
+/// batch (past the row count where `Linear` switches the form of its products) gives
+/// what its 100-row chunks give, bit for bit where the AVX-512 kernel runs, and the
+/// weight gradients agree. This is what lets a pipeline's micro-batches reproduce the
+/// whole batch.
+#[test]
+fn linear_rows_do_not_depend_on_the_batch() {
+    let (rows, chunk) = (600, 100);
+    let (x, dy) = (data(rows, 70, 3), data(rows, 50, 4));
+    let mut whole = Linear::new(70, 50, 7);
+    let (y, saved) = whole
+        .forward(Batch::single(x.clone()), &mut ctx(rows))
+        .unwrap();
+    let dx = whole
+        .backward(Batch::single(dy.clone()), saved, &mut ctx(rows))
+        .unwrap()
+        .into_single()
+        .unwrap();
+    let mut parts = Linear::new(70, 50, 7);
+    let (mut ys, mut dxs) = (Vec::new(), Vec::new());
+    let sizes = [chunk; 6];
+    let (xs, dys) = (x.split(&sizes).unwrap(), dy.split(&sizes).unwrap());
+    for (x, dy) in xs.into_iter().zip(dys) {
+        let (y, saved) = parts.forward(Batch::single(x), &mut ctx(chunk)).unwrap();
+        ys.push(y.into_single().unwrap());
+        let dx = parts
+            .backward(Batch::single(dy), saved, &mut ctx(chunk))
+            .unwrap();
+        dxs.push(dx.into_single().unwrap());
+    }
+    let (y, ys, dxs) = (y.into_single().unwrap(), cat(&ys), cat(&dxs));
+    let exact = cfg!(target_arch = "x86_64") && std::arch::is_x86_feature_detected!("avx512f");
+    if exact {
+        assert_eq!(y.array(), ys.array(), "forward");
+        assert_eq!(dx.array(), dxs.array(), "input gradient");
+    } else {
+        assert!(relative(&ys, &y) <= 1e-6, "forward");
+        assert!(relative(&dxs, &dx) <= 1e-6, "input gradient");
+    }
+    for (a, b) in whole.parameters().iter().zip(parts.parameters()) {
+        let (a, b) = (a.grad, b.grad);
+        assert!(relative(b, a) <= 1e-5, "parameter gradient");
+    }
+}
+
 #[test]
 fn relu_gradients() {
     // Keep inputs away from the kink at 0.
