@@ -272,7 +272,7 @@ fn preset(
             let config = PowerSgdConfig {
                 matrix_approximation_rank: rank,
                 start_powersgd_iter: START_ITER,
-                batch_tensors_with_same_shape: *batch,
+                batch_tensors_with_same_shape: Some(*batch),
                 ..base.clone()
             };
             let step = PowerSgd::new(be.clone(), pg.clone(), config)
@@ -330,7 +330,7 @@ fn run(be: Arc<CudaBackend>, group: Arc<NcclGroup>, rows: &mut Rows) -> bool {
         "preset", "r", "path", "step ms", "noop ms", "hook ms", "bound ms", "ratio"
     );
     let base = PowerSgdConfig::default_for(&*be);
-    let batch = base.batch_tensors_with_same_shape;
+    let batch = base.batches_with(&*be);
     let paths: [(&'static str, Arc<dyn ProcessGroup>, bool); 3] = [
         ("device", group.clone(), batch),
         ("staged", Arc::new(Staged(group.clone())), batch),

@@ -80,7 +80,7 @@ fn batch_pair(
             .map(|batch| {
                 let group = group.clone();
                 let cfg = PowerSgdConfig {
-                    batch_tensors_with_same_shape: batch,
+                    batch_tensors_with_same_shape: Some(batch),
                     ..cfg.clone()
                 };
                 let hook = HookSpec::PowerSgd(cfg)

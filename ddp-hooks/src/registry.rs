@@ -69,8 +69,11 @@ impl FromStr for HookSpec {
     /// error). PowerSGD keys: `rank`, `start_iter`, `min_compression_rate`,
     /// `error_feedback`, `warm_start`, `epsilon`, `seed`, `stats_every`,
     /// `batch_same_shape`, each at most once; unset keys keep PyTorch's defaults (as in
-    /// `DDPCommHookType`, `start_iter` defaults to 1000). Parsing takes time linear in
-    /// the length of `spec`, and an error quotes at most its first 100 characters.
+    /// `DDPCommHookType`, `start_iter` defaults to 1000), except `batch_same_shape`,
+    /// which unset is the backend's default, resolved when the hook is built (on for
+    /// CUDA, off on the CPU: [`PowerSgdConfig::batch_tensors_with_same_shape`]). Parsing
+    /// takes time linear in the length of `spec`, and an error quotes at most its first
+    /// 100 characters.
     fn from_str(spec: &str) -> Result<Self> {
         let err = |why: String| Error::Spec {
             spec: excerpt(spec, QUOTE_SPEC),
@@ -180,7 +183,7 @@ fn powersgd_config(opts: Option<&str>) -> Result<PowerSgdConfig, String> {
                 c.compression_stats_logging_frequency = v.parse().map_err(|_| bad("an integer"))?
             }
             "batch_same_shape" => {
-                c.batch_tensors_with_same_shape = v.parse().map_err(|_| bad("true or false"))?
+                c.batch_tensors_with_same_shape = Some(v.parse().map_err(|_| bad("true or false"))?)
             }
             _ => return Err(unknown()),
         }
@@ -252,6 +255,28 @@ mod tests {
         );
     }
 
+    /// `batch_same_shape` absent leaves the flag unset (the backend's default, resolved
+    /// when the hook is built); given, it forces it, in both PowerSGD hooks and under a
+    /// wrapper.
+    #[test]
+    fn batch_same_shape_is_unset_unless_given() {
+        let batch = |spec: &str| match spec.parse::<HookSpec>().unwrap() {
+            HookSpec::PowerSgd(c) | HookSpec::BatchedPowerSgd(c) => c.batch_tensors_with_same_shape,
+            HookSpec::Fp16Wrapped(inner) | HookSpec::Bf16Wrapped(inner) => match *inner {
+                HookSpec::PowerSgd(c) => c.batch_tensors_with_same_shape,
+                other => panic!("{spec}: not PowerSGD inside: {other:?}"),
+            },
+            other => panic!("{spec}: not PowerSGD: {other:?}"),
+        };
+        assert_eq!(batch("powersgd:rank=2"), None);
+        assert_eq!(batch("powersgd"), None);
+        assert_eq!(batch("batched_powersgd:rank=2"), None);
+        assert_eq!(batch("fp16+powersgd:rank=2"), None);
+        assert_eq!(batch("powersgd:rank=2,batch_same_shape=true"), Some(true));
+        assert_eq!(batch("powersgd:batch_same_shape=false,rank=2"), Some(false));
+        assert_eq!(batch("bf16+powersgd:batch_same_shape=true"), Some(true));
+    }
+
     #[test]
     fn errors_say_what_is_wrong() {
         for (spec, says) in [
@@ -262,6 +287,8 @@ mod tests {
             ("powersgd:ranks=2", "unknown PowerSGD option `ranks`"),
             ("powersgd:rank=0", "matrix_approximation_rank = 0"),
             ("powersgd:start_iter=1", "start_powerSGD_iter"),
+            ("powersgd:batch_same_shape=1", "true or false"),
+            ("powersgd:batch_same_shape=", "true or false"),
             ("fp8+allreduce", "unknown wrapper `fp8`"),
         ] {
             let e = spec.parse::<HookSpec>().unwrap_err().to_string();

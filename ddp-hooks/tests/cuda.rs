@@ -63,6 +63,8 @@ fn cuda_powersgd_matches_cpu() {
             cfg.clone(),
         )
         .unwrap();
+        // `cfg` leaves `batch_tensors_with_same_shape` unset: on CUDA that is on.
+        assert!(hook.batches_same_shape(), "unset must batch on CUDA");
         (0..steps)
             .map(|s| {
                 let buf = gpu.upload(&grad(rank, s, layout.len())).unwrap();

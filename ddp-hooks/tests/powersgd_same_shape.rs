@@ -64,7 +64,7 @@ fn config(rank: usize, batch: bool) -> PowerSgdConfig {
     PowerSgdConfig {
         matrix_approximation_rank: rank,
         start_powersgd_iter: 2,
-        batch_tensors_with_same_shape: batch,
+        batch_tensors_with_same_shape: Some(batch),
         ..PowerSgdConfig::default()
     }
 }
@@ -124,7 +124,7 @@ fn rel_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f64 {
 /// flag differs.
 fn with_flag(state: &PowerSgdState, batch: bool) -> PowerSgdState {
     let mut s = state.clone();
-    s.config.batch_tensors_with_same_shape = batch;
+    s.config.batch_tensors_with_same_shape = Some(batch);
     s
 }
 
@@ -240,7 +240,7 @@ fn the_registry_key_batch_same_shape_works() {
     let HookSpec::PowerSgd(c) = "powersgd:rank=2,batch_same_shape=true".parse().unwrap() else {
         panic!("not PowerSGD");
     };
-    assert!(c.batch_tensors_with_same_shape);
+    assert_eq!(c.batch_tensors_with_same_shape, Some(true));
     assert_eq!(
         run_spec("powersgd:rank=2,start_iter=2,batch_same_shape=true"),
         run_spec("powersgd:rank=2,start_iter=2,batch_same_shape=false")
@@ -252,12 +252,114 @@ fn the_registry_key_batch_same_shape_works() {
     assert!(e.contains("true or false"), "{e}");
 }
 
-/// The CPU backend keeps PyTorch's default (off): batching saves nothing there.
+/// The CPU backend keeps PyTorch's default (off): batching saves nothing there. Unset
+/// (`PowerSgdConfig::default()`, a registry spec without `batch_same_shape`), a hook on
+/// the CPU does not batch; `Some(true)` makes it batch, `Some(false)` not.
 #[test]
 fn the_cpu_default_is_off() {
     let cpu = CpuBackend::new();
     assert!(!PowerSgdConfig::batches_on(&cpu));
-    assert_eq!(PowerSgdConfig::default_for(&cpu), PowerSgdConfig::default());
+    assert_eq!(
+        PowerSgdConfig::default().batch_tensors_with_same_shape,
+        None
+    );
+    assert_eq!(
+        PowerSgdConfig::default_for(&cpu),
+        PowerSgdConfig {
+            batch_tensors_with_same_shape: Some(false),
+            ..PowerSgdConfig::default()
+        }
+    );
+    let built = |batch: Option<bool>| {
+        let cfg = PowerSgdConfig {
+            batch_tensors_with_same_shape: batch,
+            ..config(2, false)
+        };
+        let out = run_local(1, |g| {
+            let hook = PowerSgd::new(backend(), Arc::new(g), cfg.clone()).unwrap();
+            // The configuration is reported as given, the resolution apart.
+            assert_eq!(hook.config(), cfg);
+            hook.batches_same_shape()
+        })
+        .unwrap();
+        out.into_iter().next().unwrap().unwrap()
+    };
+    assert!(!built(None), "unset must not batch on the CPU");
+    assert!(built(Some(true)), "Some(true) must batch on the CPU");
+    assert!(!built(Some(false)));
+    // Through the registry: absent is unset, so off on the CPU.
+    let by_spec = |spec: &str| {
+        let spec: HookSpec = spec.parse().unwrap();
+        let HookSpec::PowerSgd(cfg) = spec else {
+            panic!("not PowerSGD")
+        };
+        let out = run_local(1, |g| {
+            PowerSgd::new(backend(), Arc::new(g), cfg.clone())
+                .unwrap()
+                .batches_same_shape()
+        })
+        .unwrap();
+        out.into_iter().next().unwrap().unwrap()
+    };
+    assert!(!by_spec("powersgd:rank=2"));
+    assert!(by_spec("powersgd:rank=2,batch_same_shape=true"));
+}
+
+/// A state saved when `batch_tensors_with_same_shape` was a plain `bool` (JSON `true` or
+/// `false`) still loads, as `Some`; `null` or a missing field load as unset. Through
+/// `PowerSgd::load` the hook takes the state's setting (unset: the CPU's default, off);
+/// through `load_state` it keeps its own. Either way it continues bit for bit.
+#[test]
+fn states_saved_with_a_plain_bool_still_load() {
+    let full = run(&config(2, false), 8);
+    let saved = run(&config(2, true), 5);
+    for (field, loaded) in [
+        (Some(serde_json::json!(true)), Some(true)),
+        (Some(serde_json::json!(false)), Some(false)),
+        (Some(serde_json::Value::Null), None),
+        (None, None),
+    ] {
+        let json: Vec<String> = saved
+            .iter()
+            .map(|(_, st)| {
+                let mut v = serde_json::to_value(st).unwrap();
+                let config = v["config"].as_object_mut().unwrap();
+                match &field {
+                    Some(x) => config.insert("batch_tensors_with_same_shape".into(), x.clone()),
+                    None => config.remove("batch_tensors_with_same_shape"),
+                };
+                v.to_string()
+            })
+            .collect();
+        let what = format!("field {field:?}");
+        let resumed = run_local(RANKS, |g| {
+            let rank = g.rank();
+            let state: PowerSgdState = serde_json::from_str(&json[rank]).unwrap();
+            assert_eq!(state.config.batch_tensors_with_same_shape, loaded);
+            let group: Arc<dyn ProcessGroup> = Arc::new(g);
+            // Through `load`: the state's setting, resolved on the CPU.
+            let mut hook = PowerSgd::load(backend(), group.clone(), state.clone()).unwrap();
+            assert_eq!(hook.config().batch_tensors_with_same_shape, loaded);
+            assert_eq!(hook.batches_same_shape(), loaded == Some(true));
+            let outs = steps(&mut hook, rank, 5..8);
+            // Through `load_state` into a hook built with the flag forced on: it keeps it.
+            let other = PowerSgd::new(backend(), group, config(2, true)).unwrap();
+            other
+                .load_state(ddp_hooks::HookState::PowerSgd(Box::new(state)))
+                .unwrap();
+            assert!(other.batches_same_shape());
+            assert_eq!(other.config(), config(2, true));
+            outs
+        })
+        .unwrap();
+        for (rank, outs) in resumed.into_iter().enumerate() {
+            assert_eq!(
+                outs.unwrap(),
+                full[rank].0[5..8].to_vec(),
+                "{what}: rank {rank} diverged"
+            );
+        }
+    }
 }
 
 /// On CUDA batching is the default, and gives the unbatched results up to rounding.
@@ -275,7 +377,10 @@ fn cuda_batches_by_default_with_the_same_results() {
         Err(e) => panic!("CUDA present but failed to start: {e}"),
     };
     assert!(PowerSgdConfig::batches_on(&*gpu));
-    assert!(PowerSgdConfig::default_for(&*gpu).batch_tensors_with_same_shape);
+    assert_eq!(
+        PowerSgdConfig::default_for(&*gpu).batch_tensors_with_same_shape,
+        Some(true)
+    );
     let layouts = layouts();
     let go = |batch: bool| {
         run_local(RANKS, |g| {

@@ -105,12 +105,19 @@ impl<B: CommBackend> BatchedPowerSgd<B> {
         Ok(hook)
     }
 
-    /// Replaces this hook's state with `state` (same configuration), checked and uploaded
-    /// before anything changes, so a failure leaves the hook as it was.
+    /// Replaces this hook's state with `state` (same configuration, except perhaps
+    /// `batch_tensors_with_same_shape`, which does not apply here and which the hook
+    /// keeps), checked and uploaded before anything changes, so a failure leaves the hook
+    /// as it was.
     fn restore(&self, state: PowerSgdState) -> Result<()> {
         state.validate()?;
         let config = self.config();
-        if state.config != config {
+        let batch = config.batch_tensors_with_same_shape;
+        let comparable = PowerSgdConfig {
+            batch_tensors_with_same_shape: batch,
+            ..state.config.clone()
+        };
+        if comparable != config {
             return Err(Error::State(format!(
                 "the state was saved with {:?}, this hook has {config:?}",
                 state.config
@@ -167,6 +174,7 @@ impl<B: CommBackend> BatchedPowerSgd<B> {
             return Err(in_flight(index));
         }
         g.progress = Progress::from_state(&state);
+        g.progress.config.batch_tensors_with_same_shape = batch;
         g.memory = memory;
         Ok(())
     }
@@ -368,7 +376,9 @@ impl<B: CommBackend> CommHook<B> for BatchedPowerSgd<B> {
         Ok(HookState::BatchedPowerSgd(Box::new(self.save()?)))
     }
 
-    /// Loads a [`HookState::BatchedPowerSgd`] saved with the same configuration.
+    /// Loads a [`HookState::BatchedPowerSgd`] saved with the same configuration (except
+    /// perhaps `batch_tensors_with_same_shape`, which does not apply: the hook keeps its
+    /// own).
     fn load_state(&self, state: HookState) -> Result<()> {
         match state {
             HookState::BatchedPowerSgd(s) => self.restore(*s),

@@ -31,17 +31,26 @@ pub struct PowerSgdConfig {
     pub compression_stats_logging_frequency: u64,
     /// Same-shape tensors of a bucket go through each kernel in one batched call: one
     /// batched product of each kind and one batched orthogonalisation per shape
-    /// (PyTorch's flag, PR #75157). Off in [`Default`] (PyTorch's default); on in
-    /// [`PowerSgdConfig::default_for`] a CUDA backend.
+    /// (PyTorch's flag, PR #75157).
     ///
+    /// - **Default: the backend's.** `None` (in [`Default`], and for a registry spec
+    ///   without `batch_same_shape`) means what [`PowerSgdConfig::batches_on`] says for
+    ///   the backend the hook is built with: off on [`lowrank::CpuBackend`] (and any
+    ///   other backend), which matches PyTorch's default (`False`), and on for
+    ///   [`lowrank::CudaBackend`], where batching pays. The hook resolves it once, when
+    ///   it is built ([`PowerSgdConfig::batches_with`]; [`PowerSgd::batches_same_shape`]
+    ///   reports the result). `Some(b)` forces it either way. A state saved when this
+    ///   field was a plain `bool` holds `true` or `false`, which loads as `Some`.
     /// - **Same results.** The outputs are the unbatched hook's up to rounding
     ///   (bit-identical on the CPU backend, whose batched kernels compute each matrix as
     ///   the unbatched ones); the random `Q` of every tensor is the same either way (drawn
     ///   tensor by tensor in bucket order).
     /// - **Same saved state.** The hook keeps its memories grouped by shape, as PyTorch,
     ///   but saves them in bucket order ([`SavedBucket`](super::SavedBucket)): a state
-    ///   saved with the flag on loads with it off and the other way round, and a hook
-    ///   that loads a state keeps its own setting.
+    ///   saved with the flag on loads with it off and the other way round. A hook that
+    ///   loads a state (`CommHook::load_state`) keeps its own setting; `PowerSgd::load`
+    ///   takes the state's, which is the value configured (`None` stays `None`, resolved
+    ///   again on the backend it is loaded on).
     /// - **Copies.** Same-shape matrices that lie one after another in the bucket (a
     ///   bias-free model's projections) are batched in place. Others (BERT's, separated by
     ///   their biases) are stacked by copy into a buffer the hook keeps per bucket (the
@@ -53,7 +62,10 @@ pub struct PowerSgdConfig {
     ///   the CPU each call is already a pass over the matrices at memory bandwidth, with
     ///   an overhead of microseconds: it saves nothing measurable there, and stacking
     ///   costs its copies (measured on BERT-base in the `hooks` bench, `batch` suite).
-    pub batch_tensors_with_same_shape: bool,
+    ///
+    /// [`PowerSgd::batches_same_shape`]: super::PowerSgd::batches_same_shape
+    #[serde(default)]
+    pub batch_tensors_with_same_shape: Option<bool>,
 }
 
 impl Default for PowerSgdConfig {
@@ -67,17 +79,16 @@ impl Default for PowerSgdConfig {
             orthogonalization_epsilon: 0.0,
             random_seed: 0,
             compression_stats_logging_frequency: 10_000,
-            batch_tensors_with_same_shape: false,
+            batch_tensors_with_same_shape: None,
         }
     }
 }
 
 impl PowerSgdConfig {
-    /// PyTorch's defaults, except [`batch_tensors_with_same_shape`] as
-    /// [`PowerSgdConfig::batches_on`] says for `backend`: on for CUDA.
-    ///
-    /// [`Default`] keeps PyTorch's defaults on every backend; start from this instead to
-    /// get the backend's own, then set any field (the flag included) as usual:
+    /// PyTorch's defaults, with [`batch_tensors_with_same_shape`] set to what
+    /// [`PowerSgdConfig::batches_on`] says for `backend` (`Some(true)` for CUDA,
+    /// `Some(false)` otherwise): the setting a hook built from [`Default`] on `backend`
+    /// resolves to, written out.
     ///
     /// ```
     /// use ddp_hooks::PowerSgdConfig;
@@ -86,25 +97,36 @@ impl PowerSgdConfig {
     ///     matrix_approximation_rank: 4,
     ///     ..PowerSgdConfig::default_for(&cpu)
     /// };
-    /// assert!(!config.batch_tensors_with_same_shape);
+    /// assert_eq!(config.batch_tensors_with_same_shape, Some(false));
+    /// assert!(!PowerSgdConfig::default().batches_with(&cpu));
     /// ```
     ///
     /// [`batch_tensors_with_same_shape`]: PowerSgdConfig::batch_tensors_with_same_shape
     pub fn default_for<B: Backend + 'static>(backend: &B) -> Self {
         PowerSgdConfig {
-            batch_tensors_with_same_shape: Self::batches_on(backend),
+            batch_tensors_with_same_shape: Some(Self::batches_on(backend)),
             ..PowerSgdConfig::default()
         }
     }
 
-    /// Whether batching same-shape tensors pays on `backend`: where each kernel launch
-    /// costs more than the copies batching may make, that is on
+    /// Whether batching same-shape tensors pays on `backend`, hence the default of
+    /// [`batch_tensors_with_same_shape`](PowerSgdConfig::batch_tensors_with_same_shape):
+    /// where each kernel launch costs more than the copies batching may make, that is on
     /// [`lowrank::CudaBackend`]. Not on [`lowrank::CpuBackend`], whose calls cost
-    /// microseconds next to their passes over memory (see
-    /// [`batch_tensors_with_same_shape`](PowerSgdConfig::batch_tensors_with_same_shape)).
+    /// microseconds next to their passes over memory, nor on any other backend.
     pub fn batches_on<B: Backend + 'static>(backend: &B) -> bool {
         let _ = backend;
         TypeId::of::<B>() == TypeId::of::<lowrank::CudaBackend>()
+    }
+
+    /// Whether a hook with this configuration built on `backend` batches same-shape
+    /// tensors: [`batch_tensors_with_same_shape`] if set, else
+    /// [`PowerSgdConfig::batches_on`]`(backend)`.
+    ///
+    /// [`batch_tensors_with_same_shape`]: PowerSgdConfig::batch_tensors_with_same_shape
+    pub fn batches_with<B: Backend + 'static>(&self, backend: &B) -> bool {
+        self.batch_tensors_with_same_shape
+            .unwrap_or_else(|| Self::batches_on(backend))
     }
 
     /// Checks every value. PyTorch checks only the `start_powerSGD_iter` rule (kept here

@@ -36,27 +36,34 @@ struct Inner<B: Backend> {
 ///
 /// Each step calls each kernel once per tensor, or once per shape with
 /// [`PowerSgdConfig::batch_tensors_with_same_shape`] (the same results; see that field
-/// for the copies it may make and where it pays, and [`PowerSgdConfig::default_for`]
-/// for the backend's default).
+/// for the copies it may make and where it pays). Left unset, the flag takes the
+/// backend's default, resolved when the hook is built ([`PowerSgd::batches_same_shape`]).
 pub struct PowerSgd<B: CommBackend> {
     backend: Arc<B>,
     group: Arc<dyn ProcessGroup>,
+    /// `batch_tensors_with_same_shape` resolved on `backend` at construction; loading a
+    /// state does not change it.
+    batch: bool,
     inner: Arc<Mutex<Inner<B>>>,
     sequence: Sequencer,
 }
 
 impl<B: CommBackend> PowerSgd<B> {
-    /// A hook with `config` (validated) over `group`.
+    /// A hook with `config` (validated) over `group`. An unset
+    /// `batch_tensors_with_same_shape` is resolved here, on `backend`
+    /// ([`PowerSgdConfig::batches_with`]); [`PowerSgd::config`] still reports it unset.
     pub fn new(
         backend: Arc<B>,
         group: Arc<dyn ProcessGroup>,
         config: PowerSgdConfig,
     ) -> Result<Self> {
         config.validate()?;
-        tracing::info!(?config, "PowerSGD hook");
+        let batch = config.batches_with(&*backend);
+        tracing::info!(?config, batch_same_shape = batch, "PowerSGD hook");
         Ok(PowerSgd {
             backend,
             group,
+            batch,
             inner: Arc::new(Mutex::new(Inner {
                 progress: Progress::new(config),
                 errors: BTreeMap::new(),
@@ -68,9 +75,18 @@ impl<B: CommBackend> PowerSgd<B> {
         })
     }
 
-    /// The hyperparameters.
+    /// The hyperparameters, as given (an unset `batch_tensors_with_same_shape` stays
+    /// `None`; [`PowerSgd::batches_same_shape`] says what it resolved to).
     pub fn config(&self) -> PowerSgdConfig {
         lock(&self.inner).progress.config.clone()
+    }
+
+    /// Whether this hook batches same-shape tensors: `batch_tensors_with_same_shape` as
+    /// configured, or, unset, the backend's default ([`PowerSgdConfig::batches_on`]: on
+    /// for CUDA, off on the CPU). Fixed when the hook is built; loading a state with
+    /// [`CommHook::load_state`] keeps it.
+    pub fn batches_same_shape(&self) -> bool {
+        self.batch
     }
 
     /// Synchronised steps seen so far (PyTorch's `state.iter`).
@@ -137,8 +153,9 @@ impl<B: CommBackend> PowerSgd<B> {
     }
 
     /// A hook that continues from `state` over `group` (which may differ from the group
-    /// the state was saved with, as in PyTorch), with the state's configuration. The
-    /// state is checked first ([`PowerSgdState::validate`]): a NaN or an infinity is
+    /// the state was saved with, as in PyTorch), with the state's configuration (an unset
+    /// `batch_tensors_with_same_shape` is resolved on `backend`, as in [`PowerSgd::new`]).
+    /// The state is checked first ([`PowerSgdState::validate`]): a NaN or an infinity is
     /// [`Error::NonFinite`]. [`CommHook::load_state`] instead loads into a hook whose
     /// configuration must match, except `batch_tensors_with_same_shape`, which it keeps.
     pub fn load(
@@ -197,6 +214,7 @@ impl<B: CommBackend> PowerSgd<B> {
             return Err(in_flight(index));
         }
         g.progress = Progress::from_state(&state);
+        // The hook keeps its own setting (and `self.batch`, resolved from it).
         g.progress.config.batch_tensors_with_same_shape = batch;
         g.errors = errors;
         g.factors = factors;
@@ -242,7 +260,7 @@ impl<B: CommBackend> PowerSgd<B> {
             &layout,
             cfg.matrix_approximation_rank,
             cfg.min_compression_rate,
-            cfg.batch_tensors_with_same_shape,
+            self.batch,
         )?);
         check_memory(g, index, &plan)?;
         let first_use = !g.orders.contains_key(&index);
