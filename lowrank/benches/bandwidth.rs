@@ -13,7 +13,8 @@
 //!
 //! Arguments: `--quick` (n = 4096 only, 5 pairs), `--json` (one object per line),
 //! `--reps N`, `--isa avx512|avx2|portable` (the kernels of that instruction set, e.g. the
-//! AVX2 kernels on an AVX-512 machine; the reference stays the machine's best read).
+//! AVX2 kernels on an AVX-512 machine; the reference stays the machine's best read),
+//! `--op mq|mtp` and `--rank 1|2|4|8` (only those rows, to compare two builds quickly).
 //! Driven by `cargo xtask bench lowrank`.
 
 use lowrank::{Backend, CpuBackend, Dims, Isa};
@@ -27,6 +28,10 @@ struct Args {
     json: bool,
     reps: usize,
     isa: Option<Isa>,
+    /// `--op mq|mtp`: only that product.
+    op: Option<Op>,
+    /// `--rank R`: only that rank.
+    rank: Option<usize>,
 }
 
 fn args() -> Args {
@@ -51,11 +56,33 @@ fn args() -> Args {
                     std::process::exit(2)
                 }
             });
+    let value = |flag: &str| {
+        argv.iter()
+            .position(|a| a == flag)
+            .map(|i| argv.get(i + 1).map(String::as_str).unwrap_or(""))
+    };
+    let op = value("--op").map(|v| match v {
+        "mq" => Op::Mq,
+        "mtp" => Op::Mtp,
+        other => {
+            eprintln!("--op takes mq or mtp, got {other:?}");
+            std::process::exit(2)
+        }
+    });
+    let rank = value("--rank").map(|v| match v.parse() {
+        Ok(r @ (1 | 2 | 4 | 8)) => r,
+        _ => {
+            eprintln!("--rank takes 1, 2, 4 or 8, got {v:?}");
+            std::process::exit(2)
+        }
+    });
     Args {
         quick,
         json: argv.iter().any(|a| a == "--json"),
         reps,
         isa,
+        op,
+        rank,
     }
 }
 
@@ -230,7 +257,13 @@ fn main() {
             .map(|i| ((i % 251) as f32 - 125.0) * 1e-3)
             .collect();
         for op in [Op::Mq, Op::Mtp] {
+            if a.op.is_some_and(|only| only != op) {
+                continue;
+            }
             for r in [1, 2, 4, 8] {
+                if a.rank.is_some_and(|only| only != r) {
+                    continue;
+                }
                 let d = Dims::new(1, n, n, r).expect("valid shape");
                 let p = vec![0.5f32; d.p_len()];
                 let mut q = vec![0.25f32; d.q_len()];

@@ -839,6 +839,55 @@ fn results_do_not_depend_on_thread_count() {
     }
 }
 
+/// Ranks of 8 and more take the chunked `M Q` kernel (columns in chunks that keep `Q` in
+/// L1, rows in blocks): shapes with several chunks, ragged columns, row blocks with a
+/// remainder, and a rank past one register tile. Each must match the f64 reference, the
+/// fused `add_mq` must give exactly what `mq` gives on `g + e`, and no result may depend
+/// on the thread count.
+#[test]
+fn chunked_mq_matches_the_reference_the_fused_path_and_every_thread_count() {
+    for &(batch, n, m, r) in &[
+        (1, 37, 1100, 8),
+        (2, 19, 2053, 16),
+        (1, 33, 600, 24),
+        (1, 16, 4096, 8),
+        (3, 5, 17, 8),
+    ] {
+        let d = Dims::new(batch, n, m, r).unwrap();
+        let (g, e, q) = (
+            random(d.m_len(), 7),
+            random(d.m_len(), 8),
+            random(d.q_len(), 9),
+        );
+        let x: Vec<f32> = g.iter().zip(&e).map(|(a, b)| a + b).collect();
+        for isa in Isa::supported() {
+            let run = |threads: usize| {
+                let be = CpuBackend::new()
+                    .with_isa(isa)
+                    .unwrap()
+                    .with_threads(threads)
+                    .unwrap();
+                let mut p = vec![0.0; d.p_len()];
+                be.mq(d, &x, &q, &mut p).unwrap();
+                let (mut gf, mut pf) = (g.clone(), vec![0.0; d.p_len()]);
+                be.add_mq(d, &mut gf, &e, &q, &mut pf).unwrap();
+                assert_eq!(gf, x, "{isa:?} {d}: add_mq's g + e");
+                assert!(
+                    pf == p,
+                    "{isa:?} {d}: add_mq's P differs from mq's on g + e"
+                );
+                p
+            };
+            let one = run(1);
+            assert_close(&format!("{isa:?} mq on {d}"), &one, &ref_mq(d, &x, &q), m);
+            assert!(
+                one == run(2) && one == run(3),
+                "{isa:?} {d}: results changed with the thread count"
+            );
+        }
+    }
+}
+
 #[test]
 fn unsupported_isa_and_zero_threads_are_errors() {
     assert!(matches!(
