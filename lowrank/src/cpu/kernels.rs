@@ -114,30 +114,8 @@ unsafe fn mq_tile<S: Simd, const RB: usize, const RT: usize, const FUSE: bool>(
             }
             j += lanes;
         }
-        let mut out = [[0.0f32; RT]; RB];
-        for ii in 0..RB {
-            for t in 0..RT {
-                out[ii][t] = S::reduce(acc[ii][t]);
-            }
-        }
-        while j < cols {
-            for (ii, o) in out.iter_mut().enumerate() {
-                let mut v = *row(ii).add(j);
-                if FUSE {
-                    v += *erow(ii).add(j);
-                    *row(ii).add(j) = v;
-                }
-                for (t, ot) in o.iter_mut().enumerate() {
-                    *ot += v * *qcol(t).add(j);
-                }
-            }
-            j += 1;
-        }
-        for (ii, o) in out.iter().enumerate() {
-            for (t, &ot) in o.iter().enumerate() {
-                *a.p.add((k0 + t) * a.n + i0 + ii) = ot;
-            }
-        }
+        // The reduction, the ragged columns and the store, as after a chunked run.
+        mq_finish::<S, RB, RT, FUSE>(a, i0, k0, j, acc.as_ptr().cast());
     }
 }
 
