@@ -23,7 +23,8 @@
 //! its ratio to the memory bound as in the `hooks` suite, and the time of the first
 //! compressed step (which allocates the hook's memories).
 //!
-//! Arguments: `hooks`, `accum` (default both) or `batch`, `--quick`, `--json`.
+//! Arguments: `hooks`, `accum` (default both) or `batch`, `--quick`, `--json`, `--steps N`
+//! (steps per hook in the `hooks` suite; the median is reported).
 
 #[path = "measure/mod.rs"]
 mod measure;
@@ -48,6 +49,8 @@ struct Args {
     preset: String,
     isa: Option<String>,
     no_bias: bool,
+    /// `--steps N`: steps per hook in the `hooks` suite (default 7, 3 with `--quick`).
+    steps: Option<usize>,
 }
 
 /// Hook times per step of PowerSGD (`cfg`, batching off then on) on `shapes` through
@@ -207,7 +210,7 @@ fn batch_suite(a: &Args) {
 
 fn hooks_suite(a: &Args) {
     let bw = read_bandwidth();
-    let steps = if a.quick { 3 } else { 7 };
+    let steps = a.steps.unwrap_or(if a.quick { 3 } else { 7 });
     let mut models = models::presets();
     if a.quick {
         models.truncate(1);
@@ -481,6 +484,13 @@ fn main() {
         preset: value("--preset").unwrap_or_else(|| "bert-base".into()),
         isa: value("--isa"),
         no_bias: has("--no-bias"),
+        steps: value("--steps").map(|v| match v.parse() {
+            Ok(n) if n >= 3 => n,
+            _ => {
+                eprintln!("--steps takes an integer of at least 3, got {v:?}");
+                std::process::exit(2)
+            }
+        }),
     };
     if a.hooks {
         if let Some(name) = &a.isa {
