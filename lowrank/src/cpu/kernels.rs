@@ -163,8 +163,6 @@ const MQ_CHUNK_BYTES: usize = 16 * 1024;
 /// Rows per block in [`mq_chunked`]: their accumulators (`r` vectors a row) stay in L1
 /// between chunks.
 const MQ_BLOCK_ROWS: usize = 16;
-/// How far ahead (in `f32` elements) [`mq_span`] prefetches.
-const MQ_PREFETCH: usize = 128;
 
 /// The vector part of one register tile over the columns `j0..j1` (whole vectors):
 /// `acc` (`RB x RT` vectors, row by row) is loaded, advanced over the span, and stored.
@@ -178,12 +176,15 @@ unsafe fn mq_span<S: Simd, const RB: usize, const RT: usize, const FUSE: bool>(
     span: Range<usize>,
     acc: *mut S::V,
     qpack: *const f32,
+    next: Option<(usize, usize)>,
 ) {
     let cols = a.cols;
     let lanes = S::LANES;
     // SAFETY: the caller guarantees rows i0..i0+RB < n, columns k0..k0+RT <= r, whole
     // vectors in `span` inside 0..cols, `acc` valid for RB * RT vectors, and `qpack`
-    // holding Q's vectors interleaved (see `mq_chunked`) over `span`.
+    // holding Q's vectors interleaved (see `mq_chunked`) over `span`. Prefetch addresses
+    // are computed with `wrapping_add` and may lie outside the buffers: a prefetch never
+    // faults.
     unsafe {
         let row = |ii: usize| a.m.add((i0 + ii) * cols);
         let erow = |ii: usize| a.e.add((i0 + ii) * cols);
@@ -194,23 +195,22 @@ unsafe fn mq_span<S: Simd, const RB: usize, const RT: usize, const FUSE: bool>(
                 regs[ii][t] = *acc.add(ii * RT + t);
             }
         }
+        // Where the next span's rows start (element offsets into M and E); the prefetch
+        // runs that far ahead, in step with this span.
+        let ahead = next.map(|(row, col)| row * cols + col);
         let mut j = span.start;
-        let len = span.end - span.start;
         while j + lanes <= span.end {
-            // Prefetch a short way ahead inside the span, and past its end the start of
-            // the same span in the next rows (the next tile's): further ahead would land
-            // on this row's next chunk, evicted from L1 before it is read.
-            let ahead = if j + MQ_PREFETCH < span.end {
-                j + MQ_PREFETCH
-            } else {
-                j + MQ_PREFETCH - len + RB * cols
-            };
             let mut x = [S::zero(); RB];
             for (ii, xi) in x.iter_mut().enumerate() {
-                S::prefetch(row(ii).wrapping_add(ahead));
+                if let Some(base) = ahead {
+                    let at = base + ii * cols + (j - span.start);
+                    S::prefetch(a.m.wrapping_add(at));
+                    if FUSE {
+                        S::prefetch(a.e.wrapping_add(at));
+                    }
+                }
                 let mut v = S::load(row(ii).add(j));
                 if FUSE {
-                    S::prefetch(erow(ii).wrapping_add(ahead));
                     v = S::add(v, S::load(erow(ii).add(j)));
                     S::store(row(ii).add(j), v);
                 }
@@ -364,13 +364,25 @@ unsafe fn mq_chunked<S: Simd, const RB: usize, const RT: usize, const FUSE: bool
             while j0 < vec_end {
                 let span = j0..(j0 + chunk).min(vec_end);
                 for g in 0..groups {
+                    // The rows and columns read after this group's span: the next group's
+                    // same span, else the first group's next span, else the next block's
+                    // first span. The first tile prefetches them, one span ahead (the
+                    // other tiles reread this span from L1).
+                    let next = if g + 1 < groups {
+                        (i0 + (g + 1) * RB, span.start)
+                    } else if span.end < vec_end {
+                        (i0, span.end)
+                    } else {
+                        (i0 + groups * RB, 0)
+                    };
                     for t in 0..tiles {
                         let slot = base.add(g * per_group + t * RB * RT);
                         let (i, k0) = (i0 + g * RB, t * RT);
+                        let next = (t == 0).then_some(next);
                         if FUSE && t == 0 {
-                            mq_span::<S, RB, RT, true>(a, i, k0, span.clone(), slot, qpack);
+                            mq_span::<S, RB, RT, true>(a, i, k0, span.clone(), slot, qpack, next);
                         } else {
-                            mq_span::<S, RB, RT, false>(a, i, k0, span.clone(), slot, qpack);
+                            mq_span::<S, RB, RT, false>(a, i, k0, span.clone(), slot, qpack, next);
                         }
                     }
                 }
