@@ -750,15 +750,7 @@ fn check_views<B: Backend>(be: &B) {
 fn cpu_backends() -> Vec<CpuBackend> {
     Isa::supported()
         .into_iter()
-        .flat_map(|isa| {
-            [1, 2].map(|t| {
-                CpuBackend::new()
-                    .with_isa(isa)
-                    .unwrap()
-                    .with_threads(t)
-                    .unwrap()
-            })
-        })
+        .flat_map(|isa| [1, 2].map(|t| cpu_with(isa, t)))
         .collect()
 }
 
@@ -806,6 +798,15 @@ cpu_tests!(
     check_views,
 );
 
+/// The CPU backend with the kernels of `isa` on `threads` threads.
+fn cpu_with(isa: Isa, threads: usize) -> CpuBackend {
+    CpuBackend::new()
+        .with_isa(isa)
+        .unwrap()
+        .with_threads(threads)
+        .unwrap()
+}
+
 #[test]
 fn results_do_not_depend_on_thread_count() {
     let d = Dims::new(1, 1024, 1536, 3).unwrap();
@@ -816,11 +817,7 @@ fn results_do_not_depend_on_thread_count() {
     );
     for isa in Isa::supported() {
         let run = |threads: usize| {
-            let be = CpuBackend::new()
-                .with_isa(isa)
-                .unwrap()
-                .with_threads(threads)
-                .unwrap();
+            let be = cpu_with(isa, threads);
             let (mut po, mut qo, mut mo) = (
                 vec![0.0; d.p_len()],
                 vec![0.0; d.q_len()],
@@ -862,11 +859,7 @@ fn chunked_mq_matches_the_reference_the_fused_path_and_every_thread_count() {
         let x: Vec<f32> = g.iter().zip(&e).map(|(a, b)| a + b).collect();
         for isa in Isa::supported() {
             let run = |threads: usize| {
-                let be = CpuBackend::new()
-                    .with_isa(isa)
-                    .unwrap()
-                    .with_threads(threads)
-                    .unwrap();
+                let be = cpu_with(isa, threads);
                 let mut p = vec![0.0; d.p_len()];
                 be.mq(d, &x, &q, &mut p).unwrap();
                 let (mut gf, mut pf) = (g.clone(), vec![0.0; d.p_len()]);
