@@ -174,9 +174,22 @@ where
             let Some(stage) = stages.pop_front() else {
                 break;
             };
-            if let Err(e) = stage(comm, &mut bufs, &mut requests) {
+            // A stage that panics after starting a request must not unwind past `bufs`
+            // and `requests`: MPI would go on writing into freed memory. Caught here, the
+            // panic is an error and both stay in the `Running` below until MPI is done
+            // with them, as a later stage's panic is (see `Engine::poll`).
+            let ran = catch_unwind(AssertUnwindSafe(|| stage(comm, &mut bufs, &mut requests)))
+                .unwrap_or_else(|_| {
+                    Err(Error::Backend(
+                        "a stage of an MPI collective panicked".into(),
+                    ))
+                });
+            if let Err(e) = ran {
+                // The stages left stay with the `Running` (if requests started): when
+                // those complete, stages left unstarted break the communicator, since
+                // the peers go on to them.
                 error = Some(e);
-                stages.clear();
+                break;
             }
         }
         if requests.is_empty() {
