@@ -631,41 +631,24 @@ fn on_threads<T: Send>(
 /// unspecified (the compiler may swap an addition's operands), so only NaN-ness is a
 /// result; every other value compares bit for bit, signed zeros included.
 fn bits(b: &Buffer) -> (DType, Vec<u64>) {
+    macro_rules! nan_as_one {
+        ($v:expr) => {
+            $v.iter()
+                .map(|x| {
+                    if x.is_nan() {
+                        u64::MAX
+                    } else {
+                        u64::from(x.to_bits())
+                    }
+                })
+                .collect()
+        };
+    }
     let v: Vec<u64> = match b {
-        Buffer::F32(v) => v
-            .iter()
-            .map(|x| {
-                if x.is_nan() {
-                    u64::MAX
-                } else {
-                    u64::from(x.to_bits())
-                }
-            })
-            .collect(),
-        Buffer::F16(v) => v
-            .iter()
-            .map(|x| {
-                if x.is_nan() {
-                    u64::MAX
-                } else {
-                    u64::from(x.to_bits())
-                }
-            })
-            .collect(),
-        Buffer::BF16(v) => v
-            .iter()
-            .map(|x| {
-                if x.is_nan() {
-                    u64::MAX
-                } else {
-                    u64::from(x.to_bits())
-                }
-            })
-            .collect(),
-        Buffer::F64(v) => v
-            .iter()
-            .map(|x| if x.is_nan() { u64::MAX } else { x.to_bits() })
-            .collect(),
+        Buffer::F32(v) => nan_as_one!(v),
+        Buffer::F16(v) => nan_as_one!(v),
+        Buffer::BF16(v) => nan_as_one!(v),
+        Buffer::F64(v) => nan_as_one!(v),
     };
     (b.dtype(), v)
 }

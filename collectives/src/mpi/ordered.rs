@@ -28,6 +28,27 @@ use bytemuck::{cast_slice, cast_slice_mut};
 use mpi::topology::SimpleCommunicator;
 use std::os::raw::c_int;
 
+/// `$call` on the send and receive slices of two buffers of one type, with `$s` and `$r`
+/// bound to them (16-bit types as `u16`, which MPI moves bit for bit); `Err(mixed())`
+/// if the types differ. The one place the stages below dispatch on the element type.
+macro_rules! on_slices {
+    ($send:expr, $recv:expr, |$s:ident, $r:ident| $call:expr) => {
+        match ($send, $recv) {
+            (Buffer::F32($s), Buffer::F32($r)) => $call,
+            (Buffer::F64($s), Buffer::F64($r)) => $call,
+            (Buffer::F16(s), Buffer::F16(r)) => {
+                let ($s, $r): (&[u16], &mut [u16]) = (cast_slice(s), cast_slice_mut(r));
+                $call
+            }
+            (Buffer::BF16(s), Buffer::BF16(r)) => {
+                let ($s, $r): (&[u16], &mut [u16]) = (cast_slice(s), cast_slice_mut(r));
+                $call
+            }
+            _ => Err(mixed()),
+        }
+    };
+}
+
 /// Elements combined at a time: the accumulator stays in L1 (as the thread backend's).
 const BLOCK: usize = 1024;
 
@@ -77,17 +98,9 @@ impl Gathered {
         // this moves; the collective keeps it alive until the request completes (or
         // forever), and nothing touches either buffer until then.
         let request = unsafe {
-            match (&self.data, &mut self.all) {
-                (Buffer::F32(s), Buffer::F32(r)) => raw::iallgather(comm, s, r),
-                (Buffer::F64(s), Buffer::F64(r)) => raw::iallgather(comm, s, r),
-                (Buffer::F16(s), Buffer::F16(r)) => {
-                    raw::iallgather::<u16>(comm, cast_slice(s), cast_slice_mut(r))
-                }
-                (Buffer::BF16(s), Buffer::BF16(r)) => {
-                    raw::iallgather::<u16>(comm, cast_slice(s), cast_slice_mut(r))
-                }
-                _ => Err(mixed()),
-            }
+            on_slices!(&self.data, &mut self.all, |s, r| raw::iallgather(
+                comm, s, r
+            ))
         };
         requests.push(request?);
         Ok(())
@@ -240,33 +253,9 @@ impl Exchange {
         // completes (or forever), and nothing touches the buffers or changes the layouts
         // until the next stage, which runs only once the request has completed.
         let request = unsafe {
-            match (&*data, recv) {
-                (Buffer::F32(s), Buffer::F32(r)) => {
-                    raw::ialltoallv(comm, s, counts, displs, r, rcounts, rdispls)
-                }
-                (Buffer::F64(s), Buffer::F64(r)) => {
-                    raw::ialltoallv(comm, s, counts, displs, r, rcounts, rdispls)
-                }
-                (Buffer::F16(s), Buffer::F16(r)) => raw::ialltoallv::<u16>(
-                    comm,
-                    cast_slice(s),
-                    counts,
-                    displs,
-                    cast_slice_mut(r),
-                    rcounts,
-                    rdispls,
-                ),
-                (Buffer::BF16(s), Buffer::BF16(r)) => raw::ialltoallv::<u16>(
-                    comm,
-                    cast_slice(s),
-                    counts,
-                    displs,
-                    cast_slice_mut(r),
-                    rcounts,
-                    rdispls,
-                ),
-                _ => Err(mixed()),
-            }
+            on_slices!(&*data, recv, |s, r| raw::ialltoallv(
+                comm, s, counts, displs, r, rcounts, rdispls
+            ))
         };
         requests.push(request?);
         Ok(())
@@ -320,29 +309,13 @@ impl Exchange {
         // SAFETY: as in `scatter`; `recv` (the send buffer) and `data` (the receive
         // buffer) are distinct, and neither is touched until the request completes.
         let request = unsafe {
-            match (&*recv, data) {
-                (Buffer::F32(s), Buffer::F32(r)) => {
-                    raw::iallgatherv(comm, &s[mine.clone()], r, counts, displs)
-                }
-                (Buffer::F64(s), Buffer::F64(r)) => {
-                    raw::iallgatherv(comm, &s[mine.clone()], r, counts, displs)
-                }
-                (Buffer::F16(s), Buffer::F16(r)) => raw::iallgatherv::<u16>(
-                    comm,
-                    cast_slice(&s[mine.clone()]),
-                    cast_slice_mut(r),
-                    counts,
-                    displs,
-                ),
-                (Buffer::BF16(s), Buffer::BF16(r)) => raw::iallgatherv::<u16>(
-                    comm,
-                    cast_slice(&s[mine.clone()]),
-                    cast_slice_mut(r),
-                    counts,
-                    displs,
-                ),
-                _ => Err(mixed()),
-            }
+            on_slices!(&*recv, data, |s, r| raw::iallgatherv(
+                comm,
+                &s[mine.clone()],
+                r,
+                counts,
+                displs
+            ))
         };
         requests.push(request?);
         Ok(())
