@@ -92,6 +92,14 @@ fn a_panicking_continuation_fails_the_group_at_once() {
             .into_iter()
             .map(|g| {
                 s.spawn(move || {
+                    if g.rank() == 1 {
+                        // Joins late, so that rank 0 chains its continuation while the
+                        // all-reduce is still pending and the continuation runs on the
+                        // progress thread (chained to finished work, it would run, and
+                        // panic, on this thread instead: a race a slow run, such as
+                        // under AddressSanitizer, lost).
+                        std::thread::sleep(Duration::from_millis(300));
+                    }
                     let first = g.all_reduce(Buffer::F32(vec![1.0; 4]), ReduceOp::Sum);
                     if g.rank() == 0 {
                         let chained: Work<()> = first.then(|_| -> collectives::Result<()> {
