@@ -8,7 +8,9 @@
 //! **accounted**, not slept: step time = measured hook time + the ring cost of every
 //! recorded collective (no overlap with compute assumed). PowerSGD rows also give
 //! `bound_ratio`: hook time over 7 passes of the gradient memory at the read bandwidth
-//! measured in the same run (the fused algorithm's memory traffic).
+//! measured in the same run (the fused algorithm's memory traffic); the all-reduce and
+//! 16-bit rows over 2 passes (each rank reads and writes 4 bytes per element in the
+//! fused reduction, `measure::bound_passes`).
 //!
 //! `accum` suite: k = 4 micro-steps of 4 x Linear(1024, 1024) with a real forward and
 //! backward pass (batch 32, `gemm`), synchronising only the last micro-step (`accumulate`)
@@ -254,11 +256,8 @@ fn hooks_suite(a: &Args) {
             let ratio = grad_bytes as f64 / sent.max(1) as f64;
             let hook_ms = m.median().as_secs_f64() * 1e3;
             let at = |gbit: f64| hook_ms + m.link_time(gbit).as_secs_f64() * 1e3;
-            let bound = if r > 0 {
-                Some(hook_ms / (BOUND_PASSES * grad_bytes as f64 / bw * 1e3))
-            } else {
-                None
-            };
+            let bound = measure::bound_passes(&spec)
+                .map(|passes| hook_ms / (passes * grad_bytes as f64 / bw * 1e3));
             if a.json {
                 println!(
                     "{{\"bench\":\"ddp-hooks/hooks\",\"hook\":\"{hook}\",\"model\":\"{model}\",\"rank\":{r},\"ranks\":{RANKS},\"hook_ms\":{hook_ms:.3},\"bytes_sent\":{sent},\"compression_ratio\":{ratio:.2},\"step_ms_1gbit\":{:.3},\"step_ms_10gbit\":{:.3},\"step_ms_100gbit\":{:.3},\"link\":\"accounted\"{}}}",

@@ -9,8 +9,9 @@
 //!   and slowest step;
 //! - the gradient throughput (gradient bytes per rank over the hook time), the payload
 //!   bytes each rank sends per step and the compression ratio (gradient bytes over them);
-//! - PowerSGD rows: `bound_ratio`, the hook time over 7 passes of the gradient memory at
-//!   the single-thread read bandwidth measured at the start;
+//! - `bound_ratio`: the hook time over its memory traffic at the single-thread read
+//!   bandwidth measured at the start: 7 passes of the gradient memory for PowerSGD, 2 for
+//!   the all-reduce and the 16-bit hooks (`measure::bound_passes`);
 //! - the step time at 1, 10, 100 and 400 Gbit/s: hook time plus the ring cost of every
 //!   collective of one step from `collectives::link` (20 us per message, no overlap
 //!   assumed), and the speedup over allreduce at each;
@@ -34,7 +35,7 @@ mod models;
 use collectives::link::{Link, LinkOp};
 use ddp_hooks::HookSpec;
 use lowrank::CpuBackend;
-use measure::{BOUND_PASSES, LATENCY, RANKS};
+use measure::{LATENCY, RANKS};
 use serde_json::{json, Value};
 use std::io::Write;
 
@@ -239,7 +240,8 @@ fn main() {
                 }
             }
             let (base_line, base_at) = base.get_or_insert_with(|| (line, at.clone())).clone();
-            let bound = (rank > 0).then(|| hook_ms / (BOUND_PASSES * grad_bytes as f64 / bw * 1e3));
+            let bound = measure::bound_passes(&parsed)
+                .map(|passes| hook_ms / (passes * grad_bytes as f64 / bw * 1e3));
             emit(json!({
                 "kind": "row",
                 "model": model,

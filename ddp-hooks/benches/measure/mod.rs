@@ -47,6 +47,24 @@ pub fn warmup(spec: &HookSpec) -> usize {
 /// that `bound_ratio` compares the hook time with.
 pub const BOUND_PASSES: f64 = 7.0;
 
+/// Passes over the gradient memory that a hook's memory traffic amounts to on the thread
+/// backend, per rank, for its `bound_ratio`:
+/// - PowerSGD (per layer or batched): [`BOUND_PASSES`];
+/// - the all-reduce and the 16-bit hooks: 2. Every rank reads its share of every rank's
+///   `f32` gradient and writes the (rounded) mean back into each: 4 bytes read and 4
+///   written per gradient element. The 16-bit rounding is fused into that pass, so a
+///   16-bit hook that costs more than the all-reduce pays for its rounding;
+/// - a `fp16+`/`bf16+` wrapper: its inner hook's (the narrowing is fused the same way);
+/// - `noop`: none.
+pub fn bound_passes(spec: &HookSpec) -> Option<f64> {
+    match spec {
+        HookSpec::PowerSgd(_) | HookSpec::BatchedPowerSgd(_) => Some(BOUND_PASSES),
+        HookSpec::AllReduce | HookSpec::Fp16 | HookSpec::Bf16 => Some(2.0),
+        HookSpec::Fp16Wrapped(inner) | HookSpec::Bf16Wrapped(inner) => bound_passes(inner),
+        HookSpec::Noop => None,
+    }
+}
+
 /// The median of `v` (the upper one of an even count).
 pub fn median(mut v: Vec<Duration>) -> Duration {
     v.sort();

@@ -299,7 +299,7 @@ pub fn table(machine: &Machine, rows: &[Row]) -> String {
     );
     let _ = writeln!(
         t,
-        "bound: PowerSGD hook time / 7 passes over the gradient at the read bandwidth (1.00x = memory-bound)."
+        "bound: hook time / its memory traffic at the read bandwidth: 7 passes over the gradient for PowerSGD, 2 for allreduce and fp16/bf16 (1.00x = memory-bound)."
     );
     t
 }
