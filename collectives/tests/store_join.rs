@@ -113,6 +113,48 @@ fn a_world_size_disagreement_fails_every_rank_naming_both() {
 }
 
 #[test]
+fn a_rank_that_starts_after_the_failure_is_told_why() {
+    // Regression (a flake under AddressSanitizer): rank 0 failed the rendezvous as soon
+    // as rank 1 disagreed, dropped its store, and rank 2, starting a moment later, found
+    // no server and retried until its own timeout. The failed server now serves on,
+    // for its grace period, until every rank has asked to join.
+    let port = free_port();
+    let start = Instant::now();
+    let (early, late) = thread::scope(|s| {
+        let early: Vec<_> = [(0, "3"), (1, "2")]
+            .into_iter()
+            .map(|(rank, world_size)| {
+                s.spawn(move || {
+                    let outcome = rank_env(rank, world_size, port).connect_store(T).map(drop);
+                    (outcome, start.elapsed())
+                })
+            })
+            .collect();
+        // Rank 1 is refused at once; rank 2 starts after that.
+        while !early[1].is_finished() {
+            thread::sleep(Duration::from_millis(5));
+        }
+        thread::sleep(Duration::from_millis(300));
+        let late = s.spawn(move || {
+            let outcome = rank_env(2, "3", port).connect_store(T).map(drop);
+            (outcome, start.elapsed())
+        });
+        let early: Vec<_> = early
+            .into_iter()
+            .map(|t| t.join().expect("a rank panicked"))
+            .collect();
+        (early, late.join().expect("rank 2 panicked"))
+    });
+    let mut outcomes = early;
+    outcomes.push(late);
+    every_rank_fails(
+        &outcomes,
+        &[0, 1],
+        &["rank 1 has WORLD_SIZE=2", "WORLD_SIZE=3"],
+    );
+}
+
+#[test]
 fn a_rank_that_never_starts_is_named_on_every_rank() {
     // Regression: rank 0 named the missing rank; the others got "store closed the
     // connection". Rank 0 gives up first; rank 1 would wait far longer on its own.

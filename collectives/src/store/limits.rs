@@ -49,7 +49,8 @@ pub struct StoreLimits {
     /// is still held. Default 256 MiB.
     pub max_bytes: usize,
     /// How long dropping the server waits for the replies it is writing before it cuts
-    /// their connections. Default 2 s.
+    /// their connections, and, after the job failed, for the ranks that have not asked
+    /// to join yet (so that a rank starting late is told why). Default 2 s.
     pub shutdown_grace: Duration,
 }
 

@@ -27,6 +27,8 @@
 //!   a rank with set-if-absent and compares world sizes: a rank claimed by two processes,
 //!   or ranks that disagree on the world size, is [`Error::Rendezvous`] naming the ranks
 //!   on every rank still in the rendezvous, and on the others at their next request.
+//!   A failed server serves on after it is dropped, for its grace period, until every
+//!   rank has asked to join, so a rank that starts late is told too.
 //! - **A missing rank is named on every rank.** A join or barrier that times out lists,
 //!   in [`Error::Timeout::missing`](Error::Timeout), the ranks that never arrived, and
 //!   hands the same error to every other rank's pending and later requests.

@@ -59,10 +59,11 @@ impl Server {
 impl Drop for Server {
     fn drop(&mut self) {
         // After the job failed, ranks still connected get the failure in reply to their
-        // next request, not a closed connection: the server serves on until they have
-        // left, for the grace period at most.
+        // next request, not a closed connection, and ranks that have not asked to join
+        // yet (a late start) find a server that tells them: the server serves on until
+        // every rank has asked and left, for the grace period at most.
         if self.shared.has_failed() {
-            self.wait_for_connections(self.shared.limits.shutdown_grace);
+            self.wait_for_connections(self.shared.limits.shutdown_grace, true);
         }
         {
             let mut state = self.shared.lock();
@@ -89,7 +90,7 @@ impl Drop for Server {
         }
         // Replies in hand get the grace period; then every connection is cut, which
         // ends a write to a client that does not read at once.
-        self.wait_for_connections(self.shared.limits.shutdown_grace);
+        self.wait_for_connections(self.shared.limits.shutdown_grace, false);
         let mut state = self.shared.lock();
         for conn in state.conns.values() {
             let _ = conn.stream.shutdown(Shutdown::Both);
@@ -105,11 +106,12 @@ impl Drop for Server {
 }
 
 impl Server {
-    /// Waits until every connection has closed, or `grace` has passed.
-    fn wait_for_connections(&self, grace: Duration) {
+    /// Waits until every connection has closed (and, with `all_heard`, every rank has
+    /// asked to join), or `grace` has passed.
+    fn wait_for_connections(&self, grace: Duration, all_heard: bool) {
         let end = Instant::now().checked_add(grace);
         let mut state = self.shared.lock();
-        while !state.conns.is_empty() {
+        while !state.conns.is_empty() || (all_heard && !self.shared.all_heard(&state)) {
             let left = end.map_or(Duration::MAX, |end| {
                 end.saturating_duration_since(Instant::now())
             });

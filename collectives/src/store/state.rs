@@ -1,7 +1,7 @@
 //! The server's shared state: the keys and their values under the byte meter, the waits
 //! on them, the job's failure once one is known, and the answer to each request.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::TcpStream;
 use std::ops::Range;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
@@ -25,7 +25,7 @@ pub(super) struct Shared {
     state: Mutex<State>,
     /// Notified whenever a key is set, the job fails or the server stops.
     pub(super) changed: Condvar,
-    /// Notified whenever a connection closes.
+    /// Notified whenever a connection closes or a rank is first heard from.
     pub(super) closed: Condvar,
     pub(super) world_size: usize,
     pub(super) token: Option<StoreToken>,
@@ -50,6 +50,10 @@ pub(super) struct State {
     /// The connections' threads, joined when the server stops.
     pub(super) workers: Vec<JoinHandle<()>>,
     waiting: usize,
+    /// The ranks (below the world size) that have asked to join, whatever the answer:
+    /// after a failure, a stopping server waits a grace period for the others, so that
+    /// a rank that starts late is told why the job failed rather than finding no server.
+    heard: HashSet<usize>,
 }
 
 /// How a wait ended.
@@ -75,6 +79,7 @@ impl Shared {
                 next_conn: 0,
                 workers: Vec::new(),
                 waiting: 0,
+                heard: HashSet::new(),
             }),
             changed: Condvar::new(),
             closed: Condvar::new(),
@@ -103,6 +108,21 @@ impl Shared {
     /// Whether the job has failed.
     pub(super) fn has_failed(&self) -> bool {
         self.lock().failed.is_some()
+    }
+
+    /// Whether every rank of the world has asked to join.
+    pub(super) fn all_heard(&self, state: &State) -> bool {
+        state.heard.len() >= self.world_size
+    }
+
+    /// Records that `rank` asked to join.
+    fn heard(&self, rank: u64) {
+        let Some(rank) = usize::try_from(rank).ok().filter(|&r| r < self.world_size) else {
+            return;
+        };
+        if self.lock().heard.insert(rank) {
+            self.closed.notify_all();
+        }
     }
 
     /// The reply to a hello offering `token`, and whether the connection may go on.
@@ -245,6 +265,7 @@ impl Shared {
     /// Registers `rank` with set-if-absent, after comparing world sizes; a mismatch or
     /// a rank claimed by another process fails the job for every rank.
     fn join(&self, rank: u64, world_size: u64, id: &[u8]) -> Response {
+        self.heard(rank);
         let ours = self.world_size;
         let rank_text = rank;
         if world_size != ours as u64 {
