@@ -16,6 +16,18 @@
 //! AVX2 kernels on an AVX-512 machine; the reference stays the machine's best read),
 //! `--op mq|mtp` and `--rank 1|2|4|8` (only those rows, to compare two builds quickly).
 //! Driven by `cargo xtask bench lowrank`.
+//!
+//! `--roofline` (with `--isa`, `--op`, `--rank`; default rank 8): instead of the table, the
+//! in-core limits of each one-thread row, to explain a row below the read bandwidth:
+//! - `fma/ns`: fused multiply-adds per nanosecond at the kernels' vector width (12
+//!   independent chains in registers), and `fma/line`, the FMAs a 64-byte line of `M`
+//!   needs (`r x 16 / lanes`), so `fma GB/s` is the rate the FMA ports alone allow;
+//! - `L2 GB/s`: the kernel with `M` resident in L2 (256 x 1024, 1 MiB, repeated), and
+//!   `L2 read`: the reference sum over the same `M`;
+//! - `cold` and `ref`: the kernel and the reference from memory, as in the table;
+//! - `serial`: the fraction the row would reach if its in-core work (the L2 rate) did not
+//!   overlap the memory transfer at all, `1 / (1 + ref / L2)`; a measured fraction
+//!   between `serial` and 1 says how much of it overlaps.
 
 use lowrank::{Backend, CpuBackend, Dims, Isa};
 use std::hint::black_box;
@@ -32,6 +44,8 @@ struct Args {
     op: Option<Op>,
     /// `--rank R`: only that rank.
     rank: Option<usize>,
+    /// `--roofline`: the in-core limits of the one-thread rows instead of the table.
+    roofline: bool,
 }
 
 fn args() -> Args {
@@ -83,6 +97,7 @@ fn args() -> Args {
         isa,
         op,
         rank,
+        roofline: argv.iter().any(|a| a == "--roofline"),
     }
 }
 
@@ -234,6 +249,172 @@ fn gemm_product(
     }
 }
 
+/// Fused multiply-adds per nanosecond at `lanes` lanes (16: AVX-512, 8: AVX2), on 12
+/// independent chains; `None` where this CPU has no such FMA.
+fn fma_per_ns(lanes: usize) -> Option<f64> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let n = 20_000_000usize;
+        let run = |f: &dyn Fn() -> f32| {
+            let t = Instant::now();
+            black_box(f());
+            12.0 * n as f64 / t.elapsed().as_secs_f64() / 1e9
+        };
+        if lanes == 16 && Isa::Avx512.is_supported() {
+            // SAFETY: AVX-512F is present (checked above).
+            return Some(
+                run(&|| unsafe { fma_chains_avx512(n) })
+                    .max(run(&|| unsafe { fma_chains_avx512(n) })),
+            );
+        }
+        if lanes == 8 && Isa::Avx2.is_supported() && std::is_x86_feature_detected!("fma") {
+            // SAFETY: AVX2 and FMA are present (checked above).
+            return Some(
+                run(&|| unsafe { fma_chains_avx2(n) }).max(run(&|| unsafe { fma_chains_avx2(n) })),
+            );
+        }
+    }
+    let _ = lanes;
+    None
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn fma_chains_avx512(n: usize) -> f32 {
+    use std::arch::x86_64::*;
+    let mut a = [_mm512_set1_ps(1.0); 12];
+    let (b, c) = (_mm512_set1_ps(0.999_999), _mm512_set1_ps(1e-7));
+    for _ in 0..black_box(n) {
+        for x in a.iter_mut() {
+            *x = _mm512_fmadd_ps(*x, b, c);
+        }
+    }
+    a.iter().map(|&x| _mm512_reduce_add_ps(x)).sum()
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn fma_chains_avx2(n: usize) -> f32 {
+    use std::arch::x86_64::*;
+    let mut a = [_mm256_set1_ps(1.0); 12];
+    let (b, c) = (_mm256_set1_ps(0.999_999), _mm256_set1_ps(1e-7));
+    for _ in 0..black_box(n) {
+        for x in a.iter_mut() {
+            *x = _mm256_fmadd_ps(*x, b, c);
+        }
+    }
+    let mut lanes = [0.0f32; 8];
+    // SAFETY: `lanes` holds 8 floats.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), a[0]) };
+    lanes.iter().sum()
+}
+
+/// `--roofline`: for each selected one-thread row, the FMA rate, the kernel and the read
+/// reference with `M` in L2, and the kernel and the reference from memory.
+fn roofline(a: &Args, cpu: &CpuBackend) {
+    let isa = cpu.isa();
+    let lanes = match isa {
+        Isa::Avx512 => 16,
+        _ => 8,
+    };
+    let fma = fma_per_ns(lanes);
+    let be = cpu.clone().with_threads(1).expect("one thread");
+    let mut flush_buf = vec![1u64; FLUSH_BYTES / 8];
+    println!(
+        "{} kernels, one thread; FMA/ns at {lanes} lanes: {}",
+        isa.name(),
+        fma.map_or("-".into(), |f| format!("{f:.2}"))
+    );
+    println!(
+        "{:<4} {:>2} {:>8} {:>9} {:>7} {:>8} {:>7} {:>6} {:>9} {:>7}",
+        "op",
+        "r",
+        "fma/line",
+        "fma GB/s",
+        "L2 GB/s",
+        "L2 read",
+        "cold",
+        "ref",
+        "fraction",
+        "serial"
+    );
+    for op in [Op::Mq, Op::Mtp] {
+        if a.op.is_some_and(|only| only != op) {
+            continue;
+        }
+        let r = a.rank.unwrap_or(8);
+        let fma_per_line = (r * 16) as f64 / lanes as f64;
+        let fma_gbs = fma.map(|f| 64.0 * f / fma_per_line);
+        let run = |d: Dims, m: &[f32], p: &[f32], q: &mut [f32], p_out: &mut [f32]| {
+            match op {
+                Op::Mq => be.mq(d, m, q, p_out),
+                Op::Mtp => be.mtp(d, m, p, q),
+            }
+            .expect("kernel")
+        };
+        // M in L2: 256 x 1024 (1 MiB), the best of 5 runs of 64 products.
+        let (rows, cols) = (256, 1024);
+        let d = Dims::new(1, rows, cols, r).expect("valid shape");
+        let m: Vec<f32> = (0..rows * cols).map(|i| (i % 251) as f32 * 1e-3).collect();
+        let (p, mut q, mut p_out) = (
+            vec![0.5f32; d.p_len()],
+            vec![0.25f32; d.q_len()],
+            vec![0.0f32; d.p_len()],
+        );
+        let (mut best_k, mut best_r) = (Duration::MAX, Duration::MAX);
+        for _ in 0..5 {
+            let t = Instant::now();
+            for _ in 0..64 {
+                run(d, &m, &p, &mut q, &mut p_out);
+            }
+            best_k = best_k.min(t.elapsed() / 64);
+            let t = Instant::now();
+            for _ in 0..64 {
+                black_box(sum_slice(&m));
+            }
+            best_r = best_r.min(t.elapsed() / 64);
+        }
+        let l2_bytes = (rows * cols * 4) as f64;
+        let (l2_k, l2_r) = (
+            l2_bytes / best_k.as_secs_f64() / 1e9,
+            l2_bytes / best_r.as_secs_f64() / 1e9,
+        );
+        // From memory, as the table measures.
+        let n = 4096;
+        let d = Dims::new(1, n, n, r).expect("valid shape");
+        let m: Vec<f32> = (0..n * n)
+            .map(|i| ((i % 251) as f32 - 125.0) * 1e-3)
+            .collect();
+        let (p, mut q, mut p_out) = (
+            vec![0.5f32; d.p_len()],
+            vec![0.25f32; d.q_len()],
+            vec![0.0f32; d.p_len()],
+        );
+        let (mut tk, mut tr) = (Vec::new(), Vec::new());
+        for _ in 0..a.reps {
+            flush(&mut flush_buf);
+            let t = Instant::now();
+            black_box(reference(&m, 1));
+            tr.push(t.elapsed());
+            flush(&mut flush_buf);
+            let t = Instant::now();
+            run(d, &m, &p, &mut q, &mut p_out);
+            tk.push(t.elapsed());
+            black_box((&q, &p_out));
+        }
+        let bytes = (n * n * 4) as f64;
+        let cold = bytes / median(tk).as_secs_f64() / 1e9;
+        let reference = bytes / median(tr).as_secs_f64() / 1e9;
+        println!(
+            "{:<4} {r:>2} {fma_per_line:>8.1} {:>9} {l2_k:>7.1} {l2_r:>8.1} {cold:>7.2} {reference:>6.2} {:>9.2} {:>7.2}",
+            if op == Op::Mq { "mq" } else { "mtp" },
+            fma_gbs.map_or("-".into(), |g| format!("{g:.1}")),
+            cold / reference,
+            1.0 / (1.0 + reference / l2_k)
+        );
+    }
+}
+
 fn main() {
     let a = args();
     let cpu = match a.isa {
@@ -243,6 +424,10 @@ fn main() {
             std::process::exit(2)
         }),
     };
+    if a.roofline {
+        roofline(&a, &cpu);
+        return;
+    }
     let isa = cpu.isa();
     let sizes: &[usize] = if a.quick { &[4096] } else { &[4096, 16384] };
     let mut flush_buf = vec![1u64; FLUSH_BYTES / 8];
