@@ -77,11 +77,16 @@ impl Step {
         self.index
     }
 
-    /// Sets `target`'s synchronisation for this micro-step (off unless it
-    /// [communicates](Self::communicates)) until the returned guard is dropped. Call it
+    /// Sets `target`'s synchronisation for this micro-step until the returned guard is
+    /// dropped: off unless it [communicates](Self::communicates), and on a communicating
+    /// step left as it is (Accelerate's `accumulate` enters `no_sync` or nothing, so an
+    /// outer [`no_sync`](crate::no_sync) stays in force). Also tells the target whether
+    /// gradients go on accumulating after this micro-step
+    /// ([`GradSync::set_accumulating`]: every micro-step of a group but its last). Call it
     /// before the forward pass and keep the guard through the backward pass.
     pub fn apply<'a, S: GradSync + ?Sized>(&self, target: &'a mut S) -> SyncGuard<'a, S> {
-        SyncGuard::new(target, self.communicate)
+        let on = self.communicate && target.sync_enabled();
+        SyncGuard::with_accumulating(target, on, !self.sync)
     }
 
     /// Runs `f` on sync steps only; the gate for anything done once per group.

@@ -12,6 +12,17 @@ pub trait GradSync {
     fn set_sync(&mut self, on: bool) -> bool;
     /// Whether the next backward pass synchronises.
     fn sync_enabled(&self) -> bool;
+    /// Tells the target whether the gradients go on accumulating after this step: on for
+    /// every micro-step of an accumulation group but the last, including the synchronised
+    /// ones of Accelerate's `sync_each_batch`, whose reduced gradients the next micro-steps
+    /// add to. A target that zeroes the gradients of parameters unused in a synchronised
+    /// step keeps what they accumulated in the group instead while this is on (DDP keeps
+    /// any gradient a parameter holds). Returns the previous setting. The default does
+    /// nothing and returns `false`.
+    fn set_accumulating(&mut self, on: bool) -> bool {
+        let _ = on;
+        false
+    }
 }
 
 impl<T: GradSync + ?Sized> GradSync for &mut T {
@@ -20,6 +31,9 @@ impl<T: GradSync + ?Sized> GradSync for &mut T {
     }
     fn sync_enabled(&self) -> bool {
         (**self).sync_enabled()
+    }
+    fn set_accumulating(&mut self, on: bool) -> bool {
+        (**self).set_accumulating(on)
     }
 }
 
@@ -31,13 +45,31 @@ impl<T: GradSync + ?Sized> GradSync for &mut T {
 pub struct SyncGuard<'a, S: GradSync + ?Sized> {
     target: &'a mut S,
     previous: bool,
+    /// The accumulating setting to restore, where the guard changed it.
+    accumulating: Option<bool>,
 }
 
 impl<'a, S: GradSync + ?Sized> SyncGuard<'a, S> {
     /// Sets `target`'s synchronisation to `on` until the guard is dropped.
     pub fn new(target: &'a mut S, on: bool) -> Self {
         let previous = target.set_sync(on);
-        SyncGuard { target, previous }
+        SyncGuard {
+            target,
+            previous,
+            accumulating: None,
+        }
+    }
+
+    /// Sets `target`'s synchronisation to `on` and its accumulating setting
+    /// ([`GradSync::set_accumulating`]) to `accumulating` until the guard is dropped.
+    pub fn with_accumulating(target: &'a mut S, on: bool, accumulating: bool) -> Self {
+        let previous = target.set_sync(on);
+        let accumulating = Some(target.set_accumulating(accumulating));
+        SyncGuard {
+            target,
+            previous,
+            accumulating,
+        }
     }
 
     /// The setting that will be restored.
@@ -61,6 +93,9 @@ impl<S: GradSync + ?Sized> DerefMut for SyncGuard<'_, S> {
 
 impl<S: GradSync + ?Sized> Drop for SyncGuard<'_, S> {
     fn drop(&mut self) {
+        if let Some(accumulating) = self.accumulating {
+            self.target.set_accumulating(accumulating);
+        }
         self.target.set_sync(self.previous);
     }
 }

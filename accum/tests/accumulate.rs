@@ -7,11 +7,16 @@ use accum::{no_sync, with_no_sync, Accumulator, Config, Error, GradSync};
 struct Flag {
     on: bool,
     changes: usize,
+    accumulating: bool,
 }
 
 impl Flag {
     fn new(on: bool) -> Self {
-        Flag { on, changes: 0 }
+        Flag {
+            on,
+            changes: 0,
+            accumulating: false,
+        }
     }
 }
 
@@ -22,6 +27,43 @@ impl GradSync for Flag {
     }
     fn sync_enabled(&self) -> bool {
         self.on
+    }
+    fn set_accumulating(&mut self, on: bool) -> bool {
+        std::mem::replace(&mut self.accumulating, on)
+    }
+}
+
+/// Accelerate's `accumulate` enters `no_sync` on the steps that do not communicate and
+/// nothing on the others: inside an outer `no_sync`, a communicating step leaves sync
+/// off. Each step also tells the target whether the group goes on after it, and the
+/// guard restores both settings.
+#[test]
+fn a_step_inside_no_sync_stays_unsynchronised_and_says_whether_the_group_goes_on() {
+    for sync_each_batch in [false, true] {
+        let mut f = Flag::new(true);
+        let mut acc = Accumulator::with_config(Config {
+            num_steps: 2,
+            sync_each_batch,
+            sync_at_end_of_data: true,
+        })
+        .unwrap();
+        acc.start_epoch(4);
+        for i in 0..4 {
+            let step = acc.next_step().unwrap();
+            {
+                let mut outer = no_sync(&mut f);
+                let inner = step.apply(&mut *outer);
+                assert!(!inner.sync_enabled(), "step {i}: the outer no_sync holds");
+                assert_eq!(inner.accumulating, i % 2 == 0, "step {i}");
+            }
+            assert!(f.on && !f.accumulating, "step {i}: both restored");
+            {
+                let inner = step.apply(&mut f);
+                assert_eq!(inner.sync_enabled(), step.communicates(), "step {i}");
+                assert_eq!(inner.accumulating, !step.sync_gradients(), "step {i}");
+            }
+            assert!(f.on && !f.accumulating, "step {i}: both restored");
+        }
     }
 }
 

@@ -22,7 +22,10 @@
 //! every rank even when ranks disagree on which parameters were unused; the mean includes
 //! the zeros. A parameter that received gradients in unsynchronised steps since the last
 //! synchronised one keeps them instead, and they are reduced (DDP's map of used
-//! parameters also spans `no_sync` iterations).
+//! parameters also spans `no_sync` iterations). So does one that received gradients
+//! earlier in an accumulation group whose micro-steps all synchronise (Accelerate's
+//! `sync_each_batch`, told through [`accum::GradSync::set_accumulating`]): the group's
+//! synchronised micro-steps leave their reduced gradients for the next ones to add to.
 //!
 //! Without the option, `finish` with unmarked parameters returns
 //! [`Error::UnmarkedParameters`] naming all of them, after doing what the option does:
@@ -122,10 +125,13 @@ pub struct Reducer<B: CommBackend, H> {
     lens: Vec<usize>,
     places: Vec<Place>,
     is_ready: Vec<bool>,
-    /// Marked ready in an unsynchronised step since the last synchronised one: the slot
-    /// holds accumulated gradients, which a synchronised step reduces even if the
-    /// parameter is unused in that step.
+    /// Marked ready in an unsynchronised step since the last synchronised one (or in any
+    /// step of the accumulation group in progress): the slot holds accumulated
+    /// gradients, which a synchronised step reduces even if the parameter is unused in
+    /// that step.
     accumulated: Vec<bool>,
+    /// Gradients go on accumulating after this step ([`accum::GradSync::set_accumulating`]).
+    accumulating: bool,
     buckets: Vec<Bucket<B>>,
     next_launch: usize,
     sync: bool,
@@ -188,6 +194,7 @@ impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
             lens,
             is_ready: vec![false; shapes.len()],
             accumulated: vec![false; shapes.len()],
+            accumulating: false,
             places,
             buckets,
             next_launch: 0,
@@ -297,10 +304,13 @@ impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
     /// gradients are all ready is handed to the hook at once (in bucket order). The
     /// first mark of a step fixes the step's setting (see the module docs).
     pub fn mark_ready(&mut self, param: usize) -> Result<()> {
-        if self.mark(param)? {
+        let sync = self.mark(param)?;
+        if !sync || self.accumulating {
+            self.accumulated[param] = true;
+        }
+        if sync {
             self.launch_ready()
         } else {
-            self.accumulated[param] = true;
             Ok(())
         }
     }
@@ -426,7 +436,9 @@ impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
         self.next_launch = 0;
         self.marked = 0;
         let rebuilt = if step_sync {
-            self.accumulated.iter_mut().for_each(|a| *a = false);
+            if !self.accumulating {
+                self.accumulated.iter_mut().for_each(|a| *a = false);
+            }
             if std::mem::take(&mut self.rebuild_pending) {
                 self.rebuild()
             } else {
@@ -589,8 +601,9 @@ impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
         Ok(())
     }
 
-    /// Sets every gradient to zero.
+    /// Sets every gradient to zero (and forgets which parameters accumulated any).
     pub fn zero_grad(&mut self) -> Result<()> {
+        self.accumulated.iter_mut().for_each(|a| *a = false);
         for b in 0..self.buckets.len() {
             let storage = self.buckets[b]
                 .storage
@@ -678,6 +691,13 @@ impl<B: CommBackend, H: CommHook<B>> accum::GradSync for Reducer<B, H> {
 
     fn sync_enabled(&self) -> bool {
         self.sync
+    }
+
+    /// While on, a synchronised step keeps the record of which parameters hold
+    /// gradients, so that one unused in a later micro-step of the group keeps what it
+    /// accumulated (see the module docs).
+    fn set_accumulating(&mut self, on: bool) -> bool {
+        std::mem::replace(&mut self.accumulating, on)
     }
 }
 

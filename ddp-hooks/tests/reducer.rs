@@ -316,6 +316,88 @@ fn a_parameter_unused_only_in_the_synchronised_step_keeps_its_accumulated_gradie
     }
 }
 
+/// Accelerate's `sync_each_batch`: every micro-step of a group synchronises while the
+/// gradients keep accumulating, so a parameter unused in a later micro-step keeps what
+/// the group gave it (DDP reduces any gradient a parameter holds) instead of counting as
+/// zero. Parameter 0 is used in micro-step 1 on rank 0 only; parameter 2 in micro-step 0
+/// only. The next group starts from `zero_grad`, and its unused parameters are zeros.
+#[test]
+fn with_sync_each_batch_a_parameter_unused_later_in_the_group_keeps_its_gradients() {
+    let shapes = vec![vec![4], vec![3, 2], vec![5]];
+    let config = ReducerConfig {
+        find_unused_parameters: true,
+        ..ReducerConfig::default()
+    };
+    let g = |rank: usize, step: usize, p: usize| {
+        random(len(&shapes[p]), (100 + rank * 10 + step * 3 + p) as u64)
+    };
+    let used = |rank: usize, step: usize, p: usize| match (step, p) {
+        (0, _) | (1, 1) => true,
+        (1, 0) => rank == 0,
+        (2, 1) => true,
+        _ => false,
+    };
+    let out = run_local_with_timeout(2, TIMEOUT, |group| {
+        let rank = group.rank();
+        let mut r = reducer(Arc::new(group), &shapes, config);
+        let mut acc = accum::Accumulator::with_config(accum::Config {
+            num_steps: 2,
+            sync_each_batch: true,
+            sync_at_end_of_data: true,
+        })
+        .unwrap();
+        let mut after = Vec::new();
+        for (step, _) in acc.epoch(0..3) {
+            {
+                let mut r = step.apply(&mut r);
+                assert!(
+                    r.sync_enabled(),
+                    "sync_each_batch synchronises every micro-step"
+                );
+                for p in (0..shapes.len()).rev() {
+                    if used(rank, after.len(), p) {
+                        r.grad_mut(p)
+                            .unwrap()
+                            .iter_mut()
+                            .zip(g(rank, after.len(), p))
+                            .for_each(|(a, b)| *a += b);
+                        r.mark_ready(p).unwrap();
+                    }
+                }
+                r.finish().unwrap();
+            }
+            after.push(grads(&r, shapes.len()));
+            step.zero_grad(|| r.zero_grad().unwrap());
+        }
+        after
+    })
+    .unwrap();
+    // Micro-step 1, as DDP reduces it: each rank's slot holds the micro-step 0 mean plus
+    // its own micro-step 1 gradient where it used the parameter.
+    let first = mean(2, &shapes, |rank, p| Some(g(rank, 0, p)));
+    let second: Vec<Vec<f64>> = first
+        .iter()
+        .enumerate()
+        .map(|(p, m0)| {
+            let extra = mean(2, &shapes, |rank, q| {
+                (q == p && used(rank, 1, q)).then(|| g(rank, 1, q))
+            });
+            m0.iter().zip(&extra[p]).map(|(a, b)| a + b).collect()
+        })
+        .collect();
+    // The next group (the epoch's last micro-step, alone): parameters 0 and 2 unused on
+    // every rank after `zero_grad`, so zeros.
+    let third = mean(2, &shapes, |rank, p| {
+        used(rank, 2, p).then(|| g(rank, 2, p))
+    });
+    for steps in out {
+        let steps = steps.unwrap();
+        assert_close(&steps[0], &first, "micro-step 0");
+        assert_close(&steps[1], &second, "micro-step 1");
+        assert_close(&steps[2], &third, "the next group");
+    }
+}
+
 #[test]
 fn marking_errors_are_values() {
     let out = run_local_with_timeout(1, TIMEOUT, |g| {
