@@ -61,6 +61,13 @@
 //! peers (or leave a launched bucket unwaited), so the step keeps its setting, `finish`
 //! waits for every launched bucket as always, and returns [`Error::SyncChanged`]; the new
 //! setting applies from the next step.
+//!
+//! A step abandoned before its `finish` (an early return or a caught panic between the
+//! marks, with the `no_sync` guard dropped on the way out) is still in progress: its
+//! marks stand, so marking a parameter again is an error. Call `finish` to end it: it
+//! waits for what was launched, reports the step's error (here `SyncChanged`), and the
+//! next step starts clean. Gradients written in the abandoned step stay in their slots,
+//! as they stay in `.grad` in PyTorch.
 
 mod assign;
 

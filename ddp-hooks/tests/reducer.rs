@@ -398,6 +398,47 @@ fn with_sync_each_batch_a_parameter_unused_later_in_the_group_keeps_its_gradient
     }
 }
 
+/// A step abandoned inside `no_sync` (an early return after a mark) is ended by
+/// `finish`, which reports it; the next step then runs normally and reduces what the
+/// slots hold.
+#[test]
+fn finish_ends_a_step_abandoned_inside_no_sync() {
+    let shapes = vec![vec![4], vec![3]];
+    let out = run_local_with_timeout(2, TIMEOUT, |group| {
+        let rank = group.rank();
+        let mut r = reducer(Arc::new(group), &shapes, ReducerConfig::default());
+        let abandoned = |r: &mut AllReduceReducer| -> ddp_hooks::Result<()> {
+            let mut r = no_sync(r);
+            r.grad_mut(1).unwrap().fill(1.0);
+            r.mark_ready(1)?;
+            Err(Error::Bucket {
+                index: 0,
+                why: "the caller gave up".into(),
+            })
+        };
+        assert!(abandoned(&mut r).is_err());
+        assert!(r.mark_ready(1).is_err(), "the abandoned step's mark stands");
+        assert!(matches!(r.finish(), Err(Error::SyncChanged { .. })));
+        // The next step: synchronised, every parameter written.
+        r.grad_mut(0).unwrap().fill(rank as f32);
+        r.grad_mut(1)
+            .unwrap()
+            .iter_mut()
+            .for_each(|x| *x += rank as f32);
+        r.mark_ready(1).unwrap();
+        r.mark_ready(0).unwrap();
+        r.finish().unwrap();
+        grads(&r, 2)
+    })
+    .unwrap();
+    for got in out {
+        let got = got.unwrap();
+        assert_eq!(got[0], vec![0.5; 4]);
+        // 1 from the abandoned step plus the rank, averaged over ranks 0 and 1.
+        assert_eq!(got[1], vec![1.5; 3]);
+    }
+}
+
 #[test]
 fn marking_errors_are_values() {
     let out = run_local_with_timeout(1, TIMEOUT, |g| {
