@@ -106,7 +106,10 @@ impl Step {
     }
 
     /// Gate for the learning-rate scheduler: it steps with the optimizer, once per group
-    /// (same as [`on_sync`](Self::on_sync)).
+    /// (same as [`on_sync`](Self::on_sync)), whatever the number of processes. Accelerate
+    /// steps a prepared scheduler `num_processes` times per optimizer step when
+    /// `split_batches` is off; size a schedule ported from it in optimizer steps (its
+    /// total divided by the number of processes).
     pub fn scheduler_step<R>(&self, f: impl FnOnce() -> R) -> Option<R> {
         self.on_sync(f)
     }
@@ -116,6 +119,8 @@ impl Step {
 struct EpochState {
     len: usize,
     taken: usize,
+    /// The length was known from the start (not a stream), so the last group's size is.
+    sized: bool,
 }
 
 /// Decides, micro-step by micro-step, when gradients synchronise (Accelerate's
@@ -166,7 +171,11 @@ impl Accumulator {
     /// and how long the last group is. Use [`epoch`](Self::epoch) to do this from an
     /// iterator.
     pub fn start_epoch(&mut self, len: usize) {
-        self.epoch = Some(EpochState { len, taken: 0 });
+        self.epoch = Some(EpochState {
+            len,
+            taken: 0,
+            sized: len != usize::MAX,
+        });
     }
 
     /// Decides the next micro-step. Call before its forward pass.
@@ -182,7 +191,11 @@ impl Accumulator {
         let end_of_data = remaining == 1;
         let (group_size, sync) = if self.config.sync_at_end_of_data {
             (
-                n.min(position + remaining),
+                if epoch.sized {
+                    n.min(position + remaining)
+                } else {
+                    n
+                },
                 position + 1 == n || end_of_data,
             )
         } else {
@@ -207,6 +220,29 @@ impl Accumulator {
         self.last_sync
     }
 
+    /// An epoch of unknown length, until the next [`start_epoch`](Self::start_epoch):
+    /// micro-steps synchronise every `num_steps` (Accelerate's rule outside a prepared
+    /// dataloader) and none is the end of the data. To have the last batch of a stream
+    /// close its group, iterate it with [`stream`](Self::stream).
+    pub fn start_unbounded(&mut self) {
+        self.start_epoch(usize::MAX);
+    }
+
+    /// Iterates `batches`, of a length not known in advance (an iterable dataset), as
+    /// one epoch, pairing each batch with its [`Step`]. It looks one batch ahead, as
+    /// Accelerate's dataloader does for iterable datasets, so the last batch is the end of
+    /// the data: with `sync_at_end_of_data` it synchronises and closes its group. The
+    /// size of that last group is not known before it ends, so every step of a stream
+    /// reports [`group_size`](Step::group_size) `num_steps` (Accelerate's loss scale):
+    /// a short last group is scaled by `1 / num_steps`, not by its own size.
+    pub fn stream<I: Iterator>(&mut self, batches: I) -> Stream<'_, I> {
+        self.start_unbounded();
+        Stream {
+            acc: self,
+            batches: batches.peekable(),
+        }
+    }
+
     /// Iterates `batches` as one epoch, pairing each batch with its [`Step`]. An iterator
     /// that yields more items than its `len()` promised is cut at `len()`.
     pub fn epoch<I: ExactSizeIterator>(&mut self, batches: I) -> Epoch<'_, I> {
@@ -219,6 +255,28 @@ impl Accumulator {
 pub struct Epoch<'a, I> {
     acc: &'a mut Accumulator,
     batches: I,
+}
+
+/// A stream of batches paired with their steps; see [`Accumulator::stream`].
+pub struct Stream<'a, I: Iterator> {
+    acc: &'a mut Accumulator,
+    batches: std::iter::Peekable<I>,
+}
+
+impl<I: Iterator> Iterator for Stream<'_, I> {
+    type Item = (Step, I::Item);
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let batch = self.batches.next()?;
+        if self.batches.peek().is_none() {
+            // The last batch: the epoch ends with it.
+            if let Some(epoch) = self.acc.epoch.as_mut() {
+                epoch.len = epoch.taken + 1;
+            }
+        }
+        let step = self.acc.next_step().ok()?;
+        Some((step, batch))
+    }
 }
 
 impl<I: Iterator> Iterator for Epoch<'_, I> {

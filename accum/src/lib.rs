@@ -54,7 +54,7 @@
 mod accumulator;
 mod guard;
 
-pub use accumulator::{Accumulator, Config, Epoch, Step};
+pub use accumulator::{Accumulator, Config, Epoch, Step, Stream};
 pub use guard::{no_sync, with_no_sync, GradSync, SyncGuard};
 
 /// What can go wrong when configuring or driving an [`Accumulator`].

@@ -1,6 +1,6 @@
 //! The `Accumulator`'s sync pattern, loss scales and gates, and the guards' restoration.
 
-use accum::{no_sync, with_no_sync, Accumulator, Config, Error, GradSync};
+use accum::{no_sync, with_no_sync, Accumulator, Config, Error, GradSync, Step};
 
 /// A sync flag that records every change, standing in for an engine's switch.
 #[derive(Debug)]
@@ -253,4 +253,39 @@ fn guard_restores_on_caught_panic() {
     }));
     assert!(caught.is_err());
     assert!(f.on, "sync restored while unwinding");
+}
+
+/// A stream of unknown length syncs as an epoch of its length would: the look-ahead
+/// finds the last batch, which closes its group. Unbounded, every `num_steps`-th step
+/// syncs and none is the end of the data.
+#[test]
+fn a_stream_ends_its_last_group_as_an_epoch_of_its_length_does() {
+    for n in 1..=3 {
+        for len in 0..8 {
+            let mut sized = Accumulator::new(n).unwrap();
+            let want: Vec<Step> = sized.epoch(0..len).map(|(s, _)| s).collect();
+            let mut streamed = Accumulator::new(n).unwrap();
+            let got: Vec<Step> = streamed
+                .stream((0..len).filter(|_| true))
+                .map(|(s, _)| s)
+                .collect();
+            assert_eq!(got.len(), want.len(), "n = {n}, len = {len}");
+            for (g, w) in got.iter().zip(&want) {
+                let what = format!("n = {n}, len = {len}, step {}", w.index());
+                assert_eq!(g.sync_gradients(), w.sync_gradients(), "{what}");
+                assert_eq!(g.communicates(), w.communicates(), "{what}");
+                assert_eq!(g.end_of_data(), w.end_of_data(), "{what}");
+                assert_eq!(g.index(), w.index(), "{what}");
+                // A stream cannot know its last group is short: Accelerate's scale.
+                assert_eq!(g.group_size(), n, "{what}");
+            }
+        }
+        let mut open = Accumulator::new(n).unwrap();
+        open.start_unbounded();
+        for i in 0..10 {
+            let step = open.next_step().unwrap();
+            assert_eq!(step.sync_gradients(), (i + 1) % n == 0, "n = {n}, step {i}");
+            assert!(!step.end_of_data());
+        }
+    }
 }
