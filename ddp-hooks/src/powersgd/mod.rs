@@ -6,7 +6,8 @@
 //! compression test:
 //!
 //! 1. `Q` (the previous step's under warm start, else a random one) is orthogonalised,
-//!    and any zero column it has is redrawn from the random stream shared by the ranks;
+//!    and any zero column it has is refilled with counter-based values
+//!    ([`lowrank::refill_value`]), the same on every rank, and orthogonalised again;
 //! 2. the uncompressed tensors' all-reduce is launched before the products, so it
 //!    overlaps them (when earlier buckets are still issuing their collectives, it is
 //!    launched as soon as they are done, and the products overlap their communication);
@@ -30,10 +31,14 @@
 //! others to exactly zero (an all-zero gradient, say from a layer unused in a step, or
 //! one of lower rank than `r`). Under warm start a zero column of `Q` would give a zero
 //! column of `P` and again of `Q`, forever: the approximation would keep fewer than `r`
-//! directions, none after an all-zero step. So a zero column of `Q` is redrawn before it
-//! is used. Every rank holds the same `Q` and the same random stream, so every rank
-//! redraws the same columns with the same values; nothing is drawn while no column is
-//! zero. The batched hook does the same.
+//! directions, none after an all-zero step. So a zero column of `Q` is refilled before it
+//! is used ([`lowrank::Backend::orthogonalize_refill`]), with counter-based values keyed
+//! by bucket and step ([`lowrank::refill_value`]): every rank holds the same `Q`, so every
+//! rank refills the same columns with the same bits, on every backend, and nothing is
+//! drawn from the random stream (which PyTorch's `torch.randn` state corresponds to), so
+//! a refill never shifts later draws. A column whose norm after Gram-Schmidt is at most
+//! `8 ε` of its norm before counts as zero (PyTorch would normalise that remainder, noise
+//! included). The batched hook does the same.
 
 mod batched;
 mod config;
