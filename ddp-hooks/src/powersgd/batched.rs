@@ -7,6 +7,15 @@
 //! 3-D assertion on the first compressed step; this one works and is tested there.
 //! Error feedback covers the padded matrix, as in PyTorch (so the pad carries error).
 //! Without warm start the factor buffers are kept and `Q` is re-drawn each step.
+//!
+//! A failed step (a collective, or a kernel between two collectives) fails alone, as in
+//! the per-layer hook ([`super::PowerSgd`]): the step works on its own padded matrix, `P`
+//! and `Q`, and changes the bucket's memories (error, `P`, `Q`) only once both
+//! collectives have succeeded, so they stay as they were before the step, the next step
+//! works and the state saves and loads. Its statistics are counted and, at the bucket's
+//! first compressed step or without warm start, its random draw of `Q` is consumed (the
+//! drawn `Q` stays in the memory, and the next step starts from it or redraws); its
+//! iteration is not counted.
 
 use super::progress::{in_flight, lock, refill_key, Progress};
 use super::sequence::Sequencer;
@@ -15,22 +24,30 @@ use super::{PowerSgdConfig, PowerSgdState};
 use crate::{CommBackend, CommHook, CompressionStats, Error, GradBucket, HookState, Result};
 use collectives::{ProcessGroup, ReduceOp, Work};
 use lowrank::{Backend, Dims};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 
-/// One bucket's memory: the padded matrix, its error, and the factors (`None` while in
-/// a collective).
+/// One bucket's memory: its error and the factors as the last completed step left them,
+/// and the buffers a step works in.
 struct Memory<B: Backend> {
     len: usize,
-    padded: Option<B::Buffer<f32>>,
     error: Option<B::Buffer<f32>>,
-    p: Option<B::Buffer<f32>>,
-    q: Option<B::Buffer<f32>>,
+    p: B::Buffer<f32>,
+    q: B::Buffer<f32>,
+    /// The padded matrix, kept from step to step (absent while a step is in flight, and
+    /// after a failed step lost it: reallocated then).
+    padded: Option<B::Buffer<f32>>,
+    /// The step's own `P` and `Q`, the buffers it all-reduces, swapped with `p` and `q`
+    /// when it succeeds; kept like `padded`.
+    work: Option<(B::Buffer<f32>, B::Buffer<f32>)>,
 }
 
 struct Inner<B: Backend> {
     progress: Progress,
     memory: BTreeMap<usize, Memory<B>>,
+    /// The buckets with a compressed step in flight: taken by `start`, released by the
+    /// step's last continuation whether it succeeded or failed.
+    busy: BTreeSet<usize>,
 }
 
 /// The batched PowerSGD hook. Same configuration and statistics as [`super::PowerSgd`];
@@ -70,6 +87,7 @@ impl<B: CommBackend> BatchedPowerSgd<B> {
             inner: Arc::new(Mutex::new(Inner {
                 progress: Progress::new(config),
                 memory: BTreeMap::new(),
+                busy: BTreeSet::new(),
             })),
             sequence: Sequencer::default(),
         })
@@ -158,19 +176,16 @@ impl<B: CommBackend> BatchedPowerSgd<B> {
                 index,
                 Memory {
                     len: saved.len,
-                    padded: Some(padded),
                     error,
-                    p: Some(be.upload(&saved.p)?),
-                    q: Some(be.upload(&saved.q)?),
+                    p: be.upload(&saved.p)?,
+                    q: be.upload(&saved.q)?,
+                    padded: Some(padded),
+                    work: None,
                 },
             );
         }
         let mut g = lock(&self.inner);
-        if let Some((&index, _)) = g
-            .memory
-            .iter()
-            .find(|(_, m)| m.padded.is_none() || m.p.is_none() || m.q.is_none())
-        {
+        if let Some(&index) = g.busy.iter().next() {
             return Err(in_flight(index));
         }
         g.progress = Progress::from_state(&state);
@@ -180,33 +195,32 @@ impl<B: CommBackend> BatchedPowerSgd<B> {
     }
 
     /// The whole state except the process group (same format as [`super::PowerSgd`]'s).
-    /// A memory holding a NaN or an infinity is [`Error::NonFinite`].
+    /// A memory holding a NaN or an infinity is [`Error::NonFinite`]. A step still in
+    /// flight is [`Error::Bucket`]; after a failed step (its work has returned the error)
+    /// the memories save as they were before that step.
     pub fn save(&self) -> Result<PowerSgdState> {
         let g = lock(&self.inner);
-        let host = |b: &Option<B::Buffer<f32>>, index: usize| -> Result<Vec<f32>> {
-            match b {
-                None => Err(in_flight(index)),
-                Some(b) => {
-                    let mut v = vec![0.0; B::buffer_len(b)];
-                    self.backend.download(B::view(b, ..)?, &mut v)?;
-                    Ok(v)
-                }
-            }
+        if let Some(&index) = g.busy.iter().next() {
+            return Err(in_flight(index));
+        }
+        let host = |b: &B::Buffer<f32>| -> Result<Vec<f32>> {
+            let mut v = vec![0.0; B::buffer_len(b)];
+            self.backend.download(B::view(b, ..)?, &mut v)?;
+            Ok(v)
         };
         let mut buckets = BTreeMap::new();
         for (&i, m) in &g.memory {
-            let error = if m.error.is_some() {
-                host(&m.error, i)?
-            } else {
-                Vec::new()
+            let error = match &m.error {
+                Some(e) => host(e)?,
+                None => Vec::new(),
             };
             buckets.insert(
                 i,
                 SavedBucket {
                     len: m.len,
                     error,
-                    p: host(&m.p, i)?,
-                    q: host(&m.q, i)?,
+                    p: host(&m.p)?,
+                    q: host(&m.q)?,
                 },
             );
         }
@@ -215,6 +229,12 @@ impl<B: CommBackend> BatchedPowerSgd<B> {
         Ok(state)
     }
 
+    /// Starts one bucket's reduction; errors here mean nothing was communicated.
+    ///
+    /// The step works on its own padded matrix, `P` and `Q` (the memory's `Q` is copied,
+    /// then orthogonalised); the bucket's memories change only in the step's last
+    /// continuation, once both collectives have succeeded, and that continuation releases
+    /// the bucket either way (see the module's documentation).
     fn start(&self, bucket: GradBucket<B>) -> Result<Work<B::Buffer<f32>>> {
         let (be, group) = (self.backend.clone(), self.group.clone());
         let (index, is_last) = (bucket.index(), bucket.is_last());
@@ -230,6 +250,9 @@ impl<B: CommBackend> BatchedPowerSgd<B> {
                 issued.complete(Ok(()));
                 work
             }));
+        }
+        if g.busy.contains(&index) {
+            return Err(in_flight(index));
         }
         let (side, r) = (side_of(len), cfg.matrix_approximation_rank);
         let dims = Dims::new(1, side, side, r)?;
@@ -252,51 +275,60 @@ impl<B: CommBackend> BatchedPowerSgd<B> {
             };
             slot.insert(Memory {
                 len,
-                padded: Some(be.alloc(side * side)?),
                 error,
-                p: Some(be.alloc(side * r)?),
-                q: Some(be.alloc(side * r)?),
+                p: be.alloc(side * r)?,
+                q: be.alloc(side * r)?,
+                padded: Some(be.alloc(side * side)?),
+                work: None,
             });
         }
         let m = g.memory.get_mut(&index).ok_or_else(|| in_flight(index))?;
-        let mut xp = m.padded.take().ok_or_else(|| in_flight(index))?;
-        let mut p = m.p.take().ok_or_else(|| in_flight(index))?;
-        let q = m.q.as_mut().ok_or_else(|| in_flight(index))?;
+        let mut xp = match m.padded.take() {
+            Some(b) if B::buffer_len(&b) == side * side => b,
+            _ => be.try_alloc(side * side)?,
+        };
+        let (mut p, mut q) = match m.work.take() {
+            Some((p, q)) if B::buffer_len(&p) == side * r && B::buffer_len(&q) == side * r => {
+                (p, q)
+            }
+            _ => (be.try_alloc(side * r)?, be.try_alloc(side * r)?),
+        };
         be.copy(B::view(&x, ..)?, B::view_mut(&mut xp, ..len)?)?;
         be.zero(B::view_mut(&mut xp, len..)?)?;
         if randomize {
-            be.fill_normal(&mut g.progress.rng, B::view_mut(q, ..)?)?;
+            // Into the memory: a failed step leaves the drawn `Q` there.
+            be.fill_normal(&mut g.progress.rng, B::view_mut(&mut m.q, ..)?)?;
         }
+        be.copy(B::view(&m.q, ..)?, B::view_mut(&mut q, ..)?)?;
         // PyTorch orthogonalises Q here without epsilon. A zero column would stay zero
         // under warm start: refilled inside the orthogonalisation (see `refill_key`).
         let key = refill_key(cfg.random_seed, index, g.progress.iter);
-        be.orthogonalize_refill(1, side, r, B::view_mut(q, ..)?, 0.0, key)?;
+        be.orthogonalize_refill(1, side, r, B::view_mut(&mut q, ..)?, 0.0, key)?;
         match &m.error {
             Some(e) => be.add_mq(
                 dims,
                 B::view_mut(&mut xp, ..)?,
                 B::view(e, ..)?,
-                B::view(q, ..)?,
+                B::view(&q, ..)?,
                 B::view_mut(&mut p, ..)?,
             )?,
             None => be.mq(
                 dims,
                 B::view(&xp, ..)?,
-                B::view(q, ..)?,
+                B::view(&q, ..)?,
                 B::view_mut(&mut p, ..)?,
             )?,
         }
+        // Nothing below returns early: the step's last continuation releases the bucket.
+        g.busy.insert(index);
         drop(guard);
-        let (be1, inner1, group1) = (be.clone(), self.inner.clone(), group.clone());
-        let inner2 = self.inner.clone();
+        let (be1, group1, inner) = (be.clone(), group.clone(), self.inner.clone());
         // Collectives in one order on every rank (see `sequence.rs`).
         Ok(self.sequence.next(move |issued| {
             let chain = be.all_reduce(&*group, p, ReduceOp::Sum).and_then(move |p| {
-                let step = || -> Result<(B::Buffer<f32>, B::Buffer<f32>)> {
-                    let mut p = p;
-                    let mut g = lock(&inner1);
-                    let m = g.memory.get_mut(&index).ok_or_else(|| in_flight(index))?;
-                    let mut q = m.q.take().ok_or_else(|| in_flight(index))?;
+                // `Q = Xᵀ P̂` into the step's `q` (its orthogonalised input is no longer
+                // needed); the memory is not touched.
+                let step = |mut p: B::Buffer<f32>, mut q: B::Buffer<f32>| -> Result<_> {
                     be1.orthogonalize(1, side, r, B::view_mut(&mut p, ..)?, 0.0)?;
                     be1.mtp(
                         dims,
@@ -304,54 +336,92 @@ impl<B: CommBackend> BatchedPowerSgd<B> {
                         B::view(&p, ..)?,
                         B::view_mut(&mut q, ..)?,
                     )?;
-                    m.p = Some(p);
-                    Ok((q, xp))
+                    Ok((p, q))
                 };
-                let work = match step() {
-                    Ok((q, xp)) => be1
+                let work = match step(p, q) {
+                    Ok((p, q)) => be1
                         .all_reduce(&*group1, q, ReduceOp::Avg)
-                        .then(move |q| Ok((q?, xp))),
+                        .then(move |q| Ok((p, q?, xp))),
                     Err(e) => Work::ready(Err(e.into())),
                 };
                 issued.complete(Ok(()));
                 work
             });
+            // The step's last continuation: it runs whether the step succeeded or not,
+            // and releases the bucket either way before the caller sees the result.
             chain.then(move |r| {
-                let (q, mut xp) = r?;
-                let mut x = x;
-                let mut g = lock(&inner2);
-                let ef = g.progress.config.use_error_feedback;
-                let m = g.memory.get_mut(&index).ok_or_else(|| in_flight(index))?;
-                let p = m.p.as_ref().ok_or_else(|| in_flight(index))?;
-                let finish = |xp: &mut B::Buffer<f32>,
-                              x: &mut B::Buffer<f32>,
-                              e: Option<&mut B::Buffer<f32>>|
-                 -> lowrank::Result<()> {
-                    match e {
-                        Some(e) if ef => be.pqt_error(
-                            dims,
-                            B::view(p, ..)?,
-                            B::view(&q, ..)?,
-                            B::view_mut(xp, ..)?,
-                            B::view_mut(e, ..)?,
-                        )?,
-                        _ => be.pqt(
-                            dims,
-                            B::view(p, ..)?,
-                            B::view(&q, ..)?,
-                            B::view_mut(xp, ..)?,
-                        )?,
+                let done = match r {
+                    Ok((p, q, xp)) => {
+                        decompress(&*be, &inner, index, is_last, len, dims, p, q, xp, x)
+                            .map_err(Into::into)
                     }
-                    be.copy(B::view(xp, ..len)?, B::view_mut(x, ..)?)
+                    Err(e) => Err(e),
                 };
-                finish(&mut xp, &mut x, m.error.as_mut()).map_err(Error::from)?;
-                m.q = Some(q);
-                m.padded = Some(xp);
-                g.progress.maybe_increase_iter(is_last);
-                Ok(x)
+                if done.is_err() {
+                    // The memories are as before the step (`decompress` changes them
+                    // only once its kernels have succeeded); the step's buffers are
+                    // lost and reallocated by the next step. Every rank sees the
+                    // collective fail and does the same.
+                    lock(&inner).busy.remove(&index);
+                    tracing::warn!(
+                        bucket = index,
+                        "a batched PowerSGD step failed; the bucket keeps its memories from before the step"
+                    );
+                }
+                done
             })
         }))
     }
+}
+
+/// `M̂ = P̂ Qᵀ` into the padded matrix with the error update, the bucket's part copied
+/// into `x`; then the step's factors swapped into the memory (the old ones become the
+/// next step's working buffers), the padded matrix kept, the bucket released and the
+/// iteration counted. The error is the only memory written before the last kernel.
+#[allow(clippy::too_many_arguments)]
+fn decompress<B: CommBackend>(
+    be: &B,
+    inner: &Mutex<Inner<B>>,
+    index: usize,
+    is_last: bool,
+    len: usize,
+    dims: Dims,
+    p: B::Buffer<f32>,
+    q: B::Buffer<f32>,
+    mut xp: B::Buffer<f32>,
+    mut x: B::Buffer<f32>,
+) -> Result<B::Buffer<f32>> {
+    let mut guard = lock(inner);
+    let g = &mut *guard;
+    let ef = g.progress.config.use_error_feedback;
+    // `start` made the memory, and nothing removes it while the step is in flight.
+    let m = g.memory.get_mut(&index).ok_or_else(|| Error::Bucket {
+        index,
+        why: "the batched PowerSGD memory of this bucket is missing".into(),
+    })?;
+    match m.error.as_mut() {
+        Some(e) if ef => be.pqt_error(
+            dims,
+            B::view(&p, ..)?,
+            B::view(&q, ..)?,
+            B::view_mut(&mut xp, ..)?,
+            B::view_mut(e, ..)?,
+        )?,
+        _ => be.pqt(
+            dims,
+            B::view(&p, ..)?,
+            B::view(&q, ..)?,
+            B::view_mut(&mut xp, ..)?,
+        )?,
+    }
+    be.copy(B::view(&xp, ..len)?, B::view_mut(&mut x, ..)?)?;
+    let old_p = std::mem::replace(&mut m.p, p);
+    let old_q = std::mem::replace(&mut m.q, q);
+    m.work = Some((old_p, old_q));
+    m.padded = Some(xp);
+    g.busy.remove(&index);
+    g.progress.maybe_increase_iter(is_last);
+    Ok(x)
 }
 
 impl<B: CommBackend> CommHook<B> for BatchedPowerSgd<B> {

@@ -8,15 +8,21 @@ use super::{PowerSgdConfig, PowerSgdState};
 use crate::{CommBackend, CommHook, CompressionStats, Error, GradBucket, HookState, Result};
 use collectives::{ProcessGroup, ReduceOp, Work};
 use lowrank::Backend;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 
-/// A bucket's warm-start factors; `None` while the factor is in a collective.
+/// A bucket's warm-start factors, as the last completed step left them. A step works on
+/// its own pair of buffers ([`Inner::work`]) and swaps them in only once it has
+/// succeeded, so these are never in a collective and a failed step leaves them as they
+/// were.
 struct Factors<B: Backend> {
     len: usize,
-    p: Option<B::Buffer<f32>>,
-    q: Option<B::Buffer<f32>>,
+    p: B::Buffer<f32>,
+    q: B::Buffer<f32>,
 }
+
+/// A factor buffer (`P` or `Q`).
+type Factor<B> = <B as Backend>::Buffer<f32>;
 
 struct Inner<B: Backend> {
     progress: Progress,
@@ -29,6 +35,13 @@ struct Inner<B: Backend> {
     /// Stacking buffers of the batches whose matrices are not contiguous in the bucket,
     /// kept from step to step (absent while a step is in flight); never saved.
     stacks: BTreeMap<usize, B::Buffer<f32>>,
+    /// Each bucket's working `P` and `Q`, the buffers a step computes and all-reduces,
+    /// kept from step to step (absent while a step is in flight, and after a failed
+    /// step, which lost them in its collectives: reallocated then); never saved.
+    work: BTreeMap<usize, (Factor<B>, Factor<B>)>,
+    /// The buckets with a compressed step in flight: taken by `start`, released by the
+    /// step's last continuation whether it succeeded or failed.
+    busy: BTreeSet<usize>,
 }
 
 /// The PowerSGD hook: owns its state (a [`PowerSgdState`] when saved) and reduces every
@@ -38,6 +51,23 @@ struct Inner<B: Backend> {
 /// [`PowerSgdConfig::batch_tensors_with_same_shape`] (the same results; see that field
 /// for the copies it may make and where it pays). Left unset, the flag takes the
 /// backend's default, resolved when the hook is built ([`PowerSgd::batches_same_shape`]).
+///
+/// **A failed step fails alone.** When a collective fails (or a kernel fails between two
+/// collectives), the step's work returns that error, and the bucket's memories are left
+/// exactly as before the step: the error feedback is only updated by a step's last
+/// continuation, and a step computes and all-reduces its own `P` and `Q` buffers, swapped
+/// into the warm-start memory only when it succeeds. So the next step of the bucket
+/// works, [`PowerSgd::save`] and [`CommHook::load_state`] work, and with warm start the
+/// following steps are those of a run that never saw the failed step (its gradient is
+/// dropped, as in PyTorch, whose memories keep their tensors when the hook raises). What
+/// the failed step did change: its compression statistics are counted (PyTorch counts
+/// them before communicating) and, at a bucket's first compressed step or without warm
+/// start, its random draw of `Q` is consumed; without warm start the drawn `Q` is then
+/// dropped, as after a completed step. The iteration is not counted, as in PyTorch (it
+/// is counted after decompression). Every rank sees a failed collective fail, and every
+/// rank recovers the same way, so the ranks stay consistent. (A kernel failure *during*
+/// decompression, a bug rather than a communication failure, may leave the error of the
+/// batches before it updated.)
 pub struct PowerSgd<B: CommBackend> {
     backend: Arc<B>,
     group: Arc<dyn ProcessGroup>,
@@ -70,6 +100,8 @@ impl<B: CommBackend> PowerSgd<B> {
                 factors: BTreeMap::new(),
                 orders: BTreeMap::new(),
                 stacks: BTreeMap::new(),
+                work: BTreeMap::new(),
+                busy: BTreeSet::new(),
             })),
             sequence: Sequencer::default(),
         })
@@ -102,9 +134,14 @@ impl<B: CommBackend> PowerSgd<B> {
 
     /// The whole state except the process group, on the host. A memory holding a NaN
     /// or an infinity (from a non-finite gradient) is [`Error::NonFinite`]: such a state
-    /// is corrupt and would not load. A step still in flight is [`Error::Bucket`].
+    /// is corrupt and would not load. A step still in flight is [`Error::Bucket`]; after
+    /// a failed step (its work has returned the error) the state saves as it was before
+    /// that step (see [`PowerSgd`]).
     pub fn save(&self) -> Result<PowerSgdState> {
         let g = lock(&self.inner);
+        if let Some(&index) = g.busy.iter().next() {
+            return Err(in_flight(index));
+        }
         let be = &*self.backend;
         let host = |buf: &B::Buffer<f32>| -> Result<Vec<f32>> {
             let mut v = vec![0.0; B::buffer_len(buf)];
@@ -131,13 +168,8 @@ impl<B: CommBackend> PowerSgd<B> {
             );
         }
         for (&index, f) in &g.factors {
-            let (p, q) = match (&f.p, &f.q) {
-                (Some(p), Some(q)) => (
-                    saved(index, Memory::P, host(p)?)?,
-                    saved(index, Memory::Q, host(q)?)?,
-                ),
-                _ => return Err(in_flight(index)),
-            };
+            let p = saved(index, Memory::P, host(&f.p)?)?;
+            let q = saved(index, Memory::Q, host(&f.q)?)?;
             let entry = buckets.entry(index).or_insert_with(|| SavedBucket {
                 len: f.len,
                 error: Vec::new(),
@@ -199,18 +231,14 @@ impl<B: CommBackend> PowerSgd<B> {
                     index,
                     Factors {
                         len: saved.len,
-                        p: Some(p),
-                        q: Some(q),
+                        p,
+                        q,
                     },
                 );
             }
         }
         let mut g = lock(&self.inner);
-        if let Some((&index, _)) = g
-            .factors
-            .iter()
-            .find(|(_, f)| f.p.is_none() || f.q.is_none())
-        {
+        if let Some(&index) = g.busy.iter().next() {
             return Err(in_flight(index));
         }
         g.progress = Progress::from_state(&state);
@@ -221,15 +249,17 @@ impl<B: CommBackend> PowerSgd<B> {
         // The memories are in the saved order until each bucket's next step.
         g.orders.clear();
         g.stacks.clear();
+        g.work.clear();
         Ok(())
     }
 
     /// Starts one bucket's reduction; errors here mean nothing was communicated.
     ///
-    /// Everything that can fail (the plan, the memory checks, allocations, `Q`'s
-    /// orthogonalisation and the redraw of its zero columns) runs first. Then the
-    /// bucket's turn is taken in the [`Sequencer`]: when it comes, the uncompressed
-    /// tensors' all-reduce is launched at once, and `P`'s once the products are done.
+    /// Everything that can fail (the plan, the memory checks, allocations, the copy of
+    /// the warm-start `Q` into the step's own buffer, its orthogonalisation and the
+    /// redraw of its zero columns) runs first. Then the bucket's turn is taken in the
+    /// [`Sequencer`]: when it comes, the uncompressed tensors' all-reduce is launched at
+    /// once, and `P`'s once the products are done.
     /// The products run on this thread right after: when the turn has already come
     /// (every earlier bucket has issued its collectives), the uncompressed all-reduce is
     /// in flight while they run; otherwise they overlap the earlier buckets'
@@ -239,6 +269,12 @@ impl<B: CommBackend> PowerSgd<B> {
     /// Every kernel runs once per batch of the plan ([`Plan::groups`]): one tensor each
     /// without `batch_tensors_with_same_shape`, every same-shape tensor of the bucket
     /// with it.
+    ///
+    /// The step computes and all-reduces its own `P` and `Q` ([`Inner::work`]); the
+    /// warm-start memory ([`Factors`]) and the error feedback change only in
+    /// [`decompress`], once every collective has succeeded, and the step's last
+    /// continuation releases the bucket either way, so a failure anywhere after this
+    /// returns leaves the bucket as it was before the step (see [`PowerSgd`]).
     fn start(&self, bucket: GradBucket<B>) -> Result<Work<B::Buffer<f32>>> {
         let (be, group) = (self.backend.clone(), self.group.clone());
         let (index, is_last) = (bucket.index(), bucket.is_last());
@@ -253,6 +289,9 @@ impl<B: CommBackend> PowerSgd<B> {
                 issued.complete(Ok(()));
                 work
             }));
+        }
+        if g.busy.contains(&index) {
+            return Err(in_flight(index));
         }
         let cfg = g.progress.config.clone();
         let eps = cfg.orthogonalization_epsilon;
@@ -295,8 +334,8 @@ impl<B: CommBackend> PowerSgd<B> {
                 index,
                 Factors {
                     len: plan.len,
-                    p: Some(p),
-                    q: Some(q),
+                    p,
+                    q,
                 },
             );
         }
@@ -313,33 +352,38 @@ impl<B: CommBackend> PowerSgd<B> {
             }
             g.orders.insert(index, plan.clone());
         }
-        let factors = g.factors.get_mut(&index).ok_or_else(|| in_flight(index))?;
-        if factors.p.is_none() {
-            return Err(in_flight(index));
-        }
-        let q = factors.q.as_mut().ok_or_else(|| in_flight(index))?;
+        let factors = g.factors.get(&index).ok_or_else(|| no_factors(index))?;
+        // The step's own P and Q: the memory's stay untouched until the step succeeds.
+        let (mut p, mut q) = match g.work.remove(&index) {
+            Some((p, q)) if B::buffer_len(&p) == plan.p_len && B::buffer_len(&q) == plan.q_len => {
+                (p, q)
+            }
+            _ => (be.try_alloc(plan.p_len)?, be.try_alloc(plan.q_len)?),
+        };
+        be.copy(B::view(&factors.q, ..)?, B::view_mut(&mut q, ..)?)?;
         // A zero column of Q (from a zero or low-rank gradient) would stay zero under
         // warm start; it is refilled inside the orthogonalisation, with values keyed by
         // (seed, bucket, step): the same on every rank, whatever the batching.
         let key = refill_key(cfg.random_seed, index, g.progress.iter);
         for grp in &plan.groups {
             let (b, m, r) = (grp.dims.batch(), grp.dims.m(), grp.dims.r());
-            be.orthogonalize_refill(b, m, r, B::view_mut(q, grp.q_range())?, eps, key)?;
+            be.orthogonalize_refill(b, m, r, B::view_mut(&mut q, grp.q_range())?, eps, key)?;
         }
         let mut stack = match (plan.stack_len, g.stacks.remove(&index)) {
             (0, _) => None,
             (len, Some(s)) if B::buffer_len(&s) == len => Some(s),
             (len, _) => Some(be.try_alloc(len)?),
         };
-        let mut p = factors.p.take().ok_or_else(|| in_flight(index))?;
+        // Nothing below returns early: the step's last continuation releases the bucket.
+        g.busy.insert(index);
         g.progress.record(plan.before, plan.after, is_last);
         drop(guard);
 
         // Issue this bucket's collectives in the same order on every rank: the
         // uncompressed tensors first, then P (summed, not averaged: it is orthogonalised
         // next) once the products are done, then Q from P's continuation.
-        let (products, products_done) = Work::<(B::Buffer<f32>, Memories<B>)>::pending();
-        let (inner1, inner2) = (self.inner.clone(), self.inner.clone());
+        let (products, products_done) = Work::<(Factor<B>, Factor<B>, Memories<B>)>::pending();
+        let inner = self.inner.clone();
         let (plan0, plan1) = (plan.clone(), plan.clone());
         let work = self.sequence.next(move |issued| {
             let work_u = if plan.u_len > 0 {
@@ -348,27 +392,39 @@ impl<B: CommBackend> PowerSgd<B> {
                 Work::ready(Ok(u))
             };
             let be1 = be.clone();
-            let chain = products.and_then(move |(p, xs)| {
+            let chain = products.and_then(move |(p, q, xs)| {
                 let be2 = be1.clone();
                 be1.all_reduce(&*group, p, ReduceOp::Sum)
                     .and_then(move |p| {
-                        let work = match compute_q(&*be2, &inner1, index, &plan1, eps, p, &xs) {
-                            Ok(q) => be2
+                        let work = match compute_q(&*be2, &plan1, eps, p, q, &xs) {
+                            Ok((p, q)) => be2
                                 .all_reduce(&*group, q, ReduceOp::Avg)
-                                .then(move |q| Ok((q?, xs))),
+                                .then(move |q| Ok((p, q?, xs))),
                             Err(e) => Work::ready(Err(e.into())),
                         };
                         issued.complete(Ok(()));
                         work
                     })
             });
+            // The step's last continuation: it runs whether the step succeeded or not,
+            // and releases the bucket either way before the caller sees the result.
             chain.zip(work_u).then(move |r| {
-                let ((q, xs), u) = r?;
-                Ok(decompress(&*be, &inner2, index, is_last, &plan, q, xs, &u)?)
+                let done = match r {
+                    Ok(((p, q, xs), u)) => {
+                        decompress(&*be, &inner, index, is_last, &plan, p, q, xs, &u)
+                            .map_err(Into::into)
+                    }
+                    Err(e) => Err(e),
+                };
+                if done.is_err() {
+                    release_failed(&inner, index);
+                }
+                done
             })
         });
         // The products, on this thread; their result releases P's all-reduce. On failure
-        // P goes back to the memory (the step fails as a whole, not the bucket forever).
+        // the step fails as a whole (its last continuation releases the bucket, whose
+        // memories this step has not changed); its buffers are kept for the next step.
         match first_products(
             &*self.backend,
             &self.inner,
@@ -377,12 +433,17 @@ impl<B: CommBackend> PowerSgd<B> {
             &cfg,
             &mut x,
             stack.as_mut(),
+            &q,
             &mut p,
         ) {
-            Ok(()) => products_done.complete(Ok((p, Memories { x, stack }))),
+            Ok(()) => products_done.complete(Ok((p, q, Memories { x, stack }))),
             Err(e) => {
-                if let Some(f) = lock(&self.inner).factors.get_mut(&index) {
-                    f.p = Some(p);
+                {
+                    let mut g = lock(&self.inner);
+                    g.work.insert(index, (p, q));
+                    if let Some(s) = stack {
+                        g.stacks.insert(index, s);
+                    }
                 }
                 products_done.complete(Err(e.into()));
             }
@@ -406,6 +467,33 @@ pub(super) fn zeroed<B: Backend>(be: &B, len: usize) -> Result<B::Buffer<f32>> {
     let mut buf = be.alloc(len)?;
     be.zero(B::view_mut(&mut buf, ..)?)?;
     Ok(buf)
+}
+
+/// The factors of a bucket that has memory (`start` has just made them): a bug, reported
+/// rather than a panic.
+fn no_factors(index: usize) -> Error {
+    Error::Bucket {
+        index,
+        why: "the PowerSGD factors of this bucket are missing".into(),
+    }
+}
+
+/// After a failed step (a collective, or a kernel between two collectives): releases the
+/// bucket. Its memories are as before the step (`decompress`, the only step that changes
+/// them, has not run, or failed before changing the factors); the step's working buffers
+/// are lost and reallocated by the next step. Without warm start the factors are dropped,
+/// as a completed step drops them: the next step draws a new `Q`. Every rank sees the
+/// collective fail and does the same, so the ranks stay consistent.
+fn release_failed<B: Backend>(inner: &Mutex<Inner<B>>, index: usize) {
+    let mut g = lock(inner);
+    g.busy.remove(&index);
+    if !g.progress.config.warm_start {
+        g.factors.remove(&index);
+    }
+    tracing::warn!(
+        bucket = index,
+        "a PowerSGD step failed; the bucket keeps its memories from before the step"
+    );
 }
 
 /// The bucket and, when some batch is stacked, its stacking buffer, in flight.
@@ -455,21 +543,16 @@ fn reorder<B: CommBackend>(be: &B, g: &mut Inner<B>, index: usize, plan: &Arc<Pl
         convert(Memory::Error, e)?;
     }
     if let Some(f) = g.factors.get_mut(&index) {
-        match (&mut f.p, &mut f.q) {
-            (Some(p), Some(q)) => {
-                convert(Memory::P, p)?;
-                convert(Memory::Q, q)?;
-            }
-            _ => return Err(in_flight(index)),
-        }
+        convert(Memory::P, &mut f.p)?;
+        convert(Memory::Q, &mut f.q)?;
     }
     g.orders.insert(index, plan.clone());
     Ok(())
 }
 
 /// Error feedback and the first product of every batch: `X = G + E` in place, `P = X Q`
-/// (or `P = G Q` without error feedback). A stacked batch's matrices are copied into the
-/// stack first.
+/// (or `P = G Q` without error feedback), with the step's orthogonalised `q`. A stacked
+/// batch's matrices are copied into the stack first. The error memory is only read.
 #[allow(clippy::too_many_arguments)]
 fn first_products<B: CommBackend>(
     be: &B,
@@ -479,14 +562,10 @@ fn first_products<B: CommBackend>(
     cfg: &PowerSgdConfig,
     x: &mut B::Buffer<f32>,
     mut stack: Option<&mut B::Buffer<f32>>,
+    q: &B::Buffer<f32>,
     p: &mut B::Buffer<f32>,
 ) -> Result<()> {
     let g = lock(inner);
-    let q = g
-        .factors
-        .get(&index)
-        .and_then(|f| f.q.as_ref())
-        .ok_or_else(|| in_flight(index))?;
     for grp in &plan.groups {
         let d = grp.dims;
         let src: &mut B::Buffer<f32> = match grp.x {
@@ -545,15 +624,14 @@ fn check_memory<B: Backend>(g: &Inner<B>, index: usize, plan: &Plan) -> Result<(
     }
     let mut memories = Vec::new();
     if let Some((_, e)) = error_memory {
-        memories.push(("error-feedback memory", Some(e), plan.e_len));
+        memories.push(("error-feedback memory", e, plan.e_len));
     }
     if let Some(f) = factors {
-        // A factor in a collective (`None`) is reported by the caller as in flight.
-        memories.push(("factor P", f.p.as_ref(), plan.p_len));
-        memories.push(("factor Q", f.q.as_ref(), plan.q_len));
+        memories.push(("factor P", &f.p, plan.p_len));
+        memories.push(("factor Q", &f.q, plan.q_len));
     }
     for (what, buffer, needs) in memories {
-        let has = buffer.map_or(needs, |b| B::buffer_len(b));
+        let has = B::buffer_len(buffer);
         if has != needs {
             return error(format!(
                 "the layout changed at the same length ({} elements): the {what} holds {has} elements, the new layout needs {needs}",
@@ -564,19 +642,17 @@ fn check_memory<B: Backend>(g: &Inner<B>, index: usize, plan: &Plan) -> Result<(
     Ok(())
 }
 
-/// Orthogonalises the summed `P`, computes `Q = Xᵀ P̂`, puts `P̂` back; returns `Q`.
+/// Orthogonalises the summed `P` in place and computes `Q = Xᵀ P̂` into the step's `q`
+/// (whose orthogonalised input the first products no longer need); returns both. The
+/// memory is not touched.
 fn compute_q<B: CommBackend>(
     be: &B,
-    inner: &Mutex<Inner<B>>,
-    index: usize,
     plan: &Plan,
     eps: f32,
     mut p: B::Buffer<f32>,
+    mut q: B::Buffer<f32>,
     xs: &Memories<B>,
-) -> Result<B::Buffer<f32>> {
-    let mut g = lock(inner);
-    let factors = g.factors.get_mut(&index).ok_or_else(|| in_flight(index))?;
-    let mut q = factors.q.take().ok_or_else(|| in_flight(index))?;
+) -> Result<(B::Buffer<f32>, B::Buffer<f32>)> {
     for grp in &plan.groups {
         let (d, ps) = (grp.dims, grp.p_range());
         be.orthogonalize(
@@ -593,13 +669,13 @@ fn compute_q<B: CommBackend>(
             B::view_mut(&mut q, grp.q_range())?,
         )?;
     }
-    factors.p = Some(p);
-    Ok(q)
+    Ok((p, q))
 }
 
 /// `M̂ = P̂ Qᵀ` into the bucket (with the error update; a stacked batch is copied back),
-/// the uncompressed means copied back, the factors kept for warm start, the stack kept
-/// for the next step, and the iteration counted.
+/// the uncompressed means copied back, the step's factors swapped into the memory for
+/// warm start (the memory's old buffers become the next step's working buffers), the
+/// stack kept for the next step, the bucket released, and the iteration counted.
 #[allow(clippy::too_many_arguments)]
 fn decompress<B: CommBackend>(
     be: &B,
@@ -607,6 +683,7 @@ fn decompress<B: CommBackend>(
     index: usize,
     is_last: bool,
     plan: &Plan,
+    p: B::Buffer<f32>,
     q: B::Buffer<f32>,
     xs: Memories<B>,
     u: &B::Buffer<f32>,
@@ -615,8 +692,6 @@ fn decompress<B: CommBackend>(
     let mut guard = lock(inner);
     let g = &mut *guard;
     let ef = g.progress.config.use_error_feedback;
-    let factors = g.factors.get_mut(&index).ok_or_else(|| in_flight(index))?;
-    let p = factors.p.as_ref().ok_or_else(|| in_flight(index))?;
     for grp in &plan.groups {
         let (d, ps, qs, xr) = (grp.dims, grp.p_range(), grp.q_range(), grp.x_range());
         let src: &mut B::Buffer<f32> = match grp.x {
@@ -627,13 +702,13 @@ fn decompress<B: CommBackend>(
             Some((_, e)) if ef => {
                 be.pqt_error(
                     d,
-                    B::view(p, ps)?,
+                    B::view(&p, ps)?,
                     B::view(&q, qs)?,
                     B::view_mut(src, xr)?,
                     B::view_mut(e, grp.e_range())?,
                 )?;
             }
-            _ => be.pqt(d, B::view(p, ps)?, B::view(&q, qs)?, B::view_mut(src, xr)?)?,
+            _ => be.pqt(d, B::view(&p, ps)?, B::view(&q, qs)?, B::view_mut(src, xr)?)?,
         }
         if let (Source::Stack(mut from), Some(s)) = (grp.x, &stack) {
             for &k in &grp.members {
@@ -655,13 +730,24 @@ fn decompress<B: CommBackend>(
         )?;
         at += len;
     }
-    factors.q = Some(q);
-    if !g.progress.config.warm_start {
+    let new = Factors {
+        len: plan.len,
+        p,
+        q,
+    };
+    let spare = if g.progress.config.warm_start {
+        g.factors.insert(index, new)
+    } else {
         g.factors.remove(&index);
+        Some(new)
+    };
+    if let Some(f) = spare {
+        g.work.insert(index, (f.p, f.q));
     }
     if let Some(s) = stack {
         g.stacks.insert(index, s);
     }
+    g.busy.remove(&index);
     g.progress.maybe_increase_iter(is_last);
     Ok(x)
 }
