@@ -213,7 +213,9 @@ struct Pending<T> {
 ///
 /// A failed run returns an error naming the partition, layer and micro-batch, discards the
 /// run's state, and leaves the pipe usable (parameter gradients may hold part of the
-/// step: zero them). A panic in a layer, the loss or a callback also **poisons** the pipe:
+/// step: zero them). A failed training run uses up its step number, so a retry runs at a
+/// fresh one: its random streams are its own, and a deferred batch norm drops the partial
+/// sums of the failed run instead of adding the retry's to them. A panic in a layer, the loss or a callback also **poisons** the pipe:
 /// later runs return [`Error::Poisoned`] until [`clear_poison`](Pipe::clear_poison).
 pub struct Pipe<T: Tensor> {
     partitions: Vec<Vec<Box<dyn Layer<T>>>>,
@@ -485,6 +487,12 @@ impl<T: Tensor> Pipe<T> {
                     memory.held = 0;
                     memory.deferred = 0;
                 }
+                // The failed run may have left state keyed by its step in the layers (a
+                // deferred batch norm's sums over the micro-batches it reached): the next
+                // run gets another step number, so none of it is taken for the retry's.
+                if self.train {
+                    self.step += 1;
+                }
                 if error.poisons() {
                     self.poison = Some(error.site().cloned());
                 }
@@ -661,8 +669,10 @@ impl<T: Tensor> Pipe<T> {
         self.seed
     }
 
-    /// The step number the next training run uses (incremented by each completed
-    /// `backward` or `step`).
+    /// The step number the next training run uses: incremented by each completed
+    /// `backward` or `step`, and by each training run (`forward`, `backward` or `step`)
+    /// that fails once its layers may have run, so that a retry never shares a step
+    /// number with the attempt that failed.
     pub fn step_number(&self) -> u64 {
         self.step
     }

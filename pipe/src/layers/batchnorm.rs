@@ -29,8 +29,17 @@ use crate::tensor::Tensor;
 /// once, with the mean and unbiased variance of the whole mini-batch. They then equal
 /// those of plain batch norm run on the whole batch. (torchgpipe commits the biased
 /// variance, which differs from `nn.BatchNorm`'s by `N / (N - 1)`; this one matches plain
-/// batch norm.) Accumulation restarts when the step changes, so a failed step leaves no
-/// partial sums in the next one.
+/// batch norm.)
+///
+/// Only a micro-batch's first forward pass is counted: a recomputation (checkpointing)
+/// adds nothing. Accumulation restarts when the step number changes, and when a
+/// micro-batch already counted comes again at the same step (a new pass over the
+/// mini-batch, as when a step number is reused): a micro-batch is never counted twice, and
+/// the sums of a pass that did not reach its last micro-batch are dropped, never committed.
+/// A [`Pipe`](crate::Pipe) gives a training run that fails a step number of its own (see
+/// [`Pipe::step_number`](crate::Pipe::step_number)), so the partial sums of a failed step
+/// never reach the running statistics, whatever order the retry's schedule runs the
+/// micro-batches in.
 #[derive(Debug, Clone)]
 pub struct BatchNorm {
     momentum: f32,
@@ -49,6 +58,8 @@ pub struct BatchNorm {
 struct Deferred {
     /// The step the sums belong to.
     step: Option<u64>,
+    /// Per micro-batch of the mini-batch, whether it is counted.
+    seen: Vec<bool>,
     sum: Vec<f64>,
     sum_squares: Vec<f64>,
     /// Elements reduced per feature.
@@ -172,9 +183,15 @@ impl BatchNorm {
         let Some(mut acc) = self.deferred.take() else {
             return;
         };
-        if acc.step != Some(ctx.step()) || acc.sum.len() != layout.c {
+        let index = ctx.micro_batch().index;
+        if acc.step != Some(ctx.step())
+            || acc.sum.len() != layout.c
+            || acc.seen.len() != ctx.micro_batches()
+            || acc.seen.get(index).copied().unwrap_or(false)
+        {
             acc = Deferred {
                 step: Some(ctx.step()),
+                seen: vec![false; ctx.micro_batches()],
                 sum: vec![0.0; layout.c],
                 sum_squares: vec![0.0; layout.c],
                 count: 0,
@@ -186,6 +203,9 @@ impl BatchNorm {
             acc.sum[ch] += v;
             acc.sum_squares[ch] += v * v;
         });
+        if let Some(seen) = acc.seen.get_mut(index) {
+            *seen = true;
+        }
         acc.count += layout.count();
         acc.tracked += 1;
         if acc.tracked >= ctx.micro_batches() {
@@ -324,5 +344,56 @@ impl Layer<CpuTensor> for BatchNorm {
     fn defer_batch_norm(&mut self) -> bool {
         self.defer();
         true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layer::Phase;
+    use crate::microbatch::MicroBatch;
+
+    /// Micro-batch `index` (of 2, 3 rows each) at step 5.
+    fn ctx(index: usize, phase: Phase) -> Context {
+        Context::new(true, 0, 5, 3)
+            .with_micro_batches(2)
+            .with_micro_batch(MicroBatch {
+                index,
+                offset: 3 * index,
+                len: 3,
+            })
+            .with_phase(phase)
+    }
+
+    fn rows(salt: f32) -> Batch<CpuTensor> {
+        let data = (0..6).map(|k| salt + k as f32 * k as f32 / 7.0).collect();
+        Batch::single(tensor(&[3, 2], data).unwrap())
+    }
+
+    fn run(bn: &mut BatchNorm, x: Batch<CpuTensor>, index: usize, phase: Phase) {
+        bn.forward(x, &mut ctx(index, phase)).unwrap();
+    }
+
+    /// A pass that stopped after micro-batch 0, then a full pass at the same step: the
+    /// first pass's sums are dropped, and the recomputation counts nothing.
+    #[test]
+    fn a_micro_batch_seen_again_at_the_same_step_starts_over() {
+        let mut want = BatchNorm::deferred(2);
+        run(&mut want, rows(1.0), 0, Phase::Forward);
+        run(&mut want, rows(2.0), 1, Phase::Forward);
+
+        let mut bn = BatchNorm::deferred(2);
+        run(&mut bn, rows(-4.0), 0, Phase::Forward);
+        run(&mut bn, rows(1.0), 0, Phase::Forward);
+        run(&mut bn, rows(1.0), 0, Phase::Recompute);
+        assert_eq!(
+            bn.running_mean().to_vec(),
+            vec![0.0; 2],
+            "nothing committed yet"
+        );
+        run(&mut bn, rows(2.0), 1, Phase::Forward);
+        assert_ne!(want.running_mean().to_vec(), vec![0.0; 2]);
+        assert_eq!(bn.running_mean().to_vec(), want.running_mean().to_vec());
+        assert_eq!(bn.running_var().to_vec(), want.running_var().to_vec());
     }
 }
