@@ -187,7 +187,9 @@ pub enum Error {
     /// A batch with nothing to split along the batch dimension.
     #[error("inputs do not have any tensors to split along the batch dimension")]
     NoTensor,
-    /// A batch of zero samples.
+    /// A batch of zero samples. torchgpipe would run `chunks` empty micro-batches
+    /// through every partition (`torch.chunk` of an empty dimension); here an empty batch
+    /// is a mistake reported before any work, as layers need not accept empty inputs.
     #[error("a batch of zero samples cannot be split into micro-batches")]
     EmptyBatch,
     /// Chunked tensors of different lengths along the batch dimension.

@@ -104,8 +104,10 @@ impl<T: Tensor> PipeBuilder<T> {
         self
     }
 
-    /// Checks the arguments, in torchgpipe's order, verifies the layers' skip
-    /// declarations (every mismatch at once, [`Error::Skip`]) and splits the layers.
+    /// Checks the arguments (`chunks`, then the balance, then the devices, as torchgpipe's
+    /// `split_module`), verifies the layers' skip declarations (every mismatch at once,
+    /// [`Error::Skip`]) and splits the layers. torchgpipe verifies the skips first, so
+    /// with both kinds of mistake it reports the skip one where this reports the argument.
     pub fn build(mut self) -> Result<Pipe<T>, Error> {
         if self.chunks == 0 {
             return Err(Error::Chunks(self.chunks));
@@ -524,11 +526,15 @@ impl<T: Tensor> Pipe<T> {
         MicroBatch::plan(len, self.chunks)
     }
 
-    /// Drops the pending forward's state, if any (and resets the memory peaks).
+    /// Drops the pending forward's state, if any (and resets the memory peaks). A
+    /// discarded training forward uses up its step number, so the next run draws fresh
+    /// random numbers: two training forwards in a row get different dropout masks, as in
+    /// torchgpipe (Monte-Carlo dropout), while a forward and its `backward` share one.
     pub fn discard_pending(&mut self) {
         if let Some(pending) = self.pending.take() {
             let trackers = pending.trackers.iter().flatten().flatten();
             self.moves = self.moves + moves_of(trackers.map(|t| &**t));
+            self.step += 1;
         }
         self.memory.iter_mut().for_each(|m| *m = Memory::default());
     }
@@ -670,9 +676,11 @@ impl<T: Tensor> Pipe<T> {
     }
 
     /// The step number the next training run uses: incremented by each completed
-    /// `backward` or `step`, and by each training run (`forward`, `backward` or `step`)
-    /// that fails once its layers may have run, so that a retry never shares a step
-    /// number with the attempt that failed.
+    /// `backward` or `step`, by each training forward discarded without its `backward`
+    /// ([`discard_pending`](Self::discard_pending), also by the next `forward` or `step`),
+    /// and by each training run (`forward`, `backward` or `step`) that fails once its
+    /// layers may have run, so that a retry never shares a step number with the attempt
+    /// that failed.
     pub fn step_number(&self) -> u64 {
         self.step
     }

@@ -193,6 +193,40 @@ fn recomputation_replays_dropout_exactly() {
 }
 
 #[test]
+fn repeated_training_forwards_draw_fresh_masks() {
+    // torchgpipe draws new masks on every forward: Monte-Carlo dropout (several training
+    // forwards of one input) must see different outputs. A forward and its backward
+    // still share their masks, and a step after two forwards matches a fresh pipe's step
+    // two step numbers later.
+    let build = || {
+        let layers: Vec<Box<dyn Layer<CpuTensor>>> = vec![
+            Box::new(Linear::new(3, 16, 1)),
+            Box::new(Dropout::new(0.5).unwrap()),
+            Box::new(Linear::new(16, 2, 2)),
+        ];
+        Pipe::builder(layers, &[2, 1])
+            .chunks(2)
+            .checkpoint(Checkpoint::Always)
+            .seed(9)
+            .build()
+            .unwrap()
+    };
+    let x = || Batch::single(data(6, 3, 1));
+    let mut pipe = build();
+    let first = pipe.forward(x()).unwrap();
+    let second = pipe.forward(x()).unwrap();
+    assert_ne!(first, second, "two training forwards drew the same masks");
+    assert_eq!(pipe.step_number(), 1);
+    let stepped = pipe.step(x(), sum_loss).unwrap();
+    assert_eq!(pipe.step_number(), 3);
+    let mut fresh = build();
+    fresh.set_step_number(2);
+    let want = fresh.step(x(), sum_loss).unwrap();
+    assert_eq!(stepped.output, want.output);
+    assert_eq!(stepped.input_grad, want.input_grad);
+}
+
+#[test]
 fn parallel_dropouts_draw_independent_masks() {
     // test_parallel_randoms: two dropout layers (different global indices) at the same step
     // drop different elements; one layer's mask for a sample does not depend on the
