@@ -125,7 +125,9 @@ impl BatchNorm {
         BatchNorm::with(features, 0.1, 1e-5)
     }
 
-    /// Batch norm with a momentum and an epsilon of your own.
+    /// Batch norm with a momentum and an epsilon of your own. PyTorch's `momentum=None`
+    /// (the cumulative average over the batches seen, with `num_batches_tracked`) has no
+    /// equivalent here.
     pub fn with(features: usize, momentum: f32, eps: f32) -> Self {
         BatchNorm {
             momentum,
