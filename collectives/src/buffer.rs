@@ -191,6 +191,12 @@ macro_rules! conversions {
 
 conversions!(f32 => F32, f16 => F16, bf16 => BF16, f64 => F64);
 
+/// Whether `v` is NaN (the one value unordered with itself).
+#[inline(always)]
+pub(crate) fn is_nan<A: PartialOrd>(v: A) -> bool {
+    v.partial_cmp(&v).is_none()
+}
+
 /// An element type that reductions work on: accumulated in `f32` (`f16`, `bf16`, `f32`)
 /// or `f64`.
 pub(crate) trait Reducible: Copy + Send + Sync + 'static {
@@ -214,14 +220,17 @@ pub(crate) trait Reducible: Copy + Send + Sync + 'static {
                 .iter_mut()
                 .zip(src)
                 .for_each(|(a, x)| *a = *a + x.widen()),
+            // NaN propagates, as torch's max and min do, whichever rank holds it.
             ReduceOp::Max => acc.iter_mut().zip(src).for_each(|(a, x)| {
-                if x.widen() > *a {
-                    *a = x.widen()
+                let v = x.widen();
+                if v > *a || is_nan(v) {
+                    *a = v
                 }
             }),
             ReduceOp::Min => acc.iter_mut().zip(src).for_each(|(a, x)| {
-                if x.widen() < *a {
-                    *a = x.widen()
+                let v = x.widen();
+                if v < *a || is_nan(v) {
+                    *a = v
                 }
             }),
         }

@@ -21,7 +21,11 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 /// - **Mismatches are errors.** Buffers of different lengths or types across ranks, or
 ///   different collectives issued at the same position, fail on every rank with
 ///   [`Error::Mismatch`](crate::Error::Mismatch) (backends that cannot see this cheaply
-///   check it in a debug mode), never with corrupted data.
+///   check it in a debug mode), never with corrupted data. An argument that one rank can
+///   reject alone (a broadcast root out of range, a `reduce_scatter` length that does
+///   not divide by the group size, a wire format other than 16 bits) fails on that rank
+///   at once, without communicating; where the ranks disagree on it, the others then see
+///   a mismatch at that rank's next operation, or a timeout.
 pub trait ProcessGroup: Send + Sync {
     /// This rank's index in the group, `0..size()`.
     fn rank(&self) -> usize;
@@ -102,9 +106,11 @@ pub trait ProcessGroup: Send + Sync {
     /// Completes once every rank has called it.
     fn barrier(&self) -> Work<()>;
 
-    /// A subgroup of the given ranks (of this group), as `torch.distributed.new_group`.
-    /// Every rank of this group must call it, with the same list, in the same order of
-    /// `new_group` calls; ranks outside the list get `None`.
+    /// A subgroup of the given ranks (of this group), as `torch.distributed.new_group`,
+    /// except for the order: rank `i` of the subgroup is `ranks[i]`, where torch sorts
+    /// the list first (pass a sorted list for torch's numbering). Every rank of this
+    /// group must call it, with the same list, in the same order of `new_group` calls;
+    /// ranks outside the list get `None`.
     fn new_group(&self, ranks: &[usize]) -> Result<Option<Box<dyn ProcessGroup>>>;
 }
 

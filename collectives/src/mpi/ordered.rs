@@ -555,12 +555,12 @@ mod tests {
                     match op {
                         ReduceOp::Sum | ReduceOp::Avg => acc += r[i],
                         ReduceOp::Max => {
-                            if r[i] > acc {
+                            if r[i] > acc || r[i].is_nan() {
                                 acc = r[i]
                             }
                         }
                         ReduceOp::Min => {
-                            if r[i] < acc {
+                            if r[i] < acc || r[i].is_nan() {
                                 acc = r[i]
                             }
                         }

@@ -268,8 +268,10 @@ impl ProcessGroup for ThreadGroup {
                 kind: Kind::Broadcast(root),
                 parts: vec![(buf.dtype(), buf.len())],
             };
+            // The length first: a borrow of `buf` after its address is posted would
+            // invalidate that address under the aliasing model.
+            let len = buf.len() * buf.dtype().size();
             let addrs = vec![addr_of(&mut buf)];
-            let len = buf.as_bytes_mut().len();
             let dst = addrs[0];
             let outcome = collective(world, rank, &desc, addrs, |all| {
                 if rank != root {
@@ -414,6 +416,12 @@ impl Drop for ThreadGroup {
         });
         drop(self.jobs.take());
         if let Some(worker) = self.worker.take() {
+            if worker.thread().id() == std::thread::current().id() {
+                // Dropped by a continuation on the worker itself (the last handle moved
+                // into it): the worker ends on its own once its queue is empty; joining
+                // here would be joining itself.
+                return;
+            }
             // The worker's pending operations fail fast on the poisoned group; a panic
             // inside one has already failed its work.
             let _ = worker.join();

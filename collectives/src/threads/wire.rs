@@ -121,15 +121,16 @@ fn combine(x: f32, y: f32, op: crate::ReduceOp) -> f32 {
     match op {
         Sum => x + y,
         Avg => (x + y) / 2.0,
+        // NaN propagates whichever rank holds it (`accumulate` does the same).
         Max => {
-            if y > x {
+            if y > x || y.is_nan() {
                 y
             } else {
                 x
             }
         }
         Min => {
-            if y < x {
+            if y < x || y.is_nan() {
                 y
             } else {
                 x
