@@ -15,11 +15,23 @@
 //! works and the state saves and loads. Its statistics are counted and, at the bucket's
 //! first compressed step or without warm start, its random draw of `Q` is consumed (the
 //! drawn `Q` stays in the memory, and the next step starts from it or redraws); its
-//! iteration is not counted.
+//! iteration is not counted. A step refused before it communicates (a changed length or
+//! layout, an allocation or kernel failure) counts no statistics, as in the per-layer
+//! hook.
+//!
+//! **The memory belongs to one layout.** Its sizes depend only on the bucket's length,
+//! but its values are positional: the error at element `i` (and the rows of `P`) belong
+//! to whichever parameter lies at element `i`. So, as for the per-layer hook
+//! ([`SavedBucket`]), a bucket whose parameter shapes differ from those its memory was
+//! built for (recorded in [`SavedBucket::layout`]) is refused at its step with
+//! [`Error::Bucket`] naming both layouts, even at the same length (with error feedback or
+//! warm start; without both nothing kept depends on the layout); same-shape parameters
+//! that trade places are not detected, and a state saved without a recorded layout is
+//! checked for its length only.
 
 use super::progress::{in_flight, lock, refill_key, Progress};
 use super::sequence::Sequencer;
-use super::state::SavedBucket;
+use super::state::{layout_mismatch, same_layout, shapes_of, SavedBucket};
 use super::{PowerSgdConfig, PowerSgdState};
 use crate::{CommBackend, CommHook, CompressionStats, Error, GradBucket, HookState, Result};
 use collectives::{ProcessGroup, ReduceOp, Work};
@@ -31,6 +43,9 @@ use std::sync::{Arc, Mutex};
 /// and the buffers a step works in.
 struct Memory<B: Backend> {
     len: usize,
+    /// The parameter shapes of the layout the memory was built for; `None` after loading
+    /// a state saved without them, until the next step records the layout it meets.
+    layout: Option<Vec<Vec<usize>>>,
     error: Option<B::Buffer<f32>>,
     p: B::Buffer<f32>,
     q: B::Buffer<f32>,
@@ -112,7 +127,10 @@ impl<B: CommBackend> BatchedPowerSgd<B> {
     /// A hook that continues from `state` (saved by [`BatchedPowerSgd::save`]) over
     /// `group`, which may differ from the group it was saved with. The state is checked
     /// first: a NaN or an infinity is [`Error::NonFinite`]; memories whose sizes do not
-    /// fit their bucket's padded matrix are [`Error::State`].
+    /// fit their bucket's padded matrix, or a recorded layout ([`SavedBucket::layout`])
+    /// whose parameters do not add up to the bucket's length, are [`Error::State`]. A
+    /// bucket's memory then applies only to the layout it was recorded with: its next
+    /// step with other parameter shapes, even at the same length, is [`Error::Bucket`].
     pub fn load(
         backend: Arc<B>,
         group: Arc<dyn ProcessGroup>,
@@ -145,6 +163,20 @@ impl<B: CommBackend> BatchedPowerSgd<B> {
         let r = config.matrix_approximation_rank;
         let mut memory = BTreeMap::new();
         for (&index, saved) in &state.buckets {
+            if let Some(shapes) = &saved.layout {
+                let total = crate::Layout::packed(shapes).map(|l| l.len());
+                if total.as_ref().ok() != Some(&saved.len) {
+                    return Err(Error::State(format!(
+                        "bucket {index} of {} elements: its recorded layout of {} parameters {}",
+                        saved.len,
+                        shapes.len(),
+                        match total {
+                            Ok(t) => format!("holds {t} elements"),
+                            Err(e) => format!("is invalid ({e})"),
+                        }
+                    )));
+                }
+            }
             let side = side_of(saved.len);
             let square = side.checked_mul(side);
             let thin = side.checked_mul(r);
@@ -176,6 +208,7 @@ impl<B: CommBackend> BatchedPowerSgd<B> {
                 index,
                 Memory {
                     len: saved.len,
+                    layout: saved.layout.clone(),
                     error,
                     p: be.upload(&saved.p)?,
                     q: be.upload(&saved.q)?,
@@ -218,6 +251,7 @@ impl<B: CommBackend> BatchedPowerSgd<B> {
                 i,
                 SavedBucket {
                     len: m.len,
+                    layout: m.layout.clone(),
                     error,
                     p: host(&m.p)?,
                     q: host(&m.q)?,
@@ -231,6 +265,12 @@ impl<B: CommBackend> BatchedPowerSgd<B> {
 
     /// Starts one bucket's reduction; errors here mean nothing was communicated.
     ///
+    /// A bucket with memory whose length, or at the same length whose parameter shapes,
+    /// differ from those the memory was built for is [`Error::Bucket`] (the shapes only
+    /// with error feedback or warm start: without both, nothing kept depends on them). The statistics
+    /// are counted once everything that can fail before the collectives has succeeded,
+    /// so a refused step counts nothing.
+    ///
     /// The step works on its own padded matrix, `P` and `Q` (the memory's `Q` is copied,
     /// then orthogonalised); the bucket's memories change only in the step's last
     /// continuation, once both collectives have succeeded, and that continuation releases
@@ -238,6 +278,7 @@ impl<B: CommBackend> BatchedPowerSgd<B> {
     fn start(&self, bucket: GradBucket<B>) -> Result<Work<B::Buffer<f32>>> {
         let (be, group) = (self.backend.clone(), self.group.clone());
         let (index, is_last) = (bucket.index(), bucket.is_last());
+        let layout = bucket.layout().clone();
         let x = bucket.into_buffer();
         let len = B::buffer_len(&x);
         let mut guard = lock(&self.inner);
@@ -256,14 +297,30 @@ impl<B: CommBackend> BatchedPowerSgd<B> {
         }
         let (side, r) = (side_of(len), cfg.matrix_approximation_rank);
         let dims = Dims::new(1, side, side, r)?;
-        g.progress
-            .record(len as u64, (2 * side * r) as u64, is_last);
-        if let Some(m) = g.memory.get(&index) {
+        if let Some(m) = g.memory.get_mut(&index) {
             if m.len != len {
                 return Err(Error::Bucket {
                     index,
                     why: format!("the bucket length changed (was {}, now {len}): the PowerSGD state cannot be applied", m.len),
                 });
+            }
+            // Without error feedback and warm start nothing kept depends on the layout
+            // (`Q` is redrawn each step).
+            let keeps = cfg.use_error_feedback || cfg.warm_start;
+            match &m.layout {
+                Some(shapes) if same_layout(shapes, &layout) => {}
+                Some(shapes) if keeps => {
+                    return Err(Error::Bucket {
+                        index,
+                        why: format!(
+                            "{}: the PowerSGD state cannot be applied",
+                            layout_mismatch(shapes, &layout)
+                        ),
+                    });
+                }
+                // Loaded without a recorded layout, or nothing kept depends on it: the
+                // memory is this layout's from now.
+                _ => m.layout = Some(shapes_of(&layout)),
             }
         }
         let randomize = !cfg.warm_start || !g.memory.contains_key(&index);
@@ -275,6 +332,7 @@ impl<B: CommBackend> BatchedPowerSgd<B> {
             };
             slot.insert(Memory {
                 len,
+                layout: Some(shapes_of(&layout)),
                 error,
                 p: be.alloc(side * r)?,
                 q: be.alloc(side * r)?,
@@ -319,6 +377,10 @@ impl<B: CommBackend> BatchedPowerSgd<B> {
                 B::view_mut(&mut p, ..)?,
             )?,
         }
+        // Counted only now that nothing before the collectives can fail (PyTorch counts
+        // before communicating; a refused step counts nothing).
+        g.progress
+            .record(len as u64, (2 * side * r) as u64, is_last);
         // Nothing below returns early: the step's last continuation releases the bucket.
         g.busy.insert(index);
         drop(guard);

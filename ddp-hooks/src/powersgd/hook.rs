@@ -3,7 +3,7 @@
 use super::plan::{Group, Memory, Plan, Source};
 use super::progress::{in_flight, lock, refill_key, Progress};
 use super::sequence::Sequencer;
-use super::state::SavedBucket;
+use super::state::{layout_mismatch, same_layout, shapes_of, SavedBucket};
 use super::{PowerSgdConfig, PowerSgdState};
 use crate::{CommBackend, CommHook, CompressionStats, Error, GradBucket, HookState, Result};
 use collectives::{ProcessGroup, ReduceOp, Work};
@@ -32,6 +32,11 @@ struct Inner<B: Backend> {
     /// The plan whose order a bucket's memories are in; absent: the saved order (a
     /// loaded state, not yet used).
     orders: BTreeMap<usize, Arc<Plan>>,
+    /// The parameter shapes of the layout each bucket's memories were built for
+    /// ([`SavedBucket::layout`]); a step whose bucket has other shapes while it holds
+    /// memory is refused ([`check_memory`]). Absent for a bucket loaded from a state
+    /// saved without it, until its next step records the layout it meets.
+    layouts: BTreeMap<usize, Vec<Vec<usize>>>,
     /// Stacking buffers of the batches whose matrices are not contiguous in the bucket,
     /// kept from step to step (absent while a step is in flight); never saved.
     stacks: BTreeMap<usize, B::Buffer<f32>>,
@@ -99,6 +104,7 @@ impl<B: CommBackend> PowerSgd<B> {
                 errors: BTreeMap::new(),
                 factors: BTreeMap::new(),
                 orders: BTreeMap::new(),
+                layouts: BTreeMap::new(),
                 stacks: BTreeMap::new(),
                 work: BTreeMap::new(),
                 busy: BTreeSet::new(),
@@ -161,6 +167,7 @@ impl<B: CommBackend> PowerSgd<B> {
                 index,
                 SavedBucket {
                     len: *len,
+                    layout: g.layouts.get(&index).cloned(),
                     error: saved(index, Memory::Error, host(e)?)?,
                     p: Vec::new(),
                     q: Vec::new(),
@@ -172,6 +179,7 @@ impl<B: CommBackend> PowerSgd<B> {
             let q = saved(index, Memory::Q, host(&f.q)?)?;
             let entry = buckets.entry(index).or_insert_with(|| SavedBucket {
                 len: f.len,
+                layout: g.layouts.get(&index).cloned(),
                 error: Vec::new(),
                 p: Vec::new(),
                 q: Vec::new(),
@@ -188,8 +196,15 @@ impl<B: CommBackend> PowerSgd<B> {
     /// the state was saved with, as in PyTorch), with the state's configuration (an unset
     /// `batch_tensors_with_same_shape` is resolved on `backend`, as in [`PowerSgd::new`]).
     /// The state is checked first ([`PowerSgdState::validate`]): a NaN or an infinity is
-    /// [`Error::NonFinite`]. [`CommHook::load_state`] instead loads into a hook whose
-    /// configuration must match, except `batch_tensors_with_same_shape`, which it keeps.
+    /// [`Error::NonFinite`]; a bucket whose recorded layout ([`SavedBucket::layout`]) does
+    /// not give its saved length and memory sizes is [`Error::State`].
+    /// [`CommHook::load_state`] instead loads into a hook whose configuration must match,
+    /// except `batch_tensors_with_same_shape`, which it keeps.
+    ///
+    /// Each bucket's memories apply only to the layout they were built for: the first
+    /// compressed step of a bucket whose parameter shapes differ from the recorded ones
+    /// is [`Error::Bucket`] naming the bucket and both layouts, even at the same length
+    /// and memory sizes (a state saved without a recorded layout is not checked).
     pub fn load(
         backend: Arc<B>,
         group: Arc<dyn ProcessGroup>,
@@ -203,7 +218,9 @@ impl<B: CommBackend> PowerSgd<B> {
     /// Replaces this hook's state with `state` (same configuration, except perhaps
     /// `batch_tensors_with_same_shape`, which the hook keeps: it changes no saved value),
     /// checked and uploaded before anything changes, so a failure leaves the hook as it
-    /// was.
+    /// was. Each bucket's recorded layout must fit its saved memories ([`Error::State`]
+    /// otherwise, see [`check_saved_layout`]) and is kept: the bucket's next step checks
+    /// it against the bucket it is given ([`check_memory`]).
     fn restore(&self, state: PowerSgdState) -> Result<()> {
         state.validate()?;
         let config = self.config();
@@ -221,7 +238,12 @@ impl<B: CommBackend> PowerSgd<B> {
         let be = &*self.backend;
         let mut errors = BTreeMap::new();
         let mut factors = BTreeMap::new();
+        let mut layouts = BTreeMap::new();
         for (&index, saved) in &state.buckets {
+            if let Some(shapes) = &saved.layout {
+                check_saved_layout(&config, index, saved, shapes)?;
+                layouts.insert(index, shapes.clone());
+            }
             if !saved.error.is_empty() {
                 errors.insert(index, (saved.len, be.upload(&saved.error)?));
             }
@@ -246,6 +268,7 @@ impl<B: CommBackend> PowerSgd<B> {
         g.progress.config.batch_tensors_with_same_shape = batch;
         g.errors = errors;
         g.factors = factors;
+        g.layouts = layouts;
         // The memories are in the saved order until each bucket's next step.
         g.orders.clear();
         g.stacks.clear();
@@ -301,7 +324,15 @@ impl<B: CommBackend> PowerSgd<B> {
             cfg.min_compression_rate,
             self.batch,
         )?);
-        check_memory(g, index, &plan)?;
+        check_memory(g, index, &plan, &layout)?;
+        // The memories are (or are about to be) this layout's.
+        if !g
+            .layouts
+            .get(&index)
+            .is_some_and(|shapes| same_layout(shapes, &layout))
+        {
+            g.layouts.insert(index, shapes_of(&layout));
+        }
         let first_use = !g.orders.contains_key(&index);
         reorder(&*be, g, index, &plan)?;
 
@@ -519,9 +550,34 @@ fn no_stack() -> Error {
 }
 
 /// Puts a bucket's memories into the order of `plan`, if they are in another (a loaded
-/// state is in the saved order; a layout may have changed at the same sizes). Runs once
-/// per load, through the host.
+/// state is in the saved order; the batching may differ). Runs once per load, through
+/// the host.
+///
+/// Memories move by the position of each compressed tensor, so they only move between
+/// plans of the same compressed matrices (`n x m`, rank `r`, in bucket order): a plan
+/// whose matrices differ from those of the plan the memories are in is [`Error::Bucket`]
+/// and nothing moves. [`check_memory`] has already refused a bucket whose layout differs
+/// from its memories' recorded one; this guards the move itself. A bucket without
+/// memory (none yet, or none kept without error feedback and warm start) takes any plan.
 fn reorder<B: CommBackend>(be: &B, g: &mut Inner<B>, index: usize, plan: &Arc<Plan>) -> Result<()> {
+    if !g.errors.contains_key(&index) && !g.factors.contains_key(&index) {
+        // No memory (none yet, or none kept without error feedback and warm start):
+        // nothing to move, and any layout may come.
+        g.orders.insert(index, plan.clone());
+        return Ok(());
+    }
+    if let Some(old) = g.orders.get(&index) {
+        if matrices(old) != matrices(plan) {
+            return Err(Error::Bucket {
+                index,
+                why: format!(
+                    "the compressed matrices changed (the memories are for {}, the bucket now has {}): the PowerSGD state cannot be applied",
+                    matrices_str(old),
+                    matrices_str(plan)
+                ),
+            });
+        }
+    }
     let same = match g.orders.get(&index) {
         Some(old) => old.same_order(plan),
         None => plan.in_saved_order(),
@@ -548,6 +604,26 @@ fn reorder<B: CommBackend>(be: &B, g: &mut Inner<B>, index: usize, plan: &Arc<Pl
     }
     g.orders.insert(index, plan.clone());
     Ok(())
+}
+
+/// The compressed matrices of a plan, in bucket order: what its memories' layout
+/// depends on.
+fn matrices(plan: &Plan) -> Vec<(usize, usize, usize)> {
+    plan.compressed.iter().map(|m| (m.n, m.m, m.r)).collect()
+}
+
+/// A plan's compressed matrices for an error message (at most 8 shown).
+fn matrices_str(plan: &Plan) -> String {
+    let mut parts: Vec<String> = plan
+        .compressed
+        .iter()
+        .take(8)
+        .map(|m| format!("{}x{} (rank {})", m.n, m.m, m.r))
+        .collect();
+    if plan.compressed.len() > 8 {
+        parts.push("…".into());
+    }
+    format!("[{}]", parts.join(", "))
 }
 
 /// Error feedback and the first product of every batch: `X = G + E` in place, `P = X Q`
@@ -602,9 +678,20 @@ fn first_products<B: CommBackend>(
     Ok(())
 }
 
-/// A bucket whose length changed, or whose layout no longer fits its memory, is an error
-/// (PyTorch fails with an opaque shape error) that names the lengths that differ.
-fn check_memory<B: Backend>(g: &Inner<B>, index: usize, plan: &Plan) -> Result<()> {
+/// A bucket with memory whose length changed, or whose layout no longer fits its memory,
+/// is [`Error::Bucket`] (PyTorch fails with an opaque shape error, or, at the same
+/// sizes, none at all): a changed length names both lengths; memory sizes that differ
+/// name the memory and both sizes; and at the same sizes, parameter shapes that differ
+/// from those the memory was built for ([`Inner::layouts`], [`SavedBucket::layout`])
+/// name both layouts and the first parameter that differs. Same-shape parameters that
+/// trade places are not detected; a bucket loaded without a recorded layout is checked
+/// for its sizes only (its step then records the layout).
+fn check_memory<B: Backend>(
+    g: &Inner<B>,
+    index: usize,
+    plan: &Plan,
+    layout: &crate::Layout,
+) -> Result<()> {
     let error = |why: String| {
         Err(Error::Bucket {
             index,
@@ -637,6 +724,56 @@ fn check_memory<B: Backend>(g: &Inner<B>, index: usize, plan: &Plan) -> Result<(
                 "the layout changed at the same length ({} elements): the {what} holds {has} elements, the new layout needs {needs}",
                 plan.len
             ));
+        }
+    }
+    if error_memory.is_some() || factors.is_some() {
+        if let Some(shapes) = g.layouts.get(&index) {
+            if !same_layout(shapes, layout) {
+                return error(layout_mismatch(shapes, layout));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A saved bucket's recorded layout must give its saved length and memory sizes under
+/// `config` (the plan the memories were built with), else [`Error::State`]: a state
+/// whose layout does not describe its memories is corrupt.
+fn check_saved_layout(
+    config: &PowerSgdConfig,
+    index: usize,
+    saved: &SavedBucket,
+    shapes: &[Vec<usize>],
+) -> Result<()> {
+    let bad = |why: String| {
+        Error::State(format!(
+            "bucket {index}: the recorded layout of {} parameters {why}",
+            shapes.len()
+        ))
+    };
+    let layout = crate::Layout::packed(shapes).map_err(|e| bad(format!("is invalid ({e})")))?;
+    let plan = Plan::new(
+        &layout,
+        config.matrix_approximation_rank,
+        config.min_compression_rate,
+        false,
+    )
+    .map_err(|e| bad(format!("has no PowerSGD plan ({e})")))?;
+    if plan.len != saved.len {
+        return Err(bad(format!(
+            "holds {} elements, the saved bucket {}",
+            plan.len, saved.len
+        )));
+    }
+    for (what, has, needs) in [
+        ("error", saved.error.len(), plan.e_len),
+        ("p", saved.p.len(), plan.p_len),
+        ("q", saved.q.len(), plan.q_len),
+    ] {
+        if has != 0 && has != needs {
+            return Err(bad(format!(
+                "needs {needs} elements of {what}, the state holds {has}"
+            )));
         }
     }
     Ok(())
@@ -775,7 +912,9 @@ impl<B: CommBackend> CommHook<B> for PowerSgd<B> {
 
     /// Loads a [`HookState::PowerSgd`] saved with the same configuration, except perhaps
     /// `batch_tensors_with_same_shape`: the hook keeps its own (the saved memories do
-    /// not depend on it).
+    /// not depend on it). As with [`PowerSgd::load`], each bucket's memories apply only
+    /// to the parameter shapes they were recorded with: a bucket of another layout, even
+    /// of the same length, is refused at its next step ([`Error::Bucket`]).
     fn load_state(&self, state: HookState) -> Result<()> {
         match state {
             HookState::PowerSgd(s) => self.restore(*s),

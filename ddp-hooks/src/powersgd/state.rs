@@ -1,6 +1,7 @@
 //! The saved form of a PowerSGD hook: everything but the process group.
 
 use super::PowerSgdConfig;
+use crate::bucket::{shape_str, Layout};
 use crate::{Error, Result};
 use lowrank::NormalRng;
 use serde::{Deserialize, Serialize};
@@ -36,6 +37,20 @@ use std::collections::BTreeMap;
 /// pad included, as in PyTorch); `p` and `q` are `side x r` column-major with the
 /// unclamped rank `r`.
 ///
+/// **The memory belongs to one layout.** Both layouts above place each value by its
+/// parameter's position and shape in the bucket, so a memory applied to another layout
+/// of the same length would be silently misapplied (bucket `[64x32, 32x64]` reordered
+/// into `[32x64, 64x32]`: the first matrix's row-major error added onto the second's
+/// slot, its `Q` split at the wrong offsets). `layout` records the parameter shapes the
+/// memory was built for, and the hooks refuse any other: the first compressed step of a
+/// bucket whose shapes differ from its memory's is [`Error::Bucket`] naming the bucket
+/// and both layouts (loading itself cannot see the bucket; it checks that the recorded
+/// layout fits the saved memories, else [`Error::State`]). The same rule holds for a
+/// live hook whose buckets are reassigned (`Reducer::set_bucket_params`) while it holds
+/// memory. Same-shape parameters that trade places cannot be told apart by shape and
+/// are not detected. A state saved before `layout` was recorded loads with `None` and is
+/// not checked until its next step records the layout it then meets.
+///
 /// [`ParamSlot::matrix`]: crate::ParamSlot::matrix
 /// [`batch_tensors_with_same_shape`]: super::PowerSgdConfig::batch_tensors_with_same_shape
 /// [`Layout::params`]: crate::Layout::params
@@ -43,6 +58,14 @@ use std::collections::BTreeMap;
 pub struct SavedBucket {
     /// The bucket's length when the memory was made.
     pub len: usize,
+    /// The shapes of the bucket's parameters, in bucket order ([`Layout::params`]), when
+    /// the memory was made: the layout the memory is valid for (see above). `None` in a
+    /// state saved before it was recorded (such a state still loads, without this
+    /// check), and for a bucket loaded from one that has not stepped since.
+    ///
+    /// [`Layout::params`]: crate::Layout::params
+    #[serde(default)]
+    pub layout: Option<Vec<Vec<usize>>>,
     /// Error feedback (empty without error feedback); layout above.
     pub error: Vec<f32>,
     /// The orthogonalised factors `P̂` (empty for the per-layer hook without warm start);
@@ -95,4 +118,48 @@ impl PowerSgdState {
         }
         Ok(())
     }
+}
+
+/// Whether `layout`'s parameters have the shapes `shapes`, in order.
+pub(super) fn same_layout(shapes: &[Vec<usize>], layout: &Layout) -> bool {
+    shapes.len() == layout.params().len()
+        && shapes
+            .iter()
+            .zip(layout.params())
+            .all(|(s, p)| *s == p.shape)
+}
+
+/// The parameter shapes of `layout`, as [`SavedBucket::layout`] records them.
+pub(super) fn shapes_of(layout: &Layout) -> Vec<Vec<usize>> {
+    layout.params().iter().map(|p| p.shape.clone()).collect()
+}
+
+/// Why the memory of a bucket built for parameters of `then` shapes cannot be applied to
+/// `now`'s: both layouts (at most 8 shapes each) and the first parameter that differs.
+pub(super) fn layout_mismatch(then: &[Vec<usize>], now: &Layout) -> String {
+    let now = shapes_of(now);
+    let list = |shapes: &[Vec<usize>]| {
+        let mut parts: Vec<String> = shapes.iter().take(8).map(|s| shape_str(s)).collect();
+        if shapes.len() > 8 {
+            parts.push("…".into());
+        }
+        format!("{} parameters [{}]", shapes.len(), parts.join(", "))
+    };
+    let first = then
+        .iter()
+        .zip(&now)
+        .position(|(a, b)| a != b)
+        .map(|k| {
+            format!(
+                "; parameter {k} was {}, is now {}",
+                shape_str(&then[k]),
+                shape_str(&now[k])
+            )
+        })
+        .unwrap_or_default();
+    format!(
+        "the bucket layout changed at the same length: its PowerSGD memory was built for {}, the bucket now has {}{first}",
+        list(then),
+        list(&now)
+    )
 }
