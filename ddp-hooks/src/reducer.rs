@@ -85,12 +85,32 @@ pub struct ReducerConfig {
     /// Capacity of each bucket after the first, in MiB (DDP: 25). A bucket closes once
     /// its bytes reach the capacity (truncated to whole bytes, as DDP's).
     pub bucket_cap_mb: f64,
-    /// Capacity of the first bucket in launch order, in MiB (DDP: 1).
+    /// Capacity of the first bucket in launch order, in MiB (DDP: 1,
+    /// `dist._DEFAULT_FIRST_BUCKET_BYTES`). As in DDP, where the first bucket takes the
+    /// user's `bucket_cap_mb` when one is given: left at 1 while `bucket_cap_mb` is not
+    /// 25, the first bucket's cap is `bucket_cap_mb` too
+    /// ([`first_cap_mb`](ReducerConfig::first_cap_mb)). Any other value is used as it is.
     pub first_bucket_mb: f64,
     /// Parameters left unmarked at a synchronised step's `finish` are unused: zero
     /// gradients on this rank (DDP's `find_unused_parameters`, default off). Off, they
     /// are [`Error::UnmarkedParameters`]; see the module docs.
     pub find_unused_parameters: bool,
+}
+
+impl ReducerConfig {
+    /// The first bucket's capacity in MiB: `first_bucket_mb`, except that with
+    /// `first_bucket_mb` at its default (1) and `bucket_cap_mb` not at its (25) it is
+    /// `bucket_cap_mb`, as DDP's first bucket takes a `bucket_cap_mb` the user passed.
+    pub fn first_cap_mb(&self) -> f64 {
+        let defaults = ReducerConfig::default();
+        if self.first_bucket_mb == defaults.first_bucket_mb
+            && self.bucket_cap_mb != defaults.bucket_cap_mb
+        {
+            self.bucket_cap_mb
+        } else {
+            self.first_bucket_mb
+        }
+    }
 }
 
 impl Default for ReducerConfig {
@@ -398,8 +418,22 @@ impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
                 index: self.next_launch,
                 why: "launched twice".into(),
             })?;
-            let bucket = GradBucket::new(self.next_launch, count, storage, b.layout.clone())?;
-            b.pending = Some(self.hook.run(bucket));
+            let index = self.next_launch;
+            let bucket = GradBucket::new(index, count, storage, b.layout.clone())?;
+            // A hook that panics fails its bucket as a hook error does: `finish` reports
+            // it and gives the bucket fresh storage, so the reducer stays usable (and the
+            // panic does not unwind through the caller's backward pass).
+            let hook = &mut self.hook;
+            let work = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| hook.run(bucket)))
+                .unwrap_or_else(|_| {
+                    Work::ready(Err(Error::Bucket {
+                        index,
+                        why: "the hook panicked; the bucket's gradients of this step are lost"
+                            .into(),
+                    }
+                    .into()))
+                });
+            b.pending = Some(work);
             self.hook_calls += 1;
             self.next_launch += 1;
         }

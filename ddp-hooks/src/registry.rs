@@ -79,9 +79,14 @@ impl FromStr for HookSpec {
             spec: excerpt(spec, QUOTE_SPEC),
             why,
         };
-        let Some((wrap, inner)) = spec.trim().split_once('+') else {
-            return parse_hook(spec.trim()).map_err(err);
+        // A wrapper's `+` comes before the options: a `+` inside an option value
+        // (`epsilon=1e+3`) is the value's.
+        let spec_t = spec.trim();
+        let name_end = spec_t.find(':').unwrap_or(spec_t.len());
+        let Some(plus) = spec_t[..name_end].find('+') else {
+            return parse_hook(spec_t).map_err(err);
         };
+        let (wrap, inner) = (&spec_t[..plus], &spec_t[plus + 1..]);
         let wrap = wrap.trim();
         let wrapped: fn(Box<HookSpec>) -> HookSpec = if wrap.eq_ignore_ascii_case("fp16") {
             HookSpec::Fp16Wrapped
@@ -93,13 +98,21 @@ impl FromStr for HookSpec {
                 excerpt(wrap, QUOTE_PART)
             )));
         };
-        if inner.contains('+') {
+        if inner[..inner.find(':').unwrap_or(inner.len())].contains('+') {
             return Err(err(
                 "one wrapper at most: `fp16+<hook>` or `bf16+<hook>`, where <hook> has no `+`"
                     .into(),
             ));
         }
-        Ok(wrapped(Box::new(parse_hook(inner.trim()).map_err(err)?)))
+        let hook = parse_hook(inner.trim()).map_err(err)?;
+        if matches!(hook, HookSpec::Fp16 | HookSpec::Bf16) {
+            return Err(err(format!(
+                "`{wrap}+` wraps a hook that computes in f32; `{}` already sends 16 bits \
+                 (use it alone)",
+                inner.trim()
+            )));
+        }
+        Ok(wrapped(Box::new(hook)))
     }
 }
 
@@ -275,6 +288,29 @@ mod tests {
         assert_eq!(batch("powersgd:rank=2,batch_same_shape=true"), Some(true));
         assert_eq!(batch("powersgd:batch_same_shape=false,rank=2"), Some(false));
         assert_eq!(batch("bf16+powersgd:batch_same_shape=true"), Some(true));
+    }
+
+    /// A `+` inside an option value belongs to the value; a wrapper's `+` comes before
+    /// the options, and a 16-bit hook is not wrapped again.
+    #[test]
+    fn plus_signs_in_values_and_wrapped_16_bit_hooks() {
+        let HookSpec::PowerSgd(c) = "powersgd:epsilon=1e+3,seed=+7".parse().unwrap() else {
+            panic!("not PowerSGD")
+        };
+        assert_eq!((c.orthogonalization_epsilon, c.random_seed), (1e3, 7));
+        let HookSpec::Fp16Wrapped(inner) = "fp16+powersgd:epsilon=1e+3".parse().unwrap() else {
+            panic!("not wrapped")
+        };
+        assert!(matches!(*inner, HookSpec::PowerSgd(_)));
+        for spec in ["fp16+bf16", "bf16+fp16", "fp16+fp16", "bf16+bf16_compress"] {
+            let e = spec.parse::<HookSpec>().unwrap_err().to_string();
+            assert!(e.contains("already sends 16 bits"), "{spec}: {e}");
+        }
+        let e = "fp16+bf16+powersgd"
+            .parse::<HookSpec>()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("one wrapper at most"), "{e}");
     }
 
     #[test]

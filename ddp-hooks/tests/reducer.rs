@@ -439,6 +439,64 @@ fn finish_ends_a_step_abandoned_inside_no_sync() {
     }
 }
 
+/// A hook that panics fails its bucket's step like a hook error: `finish` reports it,
+/// the reducer stays usable, and the next step reduces normally.
+#[test]
+fn a_panicking_hook_fails_its_step_and_the_reducer_stays_usable() {
+    struct PanicsOnce<H> {
+        inner: H,
+        calls: usize,
+    }
+    impl<H: ddp_hooks::CommHook<CpuBackend>> ddp_hooks::CommHook<CpuBackend> for PanicsOnce<H> {
+        fn name(&self) -> String {
+            "panics-once".into()
+        }
+        fn run(
+            &mut self,
+            bucket: ddp_hooks::GradBucket<CpuBackend>,
+        ) -> collectives::Work<Vec<f32>> {
+            self.calls += 1;
+            if self.calls == 1 {
+                panic!("a hook bug");
+            }
+            self.inner.run(bucket)
+        }
+    }
+    let shapes = vec![vec![4], vec![4]];
+    let out = run_local_with_timeout(1, TIMEOUT, |group| {
+        let group: Arc<dyn ProcessGroup> = Arc::new(group);
+        let be = Arc::new(CpuBackend::new().with_threads(1).unwrap());
+        let hook = PanicsOnce {
+            inner: AllReduce::new(be.clone(), group.clone()),
+            calls: 0,
+        };
+        let config = ReducerConfig {
+            bucket_cap_mb: 1e-6,
+            first_bucket_mb: 1e-6,
+            ..ReducerConfig::default()
+        };
+        let mut r = Reducer::new(be, &shapes, hook, config).unwrap();
+        let step = |r: &mut Reducer<CpuBackend, PanicsOnce<AllReduce<CpuBackend>>>, v: f32| {
+            for p in [1, 0] {
+                r.grad_mut(p).unwrap().fill(v);
+                r.mark_ready(p).unwrap();
+            }
+            r.finish()
+        };
+        let first = step(&mut r, 1.0);
+        assert!(
+            matches!(&first, Err(Error::Bucket { why, .. }) if why.contains("panicked")),
+            "{first:?}"
+        );
+        step(&mut r, 2.0).unwrap();
+        (r.grad(0).unwrap().to_vec(), r.grad(1).unwrap().to_vec())
+    })
+    .unwrap();
+    let (g0, g1) = out.into_iter().next().unwrap().unwrap();
+    assert_eq!(g0, vec![2.0; 4]);
+    assert_eq!(g1, vec![2.0; 4]);
+}
+
 #[test]
 fn marking_errors_are_values() {
     let out = run_local_with_timeout(1, TIMEOUT, |g| {

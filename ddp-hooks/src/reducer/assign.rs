@@ -15,7 +15,7 @@ impl Caps {
     pub(super) fn new(config: &ReducerConfig) -> Caps {
         let bytes = |mb: f64| (mb * (1u64 << 20) as f64) as usize;
         Caps {
-            first: bytes(config.first_bucket_mb),
+            first: bytes(config.first_cap_mb()),
             rest: bytes(config.bucket_cap_mb),
         }
     }
@@ -164,6 +164,16 @@ mod tests {
             ..ReducerConfig::default()
         });
         assert_eq!((c.first, c.rest), (2, 1));
+        // DDP: with bucket_cap_mb given, the first bucket takes it too (8 x 1 MiB at a
+        // cap of 4 MiB: two buckets of 4 MiB, not 1 + 4 + 3).
+        let c = Caps::new(&ReducerConfig {
+            bucket_cap_mb: 4.0,
+            ..ReducerConfig::default()
+        });
+        assert_eq!((c.first, c.rest), (4 << 20, 4 << 20));
+        let lens = vec![1 << 18; 8];
+        let order: Vec<usize> = (0..8).rev().collect();
+        assert_eq!(by_size(&order, &lens, c).len(), 2);
     }
 
     #[test]
