@@ -5,53 +5,18 @@
 
 mod common;
 
-use std::sync::{Arc, Mutex, MutexGuard};
-
 use common::*;
 use pipe::{
-    Batch, BatchNorm, Checkpoint, Context, CpuTensor, Error, Layer, Linear, MicroBatch, Pipe, ReLU,
-    Saved, ScheduleKind,
+    Batch, BatchNorm, Checkpoint, Context, CpuTensor, Layer, Linear, MicroBatch, Pipe, ReLU,
+    ScheduleKind,
 };
 
 const BATCH: usize = 12;
 const FEATURES: usize = 6;
 
-/// A batch norm the test can look into while the pipe owns it.
-#[derive(Clone)]
-struct Watched(Arc<Mutex<BatchNorm>>);
-
-impl Watched {
-    fn get(&self) -> MutexGuard<'_, BatchNorm> {
-        self.0.lock().unwrap()
-    }
-}
-
-impl Layer<CpuTensor> for Watched {
-    fn forward(
-        &mut self,
-        input: Batch<CpuTensor>,
-        ctx: &mut Context,
-    ) -> Result<(Batch<CpuTensor>, Saved<CpuTensor>), Error> {
-        self.get().forward(input, ctx)
-    }
-
-    fn backward(
-        &mut self,
-        grad: Batch<CpuTensor>,
-        saved: Saved<CpuTensor>,
-        ctx: &mut Context,
-    ) -> Result<Batch<CpuTensor>, Error> {
-        self.get().backward(grad, saved, ctx)
-    }
-
-    fn defer_batch_norm(&mut self) -> bool {
-        self.get().defer_batch_norm()
-    }
-}
-
 /// Linear, batch norm (watched), ReLU, Linear.
 fn model() -> (Layers, Watched) {
-    let bn = Watched(Arc::new(Mutex::new(BatchNorm::new(FEATURES))));
+    let bn = Watched::new(BatchNorm::new(FEATURES));
     let layers: Layers = vec![
         Box::new(Linear::new(5, FEATURES, 31)),
         Box::new(bn.clone()),

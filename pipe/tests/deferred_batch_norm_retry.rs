@@ -7,56 +7,16 @@
 mod common;
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 
 use common::*;
 use pipe::{
-    Action, Batch, BatchNorm, Checkpoint, Context, CpuTensor, Error, Layer, Phase, Pipe, Saved,
-    Schedule, ScheduleKind,
+    Action, Batch, BatchNorm, Checkpoint, CpuTensor, Error, Phase, Pipe, Schedule, ScheduleKind,
 };
 
 const BATCH: usize = 12;
 const FEATURES: usize = 4;
 const CHUNKS: usize = 4;
-
-/// A deferred batch norm the test can look into while the pipe owns it.
-#[derive(Clone)]
-struct Watched(Arc<Mutex<BatchNorm>>);
-
-impl Watched {
-    fn new() -> Self {
-        Watched(Arc::new(Mutex::new(BatchNorm::deferred(FEATURES))))
-    }
-
-    fn get(&self) -> MutexGuard<'_, BatchNorm> {
-        self.0.lock().unwrap()
-    }
-
-    /// The running mean and variance.
-    fn stats(&self) -> (Vec<f32>, Vec<f32>) {
-        let bn = self.get();
-        (bn.running_mean().to_vec(), bn.running_var().to_vec())
-    }
-}
-
-impl Layer<CpuTensor> for Watched {
-    fn forward(
-        &mut self,
-        input: Batch<CpuTensor>,
-        ctx: &mut Context,
-    ) -> Result<(Batch<CpuTensor>, Saved<CpuTensor>), Error> {
-        self.get().forward(input, ctx)
-    }
-
-    fn backward(
-        &mut self,
-        grad: Batch<CpuTensor>,
-        saved: Saved<CpuTensor>,
-        ctx: &mut Context,
-    ) -> Result<Batch<CpuTensor>, Error> {
-        self.get().backward(grad, saved, ctx)
-    }
-}
 
 /// A batch of `BATCH` rows whose features have means away from zero and differ between
 /// micro-batches, so that counting a micro-batch twice moves the statistics. The failed
@@ -79,7 +39,7 @@ fn pipe(
     kind: ScheduleKind,
     armed: bool,
 ) -> (Pipe<CpuTensor>, Watched, Arc<AtomicBool>) {
-    let bn = Watched::new();
+    let bn = Watched::new(BatchNorm::deferred(FEATURES));
     let armed = Arc::new(AtomicBool::new(armed));
     let trigger = Arc::clone(&armed);
     let fail_once = Probe::with(1, &new_log(), move |e| {

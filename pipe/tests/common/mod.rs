@@ -5,6 +5,7 @@ use pipe::{
     Batch, BatchNorm, Context, CpuTensor, Dropout, Error, Layer, Linear, MicroBatch, Phase, ReLU,
     Saved, Tensor,
 };
+use std::sync::{Arc, Mutex, MutexGuard};
 
 pub type Layers = Vec<Box<dyn Layer<CpuTensor>>>;
 
@@ -247,3 +248,46 @@ pub fn sum_loss(_mb: MicroBatch, out: &Batch<CpuTensor>) -> Result<(f32, Batch<C
 #[derive(Debug, thiserror::Error)]
 #[error("probe failed on purpose")]
 pub struct OnPurpose;
+
+/// A batch norm the test can look into while the pipe owns it.
+#[derive(Clone)]
+pub struct Watched(pub Arc<Mutex<BatchNorm>>);
+
+impl Watched {
+    pub fn new(bn: BatchNorm) -> Self {
+        Watched(Arc::new(Mutex::new(bn)))
+    }
+
+    pub fn get(&self) -> MutexGuard<'_, BatchNorm> {
+        self.0.lock().unwrap()
+    }
+
+    /// The running mean and variance.
+    pub fn stats(&self) -> (Vec<f32>, Vec<f32>) {
+        let bn = self.get();
+        (bn.running_mean().to_vec(), bn.running_var().to_vec())
+    }
+}
+
+impl Layer<CpuTensor> for Watched {
+    fn forward(
+        &mut self,
+        input: Batch<CpuTensor>,
+        ctx: &mut Context,
+    ) -> Result<(Batch<CpuTensor>, Saved<CpuTensor>), Error> {
+        self.get().forward(input, ctx)
+    }
+
+    fn backward(
+        &mut self,
+        grad: Batch<CpuTensor>,
+        saved: Saved<CpuTensor>,
+        ctx: &mut Context,
+    ) -> Result<Batch<CpuTensor>, Error> {
+        self.get().backward(grad, saved, ctx)
+    }
+
+    fn defer_batch_norm(&mut self) -> bool {
+        self.get().defer_batch_norm()
+    }
+}
