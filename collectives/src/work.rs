@@ -30,6 +30,9 @@ enum State<T> {
 struct Shared<T> {
     state: Mutex<State<T>>,
     ready: Condvar,
+    /// The thread that will complete the work, where one single thread does (a thread
+    /// group's worker): waiting on it from that thread would wait forever.
+    owner: Option<std::thread::ThreadId>,
 }
 
 impl<T> Shared<T> {
@@ -55,9 +58,17 @@ pub struct Completer<T> {
 impl<T: Send + 'static> Work<T> {
     /// A pending work and the completer that finishes it.
     pub fn pending() -> (Work<T>, Completer<T>) {
+        Self::pending_on(None)
+    }
+
+    /// A pending work that only `owner` completes: [`wait`](Self::wait) on that thread
+    /// fails at once instead of waiting for itself. Works chained from it
+    /// ([`then`](Self::then)) have the same owner.
+    pub(crate) fn pending_on(owner: Option<std::thread::ThreadId>) -> (Work<T>, Completer<T>) {
         let shared = Arc::new(Shared {
             state: Mutex::new(State::Pending(None)),
             ready: Condvar::new(),
+            owner,
         });
         (
             Work {
@@ -75,6 +86,7 @@ impl<T: Send + 'static> Work<T> {
             shared: Arc::new(Shared {
                 state: Mutex::new(State::Done(result)),
                 ready: Condvar::new(),
+                owner: None,
             }),
         }
     }
@@ -85,13 +97,20 @@ impl<T: Send + 'static> Work<T> {
     }
 
     /// Blocks until the operation finishes and returns its result. Backends bound every
-    /// operation by their group's timeout, so this returns within it.
+    /// operation by their group's timeout, so this returns within it. Waiting, from a
+    /// continuation, on an operation that only this thread can complete (a thread
+    /// group's operation issued after the one whose continuation runs) fails at once
+    /// with [`Error::InvalidArgument`]: it would wait for itself. Chain it with
+    /// [`and_then`](Self::and_then) instead.
     pub fn wait(self) -> Result<T> {
         let mut st = self.shared.lock();
         loop {
             match std::mem::replace(&mut *st, State::Taken) {
                 State::Done(r) => return r,
                 pending => *st = pending,
+            }
+            if let Some(e) = self.waits_for_itself() {
+                return Err(e);
             }
             st = self
                 .shared
@@ -115,6 +134,21 @@ impl<T: Send + 'static> Work<T> {
         self.wait_deadline(timeout)
     }
 
+    /// The error of a wait on the thread that must complete this pending work.
+    fn waits_for_itself(&self) -> Option<Error> {
+        #[cfg(loom)]
+        return None;
+        #[cfg(not(loom))]
+        (self.shared.owner == Some(std::thread::current().id())).then(|| {
+            Error::InvalidArgument(
+                "waiting, on a process group's own thread (in a continuation), for an \
+                 operation that only that thread can run would wait forever: chain it \
+                 with `and_then` instead of waiting"
+                    .into(),
+            )
+        })
+    }
+
     #[cfg(not(loom))]
     fn wait_deadline(self, timeout: Duration) -> Result<T> {
         let deadline = crate::group::deadline_after(timeout);
@@ -123,6 +157,9 @@ impl<T: Send + 'static> Work<T> {
             match std::mem::replace(&mut *st, State::Taken) {
                 State::Done(r) => return r,
                 pending => *st = pending,
+            }
+            if let Some(e) = self.waits_for_itself() {
+                return Err(e);
             }
             let now = Instant::now();
             if now >= deadline {
@@ -148,7 +185,7 @@ impl<T: Send + 'static> Work<T> {
         self,
         f: impl FnOnce(Result<T>) -> Result<U> + Send + 'static,
     ) -> Work<U> {
-        let (next, completer) = Work::pending();
+        let (next, completer) = Work::pending_on(self.shared.owner);
         let mut st = self.shared.lock();
         match std::mem::replace(&mut *st, State::Taken) {
             State::Done(r) => {

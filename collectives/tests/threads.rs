@@ -491,3 +491,32 @@ fn the_last_handle_dropped_inside_its_own_continuation() {
         assert_eq!(got, Buffer::F32(vec![2.0; 4]));
     }
 }
+
+#[test]
+fn waiting_in_a_continuation_for_the_groups_next_operation_fails_at_once() {
+    // The continuation runs on the group's own thread, which is the only one that can
+    // run the barrier it waits for: that wait would never end. It fails at once, and the
+    // group goes on (the queued barrier still runs and completes).
+    let start = Instant::now();
+    let out = run_local_with_timeout(2, Duration::from_secs(20), |g| {
+        let g = std::sync::Arc::new(g);
+        let g2 = g.clone();
+        let inner = g.barrier().then(move |_| g2.barrier().wait()).wait();
+        let after = g.barrier().wait();
+        (inner, after)
+    })
+    .unwrap();
+    for r in out {
+        let (inner, after) = r.unwrap();
+        assert!(
+            matches!(&inner, Err(Error::InvalidArgument(m)) if m.contains("and_then")),
+            "{inner:?}"
+        );
+        after.unwrap();
+    }
+    assert!(
+        start.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        start.elapsed()
+    );
+}

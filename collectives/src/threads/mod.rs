@@ -107,7 +107,10 @@ impl ThreadGroup {
         &self,
         f: impl FnOnce(&World, usize) -> Result<T> + Send + 'static,
     ) -> Work<T> {
-        let (work, completer) = Work::pending();
+        // Only the worker completes it: a continuation on the worker that waits for it
+        // fails at once rather than waiting for itself.
+        let owner = self.worker.as_ref().map(|w| w.thread().id());
+        let (work, completer) = Work::pending_on(owner);
         let (world, rank) = (self.world.clone(), self.rank);
         let job: Job = Box::new(move || completer.complete(f(&world, rank)));
         match &self.jobs {
