@@ -24,8 +24,11 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 ///   check it in a debug mode), never with corrupted data. An argument that one rank can
 ///   reject alone (a broadcast root out of range, a `reduce_scatter` length that does
 ///   not divide by the group size, a wire format other than 16 bits) fails on that rank
-///   at once, without communicating; where the ranks disagree on it, the others then see
-///   a mismatch at that rank's next operation, or a timeout.
+///   with [`Error::InvalidArgument`](crate::Error::InvalidArgument). The thread backend
+///   still takes that rank to the rendezvous, so where the ranks disagree the others
+///   fail at once with a mismatch naming the reason (where all reject, the group stays
+///   usable); MPI and NCCL see the disagreement in their debug mode, and otherwise at
+///   that rank's next operation or by timeout.
 pub trait ProcessGroup: Send + Sync {
     /// This rank's index in the group, `0..size()`.
     fn rank(&self) -> usize;

@@ -520,3 +520,59 @@ fn waiting_in_a_continuation_for_the_groups_next_operation_fails_at_once() {
         start.elapsed()
     );
 }
+
+#[test]
+fn an_argument_one_rank_rejects_fails_its_peers_at_once() {
+    // Rank 1 passes a length the group size does not divide, or a root out of range;
+    // rank 0 is well-formed. Rank 1 gets its own error, rank 0 a mismatch naming the
+    // reason, both at once rather than after the timeout. Where every rank rejects its
+    // arguments, the group stays usable.
+    let start = Instant::now();
+    let out = run_local_with_timeout(2, Duration::from_secs(20), |g| {
+        g.reduce_scatter(Buffer::F32(vec![1.0; 4 - g.rank()]), ReduceOp::Sum)
+            .wait()
+    })
+    .unwrap();
+    let rs: Vec<_> = out.into_iter().map(|r| r.unwrap()).collect();
+    assert!(
+        matches!(&rs[0], Err(Error::Mismatch(m)) if m.contains("rank 1 rejected its arguments") && m.contains("divisible")),
+        "{:?}",
+        rs[0]
+    );
+    assert!(
+        matches!(&rs[1], Err(Error::InvalidArgument(m)) if m.contains("divisible")),
+        "{:?}",
+        rs[1]
+    );
+    let out = run_local_with_timeout(2, Duration::from_secs(20), |g| {
+        let root = if g.rank() == 1 { 5 } else { 0 };
+        g.broadcast(Buffer::F32(vec![1.0]), root).wait()
+    })
+    .unwrap();
+    let b: Vec<_> = out.into_iter().map(|r| r.unwrap()).collect();
+    assert!(
+        matches!(&b[0], Err(Error::Mismatch(m)) if m.contains("root 5")),
+        "{:?}",
+        b[0]
+    );
+    assert!(
+        matches!(&b[1], Err(Error::InvalidArgument(_))),
+        "{:?}",
+        b[1]
+    );
+    let out = run_local_with_timeout(2, Duration::from_secs(20), |g| {
+        let bad = g.broadcast(Buffer::F32(vec![1.0]), 7).wait();
+        (bad, g.barrier().wait())
+    })
+    .unwrap();
+    for r in out {
+        let (bad, after) = r.unwrap();
+        assert!(matches!(bad, Err(Error::InvalidArgument(_))), "{bad:?}");
+        after.unwrap();
+    }
+    assert!(
+        start.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        start.elapsed()
+    );
+}

@@ -121,6 +121,28 @@ impl ThreadGroup {
         }
         work
     }
+
+    /// Fails a collective whose arguments this rank rejects (`e`), in its place in the
+    /// order of operations: it meets its peers with nothing to exchange, so those that
+    /// called a real collective there fail at once with a mismatch naming the reason
+    /// (and the group, as after any mismatch), rather than waiting out the timeout.
+    /// Where every rank rejects its arguments, each gets its own error and the group
+    /// stays usable.
+    fn reject<T: Send + 'static>(&self, e: Error) -> Work<T> {
+        self.submit(move |world, rank| {
+            let desc = Desc {
+                kind: Kind::Rejected(e.to_string()),
+                parts: Vec::new(),
+            };
+            match collective(world, rank, &desc, Vec::new(), |_| ()) {
+                // Nothing was posted, so nothing can leak; a mismatch or a timeout on
+                // the way still reports this rank's own error.
+                Ok(Err(Error::Mismatch(_) | Error::InvalidArgument(_))) | Ok(Ok(())) => Err(e),
+                Ok(Err(other)) => Err(other),
+                Err(MustLeak(other)) => Err(other),
+            }
+        })
+    }
 }
 
 /// Runs this rank's part of one collective: posts `addrs`, meets every rank, runs `body`
@@ -230,7 +252,7 @@ impl ProcessGroup for ThreadGroup {
 
     fn all_reduce_wire(&self, mut buf: Buffer, wire: DType, op: ReduceOp) -> Work<Buffer> {
         if let Err(e) = crate::group::check_wire(&buf, wire) {
-            return Work::ready(Err(e));
+            return self.reject(e);
         }
         if wire == DType::F32 {
             return self.all_reduce(buf, op);
@@ -261,10 +283,10 @@ impl ProcessGroup for ThreadGroup {
 
     fn broadcast(&self, mut buf: Buffer, root: usize) -> Work<Buffer> {
         if root >= self.size() {
-            return Work::ready(Err(Error::InvalidArgument(format!(
+            return self.reject(Error::InvalidArgument(format!(
                 "broadcast root {root} is not a rank of a group of {}",
                 self.size()
-            ))));
+            )));
         }
         self.submit(move |world, rank| {
             let desc = Desc {
@@ -329,10 +351,10 @@ impl ProcessGroup for ThreadGroup {
     fn reduce_scatter(&self, mut buf: Buffer, op: ReduceOp) -> Work<Buffer> {
         let size = self.size();
         if !buf.len().is_multiple_of(size) {
-            return Work::ready(Err(Error::InvalidArgument(format!(
+            return self.reject(Error::InvalidArgument(format!(
                 "reduce_scatter needs a length divisible by the group size {size}, got {}",
                 buf.len()
-            ))));
+            )));
         }
         self.submit(move |world, rank| {
             let desc = Desc {

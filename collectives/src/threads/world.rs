@@ -28,7 +28,7 @@ use std::time::Duration;
 use crate::group::deadline_after;
 
 /// Which collective a rank posted.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum Kind {
     AllReduce(ReduceOp),
     /// An `f32` all-reduce rounded to a 16-bit wire format.
@@ -38,6 +38,9 @@ pub(crate) enum Kind {
     AllGather,
     ReduceScatter(ReduceOp),
     Barrier,
+    /// A collective whose arguments this rank rejected (the message says why): it takes
+    /// its place in the rendezvous only so that its peers fail too, never runs.
+    Rejected(String),
 }
 
 /// What a rank posted: the collective and the type and length of each buffer.
@@ -281,7 +284,41 @@ impl World {
         let mut st = self.arrive(st, rank, desc)?;
         let generation = st.generation;
         let mut mismatch = None;
+        let rejected = |d: &Option<Desc>| match d {
+            Some(Desc {
+                kind: Kind::Rejected(why),
+                ..
+            }) => Some(why.clone()),
+            _ => None,
+        };
+        let rejecting: Vec<(usize, String)> = st
+            .posted
+            .iter()
+            .enumerate()
+            .filter_map(|(peer, (d, _))| rejected(d).map(|why| (peer, why)))
+            .collect();
+        if rejecting.len() == self.size {
+            // Every rank rejected its arguments: each reports its own error, and the
+            // group, which nobody used, stays usable.
+            let why = rejected(&st.posted[rank].0).unwrap_or_default();
+            return Ok(Entered {
+                generation,
+                addrs: st.posted.iter().map(|(_, a)| a.clone()).collect(),
+                mismatch: Some(Error::InvalidArgument(why)),
+            });
+        }
+        if let Some((peer, why)) = rejecting.first() {
+            mismatch = Some(match rejected(&st.posted[rank].0) {
+                Some(mine) => Error::InvalidArgument(mine),
+                None => Error::Mismatch(format!(
+                    "rank {rank} called {desc}, but rank {peer} rejected its arguments: {why}"
+                )),
+            });
+        }
         for (peer, (d, _)) in st.posted.iter().enumerate() {
+            if mismatch.is_some() {
+                break;
+            }
             if d.as_ref() != Some(desc) {
                 let theirs = d.as_ref().map_or("nothing".to_string(), |d| d.to_string());
                 mismatch = Some(Error::Mismatch(format!(
