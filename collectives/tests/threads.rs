@@ -576,3 +576,35 @@ fn an_argument_one_rank_rejects_fails_its_peers_at_once() {
         start.elapsed()
     );
 }
+
+#[test]
+fn new_group_with_different_lists_fails_every_member_at_once() {
+    // Rank 0 asks for [0, 1], rank 1 for [1, 0]: the second to ask gets a mismatch, and
+    // the first, which got a subgroup, fails at its first operation on it, not by the
+    // timeout.
+    let start = Instant::now();
+    let out = run_local_with_timeout(2, Duration::from_secs(20), |g| {
+        if g.rank() == 1 {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let list: &[usize] = if g.rank() == 0 { &[0, 1] } else { &[1, 0] };
+        match g.new_group(list) {
+            Ok(Some(sub)) => sub.barrier().wait().map(|_| "barrier"),
+            Ok(None) => Ok("outside"),
+            Err(e) => Err(e),
+        }
+    })
+    .unwrap();
+    for r in out {
+        let r = r.unwrap();
+        assert!(
+            matches!(&r, Err(Error::Mismatch(m)) if m.contains("new_group")),
+            "{r:?}"
+        );
+    }
+    assert!(
+        start.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        start.elapsed()
+    );
+}

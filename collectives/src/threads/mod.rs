@@ -414,10 +414,14 @@ impl ProcessGroup for ThreadGroup {
                 .entry(call)
                 .or_insert_with(|| (ranks.to_vec(), World::new(ranks.len(), self.world.timeout)));
             if members != ranks {
-                return Err(Error::Mismatch(format!(
+                let e = Error::Mismatch(format!(
                     "new_group call {call}: rank {} asked for {ranks:?}, another rank for {members:?}",
                     self.rank
-                )));
+                ));
+                // The ranks that got the subgroup first learn it at their next operation
+                // on it, at once, rather than by its timeout.
+                world.fail(e.clone());
+                return Err(e);
             }
             world.clone()
         };
