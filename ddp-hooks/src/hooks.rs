@@ -155,7 +155,10 @@ fn load_stateless<B: Backend>(hook: &(impl CommHook<B> + ?Sized), state: HookSta
 }
 
 /// Averages the bucket exactly over the ranks (PyTorch's `allreduce_hook`, which DDP
-/// without a hook also does).
+/// without a hook also does). The mean is taken as the group's `Avg` (a sum, then one
+/// division) where PyTorch divides each rank's bucket first: the rounding differs in the
+/// last place, and gradients within a factor of the world size of `f32::MAX` overflow to
+/// infinity here where PyTorch's would not.
 pub struct AllReduce<B> {
     backend: Arc<B>,
     group: Arc<dyn ProcessGroup>,
