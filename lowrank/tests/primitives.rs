@@ -745,6 +745,29 @@ fn check_views<B: Backend>(be: &B) {
     assert_eq!(&got[..5], &[0.0; 5]);
     assert_close("view", &got[5..8], &want, 4);
     assert_eq!(&got[8..], &[0.0; 2]);
+    // pqt_error on views that start off 16-byte alignment with m % 4 == 0 (the CUDA
+    // kernel's element-by-element path): M = buf2[2..14] (rows of 4), E = e[1..13].
+    let mut m2 = on(be, &host);
+    let mut e = on(be, &[0.0; 14]);
+    be.pqt_error(
+        d,
+        B::view(&buf, 14..17).unwrap(),
+        B::view(&buf, 16..20).unwrap(),
+        B::view_mut(&mut m2, 2..14).unwrap(),
+        B::view_mut(&mut e, 1..13).unwrap(),
+    )
+    .unwrap();
+    let want = ref_pqt(d, &host[14..17], &host[16..20]);
+    let (got_m, got_e) = (back(be, &m2), back(be, &e));
+    assert_close("pqt_error view M", &got_m[2..14], &want, 1);
+    let want_e: Vec<f64> = host[2..14]
+        .iter()
+        .zip(&want)
+        .map(|(&x, &w)| x as f64 - w)
+        .collect();
+    assert_close("pqt_error view E", &got_e[1..13], &want_e, 1);
+    assert_eq!((&got_m[..2], &got_m[14..]), (&host[..2], &host[14..]));
+    assert_eq!((got_e[0], got_e[13]), (0.0, 0.0));
 }
 
 fn cpu_backends() -> Vec<CpuBackend> {

@@ -242,7 +242,9 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         let tiles = d.batch() * d.n().div_ceil(PQT_ERROR_ROWS) * d.m().div_ceil(PQT_ERROR_COLS);
-        let cfg = self.launch_config(tiles, PQT_ERROR_THREADS);
+        let mut cfg = self.launch_config(tiles, PQT_ERROR_THREADS);
+        // The tile's P rows and Q columns: r * (32 + 128) floats, at most 40 KiB (r <= 64).
+        cfg.shared_mem_bytes = (d.r() * (PQT_ERROR_ROWS + PQT_ERROR_COLS) * 4) as u32;
         let (batch, n, cols, r) = (d.batch() as u64, d.n() as u64, d.m() as u64, d.r() as u32);
         let mut launch = self.stream.launch_builder(&self.kernels.pqt_error);
         launch.arg(&p).arg(&q).arg(&mut m).arg(&mut e);
@@ -250,8 +252,10 @@ impl Backend for CudaBackend {
         // SAFETY: the arguments match `lr_pqt_error(const float* p, const float* q,
         // float* m, float* e, u64 batch, u64 n, u64 m, u32 r)`; every length was checked
         // against the shape, the kernel indexes below `batch*n*r`, `batch*m*r` and
-        // `batch*n*m` only, and `r <= 64` (its shared arrays' size) by `Dims`. `m` and `e`
-        // are distinct buffers (both borrowed mutably).
+        // `batch*n*m` only (its 16-byte accesses only when `m % 4 == 0` and both `m` and
+        // `e` start 16-byte aligned, checked in the kernel), its dynamic shared memory is
+        // the `r * (32 + 128)` floats it indexes, within the 48 KiB default as `r <= 64`
+        // (by `Dims`). `m` and `e` are distinct buffers (both borrowed mutably).
         unsafe { launch.launch(cfg) }.map_err(driver_error)?;
         Ok(())
     }
