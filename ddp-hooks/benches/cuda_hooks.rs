@@ -26,6 +26,10 @@
 //! `compressed_elements`, `copy_gbps`), also written to `$OUT/cuda_hooks.jsonl` when `OUT`
 //! is set. Without a CUDA driver or NCCL it prints one `skipped: ...` line and exits 0.
 //!
+//! For a profiler (`ncu`), `CUDA_HOOKS_ONLY=preset:rank:path` (each part may be empty
+//! for all, e.g. `bert-base:1:device`) measures only the matching rows, and
+//! `CUDA_HOOKS_STEPS=n` times `n` steps a row instead of 20.
+//!
 //! At world size 1, NCCL's all-reduce moves no data between GPUs: the hook time is the
 //! compression's device work and the host's part (launches, waits, staging), which is
 //! what the device path removes.
@@ -52,8 +56,31 @@ const RANKS: [usize; 3] = [1, 2, 4];
 const WARMUP: usize = 5;
 /// PowerSGD's `start_powersgd_iter`: the smallest that error feedback allows.
 const START_ITER: u64 = 2;
-/// Timed steps per configuration.
+/// Timed steps per configuration (`CUDA_HOOKS_STEPS` overrides it).
 const STEPS: usize = 20;
+
+/// The timed steps a row: [`STEPS`], or `CUDA_HOOKS_STEPS` when set to a positive count.
+fn steps() -> usize {
+    std::env::var("CUDA_HOOKS_STEPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or(STEPS)
+}
+
+/// Whether `CUDA_HOOKS_ONLY` (`preset:rank:path`, empty parts match all) lets a row run.
+fn selected(preset: &str, rank: Option<usize>, path: Option<&str>) -> bool {
+    let Ok(only) = std::env::var("CUDA_HOOKS_ONLY") else {
+        return true;
+    };
+    let mut parts = only.split(':');
+    let part = |p: Option<&str>| p.filter(|s| !s.is_empty()).map(str::to_string);
+    let (want_preset, want_rank, want_path) =
+        (part(parts.next()), part(parts.next()), part(parts.next()));
+    want_preset.is_none_or(|w| w == preset)
+        && rank.zip(want_rank).is_none_or(|(r, w)| w == r.to_string())
+        && path.zip(want_path).is_none_or(|(p, w)| w == p)
+}
 /// Bytes of the bandwidth probe's source (and destination).
 const COPY_BYTES: usize = 1 << 30;
 /// A preset's parameter shapes, in forward order.
@@ -175,8 +202,9 @@ fn step_times(
     hook: Box<dyn CommHook<CudaBackend>>,
 ) -> Result<Vec<Duration>, BenchError> {
     let mut reducer = Reducer::new(be.clone(), shapes, hook, ReducerConfig::default())?;
-    let mut times = Vec::with_capacity(WARMUP + STEPS);
-    for _ in 0..WARMUP + STEPS {
+    let steps = steps();
+    let mut times = Vec::with_capacity(WARMUP + steps);
+    for _ in 0..WARMUP + steps {
         be.synchronize()?;
         let t = Instant::now();
         for p in (0..shapes.len()).rev() {
@@ -255,6 +283,9 @@ fn preset(
     (name, shapes): (&'static str, Vec<Vec<usize>>),
     rows: &mut Rows,
 ) -> Result<usize, BenchError> {
+    if !selected(name, None, None) {
+        return Ok(0);
+    }
     let count = models::params(&shapes);
     if !models::PUBLISHED.contains(&(name, count)) {
         return Err(BenchError::Preset(name, count));
@@ -269,6 +300,9 @@ fn preset(
         let elements = compressed_elements(&shapes, rank, base.min_compression_rate)?;
         let bound_ms = measure::BOUND_PASSES * 4.0 * elements as f64 / bw * 1e3;
         for (path, pg, batch) in paths {
+            if !selected(name, Some(rank), Some(path)) {
+                continue;
+            }
             let config = PowerSgdConfig {
                 matrix_approximation_rank: rank,
                 start_powersgd_iter: START_ITER,
@@ -348,7 +382,8 @@ fn run(be: Arc<CudaBackend>, group: Arc<NcclGroup>, rows: &mut Rows) -> bool {
         }
     }
     println!(
-        "cuda_hooks: {STEPS} steps per row after {WARMUP} warm-up, medians; {:.0} s in all",
+        "cuda_hooks: {} steps per row after {WARMUP} warm-up, medians; {:.0} s in all",
+        steps(),
         started.elapsed().as_secs_f64()
     );
     ok

@@ -8,7 +8,11 @@
 //! summary. The folder also carries `torch_hooks.py` (PyTorch's `powerSGD_hook` on the
 //! shapes of the `cuda_hooks` bench, the reference of issue 17) and the CPU compression
 //! report (`ddp-hooks/benches/report.rs`, run with `--quick`; its JSON lines go to
-//! `$OUT/report.jsonl`, where `cargo xtask bench` would draw them).
+//! `$OUT/report.jsonl`, where `cargo xtask bench` would draw them). `run.sh` takes its
+//! options from the environment: `GPU_CHECK_LIMIT` (seconds a step may run),
+//! `GPU_CHECK_SANITIZE=1` (the CUDA tests again under compute-sanitizer's memcheck),
+//! `GPU_CHECK_PROFILE=preset:rank:path` (an `ncu` time of every kernel of that
+//! `cuda_hooks` row), `GPU_CHECK_REPORT=0` (no CPU report).
 
 use crate::{cargo, on_path, workspace_root, Failure};
 use std::path::{Path, PathBuf};
