@@ -3,6 +3,8 @@
 //! prints one `skipped:` line.
 #![cfg(feature = "cuda")]
 
+mod common;
+
 use collectives::{run_local, ProcessGroup};
 use ddp_hooks::{CommHook, GradBucket, Layout, PowerSgd, PowerSgdConfig};
 use lowrank::{Backend, CpuBackend, CudaBackend, NormalRng};
@@ -107,26 +109,13 @@ mod device_path {
     use collectives::{
         run_local, Buffer, DType, DeviceBuffer, Narrowed, ProcessGroup, ReduceOp, Work,
     };
-    use ddp_hooks::{CommBackend, HookSpec, Reducer, ReducerConfig};
-    use lowrank::{CpuBackend, NormalRng};
+    use lowrank::CpuBackend;
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
     use std::time::Duration;
 
+    use super::common::{assert_close, train, STEPS};
     use super::gpu;
-
-    /// Parameter shapes in forward order: matrices PowerSGD compresses, vectors it
-    /// does not, and enough elements for two buckets of 1 MiB.
-    fn shapes() -> Vec<Vec<usize>> {
-        vec![
-            vec![256, 384],
-            vec![384],
-            vec![384, 512],
-            vec![512],
-            vec![128, 64],
-            vec![64],
-        ]
-    }
 
     const SPECS: &[&str] = &[
         "allreduce",
@@ -135,22 +124,9 @@ mod device_path {
         "powersgd:rank=2,start_iter=2",
         "batched_powersgd:rank=2,start_iter=2",
         "fp16+powersgd:rank=2,start_iter=2",
+        "bf16+powersgd:rank=2,start_iter=2",
         "bf16+allreduce",
     ];
-
-    const STEPS: usize = 5;
-
-    fn grads(rank: usize, step: usize) -> Vec<Vec<f32>> {
-        shapes()
-            .iter()
-            .enumerate()
-            .map(|(p, s)| {
-                let mut v = vec![0.0; s.iter().product()];
-                NormalRng::new((rank * 1000 + step * 10 + p) as u64).fill(&mut v);
-                v
-            })
-            .collect()
-    }
 
     /// Counts what the hooks hand to the group it wraps: host buffers of gradient data
     /// (any all-reduce of a host buffer) and device buffers.
@@ -222,66 +198,6 @@ mod device_path {
         }
     }
 
-    /// `STEPS` synchronised steps of `spec` through a reducer (1 MiB buckets); each step's
-    /// reduced gradients, concatenated, on the host.
-    fn train<B: CommBackend>(
-        be: Arc<B>,
-        group: Arc<dyn ProcessGroup>,
-        spec: &str,
-        rank: usize,
-    ) -> Vec<Vec<f32>> {
-        let hook = spec
-            .parse::<HookSpec>()
-            .unwrap()
-            .build(be.clone(), group.clone())
-            .unwrap();
-        let config = ReducerConfig {
-            bucket_cap_mb: 1.0,
-            first_bucket_mb: 1.0,
-            ..Default::default()
-        };
-        let mut reducer = Reducer::new(be.clone(), &shapes(), hook, config)
-            .unwrap()
-            .with_process_group(group);
-        let n = shapes().len();
-        (0..STEPS)
-            .map(|step| {
-                let g = grads(rank, step);
-                for p in (0..n).rev() {
-                    let dev = be.upload(&g[p]).unwrap();
-                    be.copy(B::view(&dev, ..).unwrap(), reducer.grad_mut(p).unwrap())
-                        .unwrap();
-                    reducer.mark_ready(p).unwrap();
-                }
-                reducer.finish().unwrap();
-                let mut out = Vec::new();
-                for (p, grad) in g.iter().enumerate() {
-                    let mut host = vec![0.0; grad.len()];
-                    be.download(reducer.grad(p).unwrap(), &mut host).unwrap();
-                    out.extend(host);
-                }
-                reducer.zero_grad().unwrap();
-                out
-            })
-            .collect()
-    }
-
-    fn assert_close(spec: &str, cpu: &[Vec<f32>], gpu: &[Vec<f32>]) {
-        for (s, (a, b)) in cpu.iter().zip(gpu).enumerate() {
-            let diff = a
-                .iter()
-                .zip(b)
-                .map(|(x, y)| f64::from(x - y).powi(2))
-                .sum::<f64>()
-                .sqrt();
-            let norm = a.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
-            assert!(
-                diff <= 1e-5 * norm,
-                "{spec}, step {s}: the device path differs from the CPU by {diff:e} (norm {norm:e})"
-            );
-        }
-    }
-
     fn recording(
         inner: Arc<dyn ProcessGroup>,
     ) -> (Arc<Recording>, Arc<AtomicUsize>, Arc<AtomicUsize>) {
@@ -295,7 +211,8 @@ mod device_path {
     }
 
     /// World size 1 on NCCL: every hook through the reducer equals the CPU backend's
-    /// result within 1e-5 relative, and no gradient data reaches the group in host memory.
+    /// result within `common::tolerance` (1e-5 relative but for PowerSGD behind a 16-bit wire),
+    /// and no gradient data reaches the group in host memory.
     #[test]
     fn hooks_on_nccl_match_cpu_without_host_copies() {
         let Some(gpu) = gpu() else { return };
@@ -318,7 +235,7 @@ mod device_path {
             .unwrap();
             let (group, host, device) = recording(nccl.clone());
             let dev = train(gpu.clone(), group, spec, 0);
-            assert_close(spec, &cpu, &dev);
+            assert_close("the NCCL device path against the CPU", spec, &cpu, &dev);
             assert_eq!(
                 host.load(Ordering::Relaxed),
                 0,
@@ -333,7 +250,7 @@ mod device_path {
     }
 
     /// Two thread ranks sharing one GPU (the thread backend stages device buffers in
-    /// `collectives::device`): every hook equals the CPU backend's result within 1e-5
+    /// `collectives::device`): every hook equals the CPU backend's result within `common::tolerance`
     /// relative, and the hooks still hand the group device buffers only.
     #[test]
     fn hooks_on_thread_device_path_match_cpu() {
@@ -353,7 +270,12 @@ mod device_path {
             .unwrap();
             for (c, d) in cpu.into_iter().zip(dev) {
                 let (d, host) = d.unwrap();
-                assert_close(spec, &c.unwrap(), &d);
+                assert_close(
+                    "the thread device path against the CPU",
+                    spec,
+                    &c.unwrap(),
+                    &d,
+                );
                 assert_eq!(host, 0, "{spec}: a hook handed the group a host buffer");
             }
             println!("thread device path, {spec}: ok");
