@@ -240,7 +240,8 @@ for r in csv.DictReader(lines):
     if r.get("Metric Name") == "gpu__time_duration.sum":
         v = float(r["Metric Value"].replace(",", ""))
         unit = r.get("Metric Unit", "nsecond")
-        scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}.get(unit, 1e-3)
+        scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3,
+                 "msecond": 1e3, "s": 1e6, "second": 1e6}[unit]
         rows.append((r["Kernel Name"][:60], v * scale))
 tot = collections.defaultdict(lambda: [0, 0.0])
 for name, us in rows:
