@@ -144,11 +144,6 @@ impl CudaBackend {
         self.name.clone()
     }
 
-    /// Number of streaming multiprocessors of the device.
-    pub(super) fn sm_count(&self) -> usize {
-        self.sm_count
-    }
-
     /// A launch of `blocks` blocks (clamped to `1..=` the grid-stride cap) of `threads`.
     pub(super) fn launch_config(&self, blocks: usize, threads: u32) -> LaunchConfig {
         let cap = (self.sm_count * BLOCKS_PER_SM).min(i32::MAX as usize);

@@ -23,7 +23,8 @@ use std::sync::Arc;
 
 /// Threads per block of the element-wise kernels.
 pub(super) const ELEMENTWISE_THREADS: u32 = 256;
-/// Threads per block of `lr_pqt_error` (fixed by its tiling).
+/// Threads per block of `lr_pqt_error` (fixed by its tiling: `PE_THREADS`, checked
+/// against the source below).
 pub(super) const PQT_ERROR_THREADS: u32 = 256;
 /// Rows of `M` in one `lr_pqt_error` tile.
 pub(super) const PQT_ERROR_ROWS: usize = 32;
@@ -702,19 +703,26 @@ __device__ void lr_refill_block(float* base, u64 n, u32 r, float eps, float tol,
     }
 }
 
+/* The serial path (n < OG_SERIAL_N), one thread a matrix, in a kernel of its own: its
+   per-thread arrays (6 x 64 floats) take 1.5 KiB of local memory a thread, and the
+   driver reserves local memory for every thread the device can hold (about 0.4 GB on an
+   H200) once a kernel that needs it is launched. The block path needs none, so a
+   workload whose factors all have n >= 8 never pays for it. */
+extern "C" __global__ void __launch_bounds__(128) lr_orthogonalize_serial(
+    float* __restrict__ x, u64 batch, u64 n, u32 r, float eps, float tol, u64 key,
+    u32 refill) {
+    LR_GRID_STRIDE(b, batch) {
+        lr_gram_schmidt_serial(x + b * n * r, n, r, eps, tol);
+        if (refill != 0u) {
+            lr_refill_serial(x + b * n * r, n, r, eps, tol, key);
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(1024) lr_orthogonalize(
     float* __restrict__ x, u64 batch, u64 n, u32 r, float eps, float tol, u64 key,
     u32 refill) {
     __shared__ LrOgShared sh;
-    if (n < OG_SERIAL_N) {
-        LR_GRID_STRIDE(b, batch) {
-            lr_gram_schmidt_serial(x + b * n * r, n, r, eps, tol);
-            if (refill != 0u) {
-                lr_refill_serial(x + b * n * r, n, r, eps, tol, key);
-            }
-        }
-        return;
-    }
     for (u64 b = blockIdx.x; b < batch; b += gridDim.x) {
         float* base = x + b * n * r;
         lr_orthogonalize_block(base, n, r, eps, tol, &sh);
@@ -747,6 +755,9 @@ pub(super) struct Kernels {
     /// `lr_orthogonalize(float* x, u64 batch, u64 n, u32 r, float eps, float tol, u64 key,
     /// u32 refill)`.
     pub(super) orthogonalize: CudaFunction,
+    /// `lr_orthogonalize_serial`, the same arguments: one thread a matrix, for
+    /// `n < ORTHO_SERIAL_N`.
+    pub(super) orthogonalize_serial: CudaFunction,
     /// `lr_cast_{src}_{dst}(const S* src, D* dst, u64 n)` for the pairs of [`CASTS`].
     casts: Vec<((&'static str, &'static str), CudaFunction)>,
 }
@@ -773,6 +784,7 @@ impl Kernels {
             scale: function("lr_scale")?,
             pqt_error: function("lr_pqt_error")?,
             orthogonalize: function("lr_orthogonalize")?,
+            orthogonalize_serial: function("lr_orthogonalize_serial")?,
             casts,
         })
     }
@@ -846,6 +858,28 @@ mod tests {
     /// architecture. NVRTC needs no GPU, so this runs wherever `libnvrtc` is present (the
     /// CUDA toolkit, or the `nvidia-cuda-nvrtc` wheel on `LD_LIBRARY_PATH`): a syntax error
     /// in the CUDA C is caught on machines without a GPU too.
+    /// The Rust side's copies of the source's `#define`s (launch sizes, tile shape, the
+    /// serial-path bound, the rank limit, the refill attempts) agree with it: a kernel
+    /// launched with another block size than its tiling assumes would leave rows unwritten.
+    #[test]
+    fn constants_match_the_source() {
+        let define = |name: &str| -> u64 {
+            let line = super::SOURCE
+                .lines()
+                .find(|l| l.starts_with(&format!("#define {name} ")))
+                .unwrap_or_else(|| panic!("no #define {name}"));
+            let value = line.split_whitespace().nth(2).unwrap();
+            value.trim_end_matches("ull").parse().unwrap()
+        };
+        assert_eq!(define("PE_THREADS"), u64::from(super::PQT_ERROR_THREADS));
+        assert_eq!(define("PE_ROWS"), super::PQT_ERROR_ROWS as u64);
+        assert_eq!(define("PE_COLS"), super::PQT_ERROR_COLS as u64);
+        assert_eq!(define("OG_SERIAL_N"), super::ORTHO_SERIAL_N as u64);
+        assert_eq!(define("OG_MAX_WARPS") * 32, super::ORTHO_MAX_THREADS as u64);
+        assert_eq!(define("LR_MAX_RANK"), crate::MAX_RANK as u64);
+        assert_eq!(define("LR_REFILL_ATTEMPTS"), crate::REFILL_ATTEMPTS);
+    }
+
     #[test]
     fn source_compiles_with_nvrtc() {
         // SAFETY: `is_culib_present` only tries to open each candidate library name.

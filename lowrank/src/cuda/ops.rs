@@ -42,12 +42,9 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// The launch of `lr_orthogonalize`. Below `ORTHO_SERIAL_N` rows it runs one thread
-    /// per matrix, in blocks of 128. Otherwise one block per matrix (grid-stride beyond
-    /// the cap) of about 4 elements of a column per thread: a multiple of 32, at most 256
-    /// when the batch fills the device and 1024 when it does not.
     /// `lr_orthogonalize` over `batch` matrices, refilling zero columns under `refill`'s
-    /// key when given (see [`Backend::orthogonalize_refill`]).
+    /// key when given (see [`Backend::orthogonalize_refill`]); `lr_orthogonalize_serial`
+    /// below `ORTHO_SERIAL_N` rows (see [`CudaBackend::ortho_config`]).
     fn launch_orthogonalize(
         &self,
         batch: usize,
@@ -68,7 +65,12 @@ impl CudaBackend {
         let cfg = self.ortho_config(batch, n);
         let (batch, n, r) = (batch as u64, n as u64, r as u32);
         let (key, refill) = (refill.unwrap_or(0), u32::from(refill.is_some()));
-        let mut launch = self.stream.launch_builder(&self.kernels.orthogonalize);
+        let kernel = if (n as usize) < ORTHO_SERIAL_N {
+            &self.kernels.orthogonalize_serial
+        } else {
+            &self.kernels.orthogonalize
+        };
+        let mut launch = self.stream.launch_builder(kernel);
         launch
             .arg(&mut x)
             .arg(&batch)
@@ -78,26 +80,34 @@ impl CudaBackend {
             .arg(&tol)
             .arg(&key)
             .arg(&refill);
-        // SAFETY: the arguments match `lr_orthogonalize(float* x, u64 batch, u64 n, u32 r,
-        // float eps, float tol, u64 key, u32 refill)`; `x` holds `batch*n*r` f32s
-        // (checked), the kernel indexes below that only (the refill writes only inside
-        // the matrix it counts), `r <= 64` and the block size is a multiple of 32 in
-        // 32..=1024 (the sizes of its shared arrays; the serial path for small `n` uses
-        // none).
+        // SAFETY: the arguments match `lr_orthogonalize` and `lr_orthogonalize_serial`
+        // (float* x, u64 batch, u64 n, u32 r, float eps, float tol, u64 key, u32 refill);
+        // `x` holds `batch*n*r` f32s (checked), the kernels index below that only (the
+        // refill writes only inside the matrix it counts), `r <= 64` (the size of their
+        // per-column arrays, by `Dims`), and the block path's block size is a multiple of
+        // 32 in 32..=1024 (the sizes of its shared arrays; its loops over columns are
+        // strided by the block, so fewer threads than columns is fine). The serial
+        // kernel's 128 threads use no shared memory and stay within its launch bounds.
         unsafe { launch.launch(cfg) }.map_err(driver_error)?;
         Ok(())
     }
 
+    /// The launch of the orthogonalisation. Below `ORTHO_SERIAL_N` rows: one thread per
+    /// matrix, in blocks of 128. Otherwise one block per matrix (grid-stride beyond the
+    /// cap) of about 4 elements of a column per thread, a multiple of 32 up to 1024.
+    ///
+    /// The block size depends on `n` alone, never on the batch or the device: the block's
+    /// reductions add partial sums in an order set by its size, so a matrix gets the same
+    /// bits whether it is orthogonalised alone or in a batch, and on every GPU model (the
+    /// ranks of a PowerSGD job each orthogonalise the summed `P` themselves and must agree).
     fn ortho_config(&self, batch: usize, n: usize) -> LaunchConfig {
         if n < ORTHO_SERIAL_N {
             return self.launch_config(batch.div_ceil(128), 128);
         }
-        let cap = if batch >= self.sm_count() {
-            256
-        } else {
-            ORTHO_MAX_THREADS
-        };
-        let threads = n.div_ceil(4).next_multiple_of(32).clamp(32, cap);
+        let threads = n
+            .div_ceil(4)
+            .next_multiple_of(32)
+            .clamp(32, ORTHO_MAX_THREADS);
         self.launch_config(batch, threads as u32)
     }
 }
