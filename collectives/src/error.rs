@@ -14,7 +14,8 @@ pub enum Error {
         what: String,
         /// How long.
         after: Duration,
-        /// Ranks that never arrived, where known.
+        /// Ranks that did not reach what was waited for (a rendezvous or barrier they never
+        /// joined, the end of a collective they never left), where known.
         missing: Vec<usize>,
     },
     /// A peer rank failed (panicked, returned early or dropped its group).
@@ -154,7 +155,7 @@ fn missing_suffix(missing: &[usize]) -> String {
     if missing.is_empty() {
         String::new()
     } else {
-        format!(" (ranks that never arrived: {missing:?})")
+        format!(" (ranks that never got there: {missing:?})")
     }
 }
 

@@ -284,6 +284,13 @@ impl<T> Drop for Completer<T> {
             if let State::Pending(cont) = std::mem::replace(&mut *st, State::Taken) {
                 let err = Error::Backend("the operation was abandoned before completing".into());
                 match cont {
+                    // Dropped while its thread unwinds (the job panicked): a continuation
+                    // that panicked in turn would abort the process, so it is dropped
+                    // unrun; the completers it holds fail the works chained from it.
+                    Some(cont) if std::thread::panicking() => {
+                        drop(st);
+                        drop(cont);
+                    }
                     Some(cont) => {
                         drop(st);
                         cont(Err(err));
@@ -320,6 +327,23 @@ mod tests {
         let w = Work::ready(Ok(3));
         assert!(w.is_completed());
         assert_eq!(w.then(|r| r.map(|v| v * 2)).wait().unwrap(), 6);
+    }
+
+    /// A completer dropped while its thread unwinds (a job that panicked) fails the works
+    /// chained from it without running their continuations: one that panicked in turn
+    /// would abort the process.
+    #[test]
+    fn a_completer_dropped_in_a_panic_fails_the_chain_without_running_it() {
+        let (w, c) = Work::<u32>::pending();
+        let chained = w
+            .then(|_: Result<u32>| -> Result<u32> { panic!("a continuation that panics") })
+            .then(|r| r.map(|v| v + 1));
+        let job = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+            let _completer = c;
+            panic!("the job panics before completing");
+        }));
+        assert!(job.is_err());
+        assert!(matches!(chained.wait(), Err(Error::Backend(_))));
     }
 
     #[test]

@@ -210,6 +210,37 @@ fn continuations_run_on_the_progress_thread_in_order() {
     assert_eq!(chained.wait(), Ok(Buffer::F64(vec![2.0])));
 }
 
+/// A continuation that waits for another operation of its own group (which only the
+/// progress thread running it could issue) fails at once with `InvalidArgument` instead
+/// of blocking that thread, and so the group, forever; the group goes on.
+#[test]
+fn a_continuation_waiting_on_its_own_group_fails_at_once() {
+    if gpus().is_none() {
+        return;
+    }
+    let g = Arc::new(one_rank(false));
+    let g2 = g.clone();
+    let start = Instant::now();
+    let inner = g
+        .barrier()
+        .then(move |_| Ok(g2.barrier().wait()))
+        .wait_timeout(Duration::from_secs(30))
+        .expect("the outer work completes");
+    assert!(
+        matches!(inner, Err(Error::InvalidArgument(_))),
+        "expected InvalidArgument, got {inner:?}"
+    );
+    assert!(
+        start.elapsed() < Duration::from_secs(10),
+        "took {:?}",
+        start.elapsed()
+    );
+    assert_eq!(
+        g.all_reduce(Buffer::F32(vec![3.0]), ReduceOp::Sum).wait(),
+        Ok(Buffer::F32(vec![3.0]))
+    );
+}
+
 /// Uploads `xs` as `T` on `stream`.
 fn upload<T: cudarc::driver::DeviceRepr + Copy>(
     stream: &Arc<CudaStream>,

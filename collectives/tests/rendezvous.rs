@@ -205,7 +205,7 @@ fn a_barrier_names_the_rank_that_never_arrived() -> Result<()> {
     for e in errors {
         let message = e.to_string();
         assert!(
-            message.contains("ranks that never arrived: [2]"),
+            message.contains("ranks that never got there: [2]"),
             "{message}"
         );
     }

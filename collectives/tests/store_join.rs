@@ -173,7 +173,7 @@ fn a_rank_that_never_starts_is_named_on_every_rank() {
     assert_eq!(errors[1], errors[0], "rank 1 is told what rank 0 saw");
     assert!(errors[1]
         .to_string()
-        .contains("ranks that never arrived: [2]"));
+        .contains("ranks that never got there: [2]"));
 }
 
 #[test]

@@ -309,7 +309,14 @@ impl Engine {
     pub fn release<T>(&self, buf: CudaSlice<T>) {
         if **buf.stream() != *self.stream {
             if let Err(e) = buf.stream().join(&self.stream) {
-                tracing::warn!("ordering a buffer's release after the NCCL stream: {e:?}");
+                // Unordered, the free could run under a kernel that still uses the
+                // memory: leak the buffer instead (the context is broken anyway).
+                tracing::warn!(
+                    "ordering a buffer's release after the NCCL stream failed ({e:?});                      its {} elements are leaked",
+                    buf.len()
+                );
+                std::mem::forget(buf);
+                return;
             }
         }
         drop(buf);

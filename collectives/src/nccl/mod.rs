@@ -70,14 +70,14 @@
 //! one GPU, so a single-GPU machine can run groups of one rank only.
 //!
 //! # What has run where
-//! Nothing in this module has run on a GPU yet: it was written and compiled on a machine
-//! without one. There, with the pip wheel's NCCL 2.32.3 linked as `libnccl.so`, the
-//! library checks, [`library_version`], [`NcclId::new`] (`ncclGetUniqueId`) and the
-//! missing-library errors have run (the last in `tests/nccl.rs`, in-process and in a child
-//! process without `LD_LIBRARY_PATH`); every other test skips without a driver. The tests
-//! cover every operation at world size 1, debug mode, `new_group`, the store rendezvous,
-//! the abort path and the creation timeout (for a one-GPU H200 machine), and two ranks
-//! (collectives, mismatch detection, a peer that leaves) where at least two GPUs exist.
+//! On one H200 (driver 580.159.04, NCCL 2.28.9 from the `nvidia-nccl-cu13` package,
+//! 2026-12-01) `tests/nccl.rs` passed: every operation at world size 1, debug mode,
+//! `new_group`, the store rendezvous, the abort path, the creation timeout, device
+//! buffers, and continuations in order; the two-rank tests (collectives, mismatch
+//! detection, a peer that leaves) need two GPUs and have not run. Without a driver, with
+//! the pip wheel's NCCL linked as `libnccl.so`, the library checks, [`library_version`],
+//! [`NcclId::new`] (`ncclGetUniqueId`) and the missing-library errors run; every other
+//! test skips.
 //! Asynchronous errors from a real network fault go through the same path as a timeout
 //! but no test provokes one.
 
@@ -381,7 +381,7 @@ impl NcclGroup {
         desc: Desc,
         op: impl FnOnce(&mut Engine, &comm::Watch<'_>) -> Result<T> + Send + 'static,
     ) -> Work<T> {
-        let (work, completer) = Work::pending();
+        let (work, completer) = Work::pending_on(self.progress_thread());
         let debug = self.debug();
         self.send(Box::new(move |engine| {
             completer.complete(engine.run(&desc, debug, op))
@@ -398,7 +398,7 @@ impl NcclGroup {
         op: impl FnOnce(&mut Engine, &comm::Watch<'_>, &mut B) -> Result<T> + Send + 'static,
         release: impl FnOnce(&Engine, B) + Send + 'static,
     ) -> Work<(B, T)> {
-        let (work, completer) = Work::pending();
+        let (work, completer) = Work::pending_on(self.progress_thread());
         let debug = self.debug();
         self.send(Box::new(move |engine| {
             let mut bufs = bufs;
@@ -589,6 +589,12 @@ impl NcclGroup {
                 "ncclCommSplit disagreed with the rank list".into(),
             )),
         }
+    }
+
+    /// The progress thread, which alone completes this group's works: a wait on it (in a
+    /// continuation) for another of its operations fails at once instead of hanging.
+    fn progress_thread(&self) -> Option<thread::ThreadId> {
+        self.worker.as_ref().map(|w| w.thread().id())
     }
 
     fn on_progress_thread(&self) -> bool {
