@@ -402,7 +402,19 @@ impl NcclGroup {
         let debug = self.debug();
         self.send(Box::new(move |engine| {
             let mut bufs = bufs;
-            let outcome = engine.run(&desc, debug, |e, w| op(e, w, &mut bufs));
+            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                engine.run(&desc, debug, |e, w| op(e, w, &mut bufs))
+            }));
+            // A panic after the NCCL call was issued: the buffers are released in stream
+            // order before the unwind goes on (it fails the group), never freed under a
+            // kernel that may still use them.
+            let outcome = match outcome {
+                Ok(outcome) => outcome,
+                Err(panic) => {
+                    release(engine, bufs);
+                    std::panic::resume_unwind(panic)
+                }
+            };
             completer.complete(match outcome {
                 Ok(v) => Ok((bufs, v)),
                 Err(err) => {

@@ -346,13 +346,15 @@ impl Engine {
             return Ok(buf);
         }
         self.follow(buf.stream())?;
+        let held = Held::new(self, buf);
         let mut out = self
             .stream
-            .alloc_zeros::<T>(buf.len() * self.shared.size)
+            .alloc_zeros::<T>(held.len() * self.shared.size)
             .map_err(driver("allocating the all_gather result"))?;
-        let attempt = self.all_gather_raw(&buf, &mut out, buf.len(), T::DTYPE, watch);
-        let attempt = attempt.and_then(|()| self.finish(watch));
-        self.settle(buf, attempt).map(|()| out)
+        self.all_gather_raw(&held, &mut out, held.len(), T::DTYPE, watch)?;
+        self.finish(watch)?;
+        held.done();
+        Ok(out)
     }
 
     /// This rank's reduced chunk of a device buffer of `size` equal chunks, in a new
@@ -368,21 +370,53 @@ impl Engine {
             return Ok(buf);
         }
         self.follow(buf.stream())?;
+        let held = Held::new(self, buf);
         let mut out = self
             .stream
             .alloc_zeros::<T>(chunk)
             .map_err(driver("allocating the reduce_scatter result"))?;
-        let attempt = self.reduce_scatter_raw(&buf, &mut out, chunk, T::DTYPE, op, watch);
-        let attempt = attempt.and_then(|()| self.finish(watch));
-        self.settle(buf, attempt).map(|()| out)
+        self.reduce_scatter_raw(&held, &mut out, chunk, T::DTYPE, op, watch)?;
+        self.finish(watch)?;
+        held.done();
+        Ok(out)
+    }
+}
+
+/// An input buffer that an operation consumes, held while NCCL may use it: dropped at
+/// once by [`done`](Held::done) after a success (the stream has finished with it), and
+/// on every other way out, an error or a panic unwinding through the operation,
+/// released in stream order ([`Engine::release`]), so its memory is never freed under a
+/// kernel that may still read it.
+struct Held<'a, T> {
+    engine: &'a Engine,
+    buf: Option<CudaSlice<T>>,
+}
+
+impl<'a, T> Held<'a, T> {
+    fn new(engine: &'a Engine, buf: CudaSlice<T>) -> Self {
+        Held {
+            engine,
+            buf: Some(buf),
+        }
     }
 
-    /// Drops an input buffer that the operation consumed: at once after a success (the
-    /// stream is done with it), ordered after the group's stream after a failure.
-    fn settle<T>(&self, buf: CudaSlice<T>, attempt: Result<()>) -> Result<()> {
-        if attempt.is_err() {
-            self.release(buf);
+    /// The operation completed on the device: the buffer may be freed at once.
+    fn done(mut self) {
+        drop(self.buf.take());
+    }
+}
+
+impl<T> std::ops::Deref for Held<'_, T> {
+    type Target = CudaSlice<T>;
+    fn deref(&self) -> &CudaSlice<T> {
+        self.buf.as_ref().expect("held until done or dropped")
+    }
+}
+
+impl<T> Drop for Held<'_, T> {
+    fn drop(&mut self) {
+        if let Some(buf) = self.buf.take() {
+            self.engine.release(buf);
         }
-        attempt
     }
 }
