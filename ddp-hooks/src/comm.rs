@@ -189,6 +189,11 @@ fn wire_reduce(
 /// `f32` device buffer `buf` reduced over `inner` as `H` values: cast on the device,
 /// reduced, widened back into `buf` on the device (in the continuation, after the
 /// collective).
+///
+/// The casts run on the backend's stream. A buffer on another stream (not one the
+/// backend allocated) is ordered both ways: the backend's stream waits for the buffer's
+/// before the narrowing cast reads it, and the buffer's stream waits for the backend's
+/// before the buffer is handed back or dropped, on every path.
 #[cfg(feature = "cuda")]
 fn device_wire<H: CommElement>(
     be: &lowrank::CudaBackend,
@@ -197,6 +202,25 @@ fn device_wire<H: CommElement>(
     op: ReduceOp,
 ) -> Work<cudarc::driver::CudaSlice<f32>> {
     let kernel = |e: lowrank::Error| collectives::Error::Backend(format!("CUDA cast: {e}"));
+    let foreign = **buf.stream() != **be.stream();
+    if foreign {
+        if let Err(e) = be.stream().join(buf.stream()) {
+            return Work::ready(Err(collectives::Error::Backend(format!(
+                "ordering the cast after the buffer's stream: {e:?}"
+            ))));
+        }
+    }
+    // Back in the buffer's stream order: its later work (and its free) after the casts.
+    let rejoin = move |buf: &cudarc::driver::CudaSlice<f32>, be: &lowrank::CudaBackend| {
+        if foreign {
+            if let Err(e) = buf.stream().join(be.stream()) {
+                return Err(collectives::Error::Backend(format!(
+                    "ordering the buffer's stream after the cast: {e:?}"
+                )));
+            }
+        }
+        Ok(())
+    };
     let narrow = || -> Result<cudarc::driver::CudaSlice<H>> {
         let mut half = be.alloc::<H>(buf.len())?;
         be.cast(buf.as_view(), half.as_view_mut())?;
@@ -204,14 +228,23 @@ fn device_wire<H: CommElement>(
     };
     let half = match narrow() {
         Ok(h) => h,
-        Err(e) => return Work::ready(Err(collectives::Error::from(e))),
+        Err(e) => return Work::ready(rejoin(&buf, be).and(Err(collectives::Error::from(e)))),
     };
     let be = be.clone();
     inner
         .all_reduce_device(H::into_device(half), op)
         .then(move |r| {
-            let half = H::from_device(r?)?;
-            be.cast(half.as_view(), buf.as_view_mut()).map_err(kernel)?;
-            Ok(buf)
+            let widened = r.and_then(|r| {
+                let half = H::from_device(r)?;
+                be.cast(half.as_view(), buf.as_view_mut()).map_err(kernel)
+            });
+            match rejoin(&buf, &be) {
+                // The join failed: the buffer cannot be freed in order; leak it.
+                Err(e) => {
+                    std::mem::forget(buf);
+                    Err(e)
+                }
+                Ok(()) => widened.map(|()| buf),
+            }
         })
 }
