@@ -859,7 +859,7 @@ fn results_do_not_depend_on_thread_count() {
     }
 }
 
-/// Ranks of 8 and more take the chunked `M Q` kernel (columns in chunks that keep `Q` in
+/// Ranks of 2, 4 and more take the chunked `M Q` kernel (columns in chunks that keep `Q` in
 /// L1, rows in blocks): shapes with several chunks, ragged columns, row blocks with a
 /// remainder, and a rank past one register tile. Each must match the f64 reference, the
 /// fused `add_mq` must give exactly what `mq` gives on `g + e`, and no result may depend
@@ -868,6 +868,10 @@ fn results_do_not_depend_on_thread_count() {
 fn chunked_mq_matches_the_reference_the_fused_path_and_every_thread_count() {
     for &(batch, n, m, r) in &[
         (1, 37, 1100, 8),
+        (1, 37, 1100, 4),
+        (2, 21, 2053, 4),
+        (1, 23, 1500, 2),
+        (1, 9, 3001, 12),
         (2, 19, 2053, 16),
         (1, 33, 600, 24),
         (1, 16, 4096, 8),

@@ -309,7 +309,7 @@ unsafe fn mq_finish<S: Simd, const RB: usize, const RT: usize, const FUSE: bool>
     }
 }
 
-/// `P = M Q` for a rank of 8 or more, `r` a multiple of `RT`: the columns go in chunks
+/// `P = M Q` for a rank of 2 or more, `r` a multiple of `RT`: the columns go in chunks
 /// whose `r` columns of `Q` fit L1 ([`MQ_CHUNK_BYTES`]), and each chunk serves a block of
 /// [`MQ_BLOCK_ROWS`] rows, whose accumulators wait in L1 between chunks.
 ///
@@ -413,13 +413,19 @@ unsafe fn mq_chunked<S: Simd, const RB: usize, const RT: usize, const FUSE: bool
 
 /// `P = M Q` (or with `FUSE`, `M += E; P = M Q`) for the given rows of one matrix.
 ///
-/// Register budget: `RB x tile` accumulators plus `RB` row vectors. From `r = 8` (a
-/// multiple of the tile) [`mq_chunked`] keeps `Q` in L1 with tiles of 2 rows × 8 columns.
+/// Register budget: `RB x tile` accumulators plus `RB` row vectors. From `r = 4` (a
+/// multiple of the tile) [`mq_chunked`] keeps `Q` in L1: 4 rows × 4 columns at `r = 4` on
+/// AVX-512, tiles of 2 rows × 4 on AVX2 (at `r = 4` unchunked, `Q` is 64 KiB for 4096
+/// columns and came from L2 for every row pair: cold, one thread, AVX2 kernels 0.82-0.91
+/// of the read reference, 0.93-1.03 chunked), and from `r = 8` tiles of 2 rows × 8. At
+/// `r = 2` (`Q` 32 KiB for 4096 columns, two thirds of L1) 8 rows × 2 on AVX-512 and
+/// 4 × 2 on AVX2 (AVX2 kernels 0.91-0.95 unchunked, 1.00-1.02 chunked).
 /// On AVX2 (16 registers) that tile spills a few accumulators, yet it measured faster
 /// than 2 × 4 (cold, r = 8, one thread: 0.80-0.84 of the read reference against
 /// 0.74-0.81; each row is read once instead of once per tile), and than 3 × 4 or 1 × 8.
-/// Below `r = 8`, AVX-512 takes 4 rows at a time with tiles of 4, and AVX2 and the
-/// fallback 2 rows with tiles of 4.
+/// At `r = 1` (and for ranks the chunked tiles do not divide), AVX-512 takes 4 rows at
+/// a time with tiles of 4 (2 × 8 from `r = 8`), and AVX2 and the fallback 2 rows with
+/// tiles of 4.
 #[inline(always)]
 pub(crate) unsafe fn mq_rows<S: Simd, const FUSE: bool>(a: &Mat, rows: Range<usize>) {
     let mut i = rows.start;
@@ -427,8 +433,14 @@ pub(crate) unsafe fn mq_rows<S: Simd, const FUSE: bool>(a: &Mat, rows: Range<usi
     unsafe {
         if a.r >= 8 && a.r.is_multiple_of(8) {
             return mq_chunked::<S, 2, 8, FUSE>(a, rows);
-        } else if S::LANES == 8 && a.r >= 8 && a.r.is_multiple_of(4) {
+        } else if S::LANES == 8 && a.r >= 4 && a.r.is_multiple_of(4) {
             return mq_chunked::<S, 2, 4, FUSE>(a, rows);
+        } else if S::LANES == 16 && a.r == 4 {
+            return mq_chunked::<S, 4, 4, FUSE>(a, rows);
+        } else if S::LANES == 16 && a.r == 2 {
+            return mq_chunked::<S, 8, 2, FUSE>(a, rows);
+        } else if S::LANES == 8 && a.r == 2 {
+            return mq_chunked::<S, 4, 2, FUSE>(a, rows);
         } else if S::LANES == 16 && a.r >= 8 {
             while i + 2 <= rows.end {
                 mq_block::<S, 2, 8, FUSE>(a, i);
