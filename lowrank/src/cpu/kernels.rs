@@ -491,9 +491,12 @@ unsafe fn mtp_block<S: Simd, const RB: usize, const RC: usize>(
         let mut j = panel.start;
         let mut dst = acc;
         while j + lanes <= panel.end {
-            // Prefetch MTP_PREFETCH floats ahead in the order the rows are read: along
-            // these rows, then on into the next block's rows of the same panel.
-            let ahead = j + MTP_PREFETCH;
+            // Prefetch PREFETCH floats ahead in the order the rows are read: along these
+            // rows, then on into the next block's rows of the same panel. A block reads
+            // RB rows side by side, more streams than the hardware prefetchers keep far
+            // enough ahead (cold, n = m = 4096, one thread, AVX-512 machine: r = 8 went
+            // from 0.79-0.83 to 0.90-0.91 of the read reference with this prefetch).
+            let ahead = j + PREFETCH;
             let (base, at) = if ahead < panel.end {
                 (i0, ahead)
             } else {
@@ -527,14 +530,6 @@ unsafe fn mtp_block<S: Simd, const RB: usize, const RC: usize>(
         }
     }
 }
-
-/// How far ahead along a row (in `f32` elements) [`mtp_block`] prefetches `M`.
-///
-/// A block reads `RB` rows side by side, more streams than the hardware prefetchers keep
-/// far enough ahead. With this prefetch, cold, n = m = 4096, one thread, AVX-512 machine:
-/// `r = 8` went from 0.79-0.83 to 0.90-0.91 of the read reference (AVX2 kernels 0.78-0.80
-/// to 0.90), and two threads from 0.87-0.89 to 0.98-1.01; bits unchanged.
-const MTP_PREFETCH: usize = 512;
 
 /// Columns of `M` per panel: the panel's accumulators (`r x width` floats) stay within
 /// 64 KiB, in L2, while runs of at least 8 KiB per row keep the hardware prefetchers busy.
