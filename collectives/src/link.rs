@@ -288,62 +288,75 @@ impl<G: ProcessGroup> ProcessGroup for Linked<G> {
     }
 }
 
-impl ProcessGroup for Box<dyn ProcessGroup> {
-    fn rank(&self) -> usize {
-        (**self).rank()
-    }
-    fn size(&self) -> usize {
-        (**self).size()
-    }
-    fn backend(&self) -> &'static str {
-        (**self).backend()
-    }
-    fn timeout(&self) -> Duration {
-        (**self).timeout()
-    }
-    fn all_reduce(&self, buf: Buffer, op: ReduceOp) -> Work<Buffer> {
-        (**self).all_reduce(buf, op)
-    }
-    fn all_reduce_wire(&self, buf: Buffer, wire: DType, op: ReduceOp) -> Work<Buffer> {
-        (**self).all_reduce_wire(buf, wire, op)
-    }
-    fn all_reduce_coalesced(&self, bufs: Vec<Buffer>, op: ReduceOp) -> Work<Vec<Buffer>> {
-        (**self).all_reduce_coalesced(bufs, op)
-    }
-    #[cfg(feature = "cuda")]
-    fn all_reduce_device(
-        &self,
-        buf: crate::DeviceBuffer,
-        op: ReduceOp,
-    ) -> Work<crate::DeviceBuffer> {
-        (**self).all_reduce_device(buf, op)
-    }
-    #[cfg(feature = "cuda")]
-    fn broadcast_device(&self, buf: crate::DeviceBuffer, root: usize) -> Work<crate::DeviceBuffer> {
-        (**self).broadcast_device(buf, root)
-    }
-    fn device_native(&self) -> bool {
-        (**self).device_native()
-    }
-    fn narrowed(&self) -> Option<crate::Narrowed<'_>> {
-        (**self).narrowed()
-    }
-    fn broadcast(&self, buf: Buffer, root: usize) -> Work<Buffer> {
-        (**self).broadcast(buf, root)
-    }
-    fn all_gather(&self, buf: Buffer) -> Work<Vec<Buffer>> {
-        (**self).all_gather(buf)
-    }
-    fn reduce_scatter(&self, buf: Buffer, op: ReduceOp) -> Work<Buffer> {
-        (**self).reduce_scatter(buf, op)
-    }
-    fn barrier(&self) -> Work<()> {
-        (**self).barrier()
-    }
-    fn new_group(&self, ranks: &[usize]) -> Result<Option<Box<dyn ProcessGroup>>> {
-        (**self).new_group(ranks)
-    }
+/// A boxed or shared group is a group: every operation goes to the group inside (so a
+/// `Linked` can wrap one group shared by several hooks, each with its own log).
+macro_rules! forward_group {
+    ($ty:ty) => {
+        impl ProcessGroup for $ty {
+            fn rank(&self) -> usize {
+                (**self).rank()
+            }
+            fn size(&self) -> usize {
+                (**self).size()
+            }
+            fn backend(&self) -> &'static str {
+                (**self).backend()
+            }
+            fn timeout(&self) -> Duration {
+                (**self).timeout()
+            }
+            fn all_reduce(&self, buf: Buffer, op: ReduceOp) -> Work<Buffer> {
+                (**self).all_reduce(buf, op)
+            }
+            fn all_reduce_wire(&self, buf: Buffer, wire: DType, op: ReduceOp) -> Work<Buffer> {
+                (**self).all_reduce_wire(buf, wire, op)
+            }
+            fn all_reduce_coalesced(&self, bufs: Vec<Buffer>, op: ReduceOp) -> Work<Vec<Buffer>> {
+                (**self).all_reduce_coalesced(bufs, op)
+            }
+            #[cfg(feature = "cuda")]
+            fn all_reduce_device(
+                &self,
+                buf: crate::DeviceBuffer,
+                op: ReduceOp,
+            ) -> Work<crate::DeviceBuffer> {
+                (**self).all_reduce_device(buf, op)
+            }
+            #[cfg(feature = "cuda")]
+            fn broadcast_device(
+                &self,
+                buf: crate::DeviceBuffer,
+                root: usize,
+            ) -> Work<crate::DeviceBuffer> {
+                (**self).broadcast_device(buf, root)
+            }
+            fn device_native(&self) -> bool {
+                (**self).device_native()
+            }
+            fn narrowed(&self) -> Option<crate::Narrowed<'_>> {
+                (**self).narrowed()
+            }
+            fn broadcast(&self, buf: Buffer, root: usize) -> Work<Buffer> {
+                (**self).broadcast(buf, root)
+            }
+            fn all_gather(&self, buf: Buffer) -> Work<Vec<Buffer>> {
+                (**self).all_gather(buf)
+            }
+            fn reduce_scatter(&self, buf: Buffer, op: ReduceOp) -> Work<Buffer> {
+                (**self).reduce_scatter(buf, op)
+            }
+            fn barrier(&self) -> Work<()> {
+                (**self).barrier()
+            }
+            fn new_group(&self, ranks: &[usize]) -> Result<Option<Box<dyn ProcessGroup>>> {
+                (**self).new_group(ranks)
+            }
+        }
+    };
 }
+
+forward_group!(Box<dyn ProcessGroup>);
+forward_group!(Arc<dyn ProcessGroup>);
 
 #[cfg(test)]
 mod tests {

@@ -6,7 +6,10 @@
 //! hook, on 2 thread ranks with one CPU thread each and synthetic gradients (measured as
 //! the `hooks` suite measures, `measure/mod.rs`):
 //! - the hook time: median over the timed steps of the slowest rank, with the fastest
-//!   and slowest step;
+//!   and slowest step. The all-reduce and the 16-bit hooks run alternated step by step
+//!   on the same ranks (`measure::measure_alternating`), and each 16-bit row gives
+//!   `vs_allreduce`: the median over the steps of its time over the all-reduce's in the
+//!   same step, a ratio that load drifts on a shared machine do not move;
 //! - the gradient throughput (gradient bytes per rank over the hook time), the payload
 //!   bytes each rank sends per step and the compression ratio (gradient bytes over them);
 //! - `bound_ratio`: the hook time over its memory traffic at the single-thread read
@@ -21,8 +24,9 @@
 //!   wins at every speed.
 //!
 //! Output, one JSON object per line: `{"kind":"machine",...}` (CPU, cores, instruction
-//! set, read bandwidth), `{"kind":"plan","rows":N}`, then per row `{"kind":"start",...}`
-//! before it is measured and `{"kind":"row",...}` after.
+//! set, read bandwidth), `{"kind":"plan","rows":N}`, then `{"kind":"start",...}`
+//! before each measurement (one for the three alternated hooks) and `{"kind":"row",...}`
+//! per row after.
 //!
 //! Arguments: `--quick` (4 x Linear and BERT-base, fewer steps), `--models a,b`,
 //! `--steps N` (timed steps of every model).
@@ -218,10 +222,31 @@ fn main() {
         let steps = a.steps.unwrap_or_else(|| steps_for(model, a.quick));
         let grads = measure::synthetic_ranks(&shapes);
         let mut base: Option<((f64, f64), Vec<f64>)> = None;
-        for (hook, spec, rank) in HOOKS {
-            emit(json!({"kind": "start", "model": model, "hook": hook, "rank": rank}));
-            let parsed: HookSpec = spec.parse().expect("the report's specs parse");
-            let m = measure::measure(&shapes, &grads, &parsed, direct, steps);
+        // The all-reduce and the 16-bit hooks alternate step by step, so that load drifts
+        // between them do not move their comparison; the others run one by one.
+        let stateless = HOOKS.iter().take_while(|h| h.2 == 0).count();
+        let specs: Vec<HookSpec> = HOOKS
+            .iter()
+            .map(|h| h.1.parse().expect("the report's specs parse"))
+            .collect();
+        let names: Vec<&str> = HOOKS[..stateless].iter().map(|h| h.0).collect();
+        emit(json!({"kind": "start", "model": model, "hook": names.join(" / "), "rank": 0}));
+        let alternated =
+            measure::measure_alternating(&shapes, &grads, &specs[..stateless], direct, steps);
+        let mut alternated = alternated.into_iter();
+        let mut allreduce: Option<measure::Measured> = None;
+        for ((hook, _, rank), parsed) in HOOKS.into_iter().zip(&specs) {
+            let m = match alternated.next() {
+                Some(m) => m,
+                None => {
+                    emit(json!({"kind": "start", "model": model, "hook": hook, "rank": rank}));
+                    measure::measure(&shapes, &grads, parsed, direct, steps)
+                }
+            };
+            let vs_allreduce = match &allreduce {
+                Some(base) if rank == 0 => Some(round(m.ratio_to(base), 3)),
+                _ => None,
+            };
             let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
             let hook_ms = ms(m.median());
             let sent = m.bytes_sent();
@@ -240,7 +265,7 @@ fn main() {
                 }
             }
             let (base_line, base_at) = base.get_or_insert_with(|| (line, at.clone())).clone();
-            let bound = measure::bound_passes(&parsed)
+            let bound = measure::bound_passes(parsed)
                 .map(|passes| hook_ms / (passes * grad_bytes as f64 / bw * 1e3));
             emit(json!({
                 "kind": "row",
@@ -257,12 +282,16 @@ fn main() {
                 "bytes_sent": sent,
                 "compression_ratio": round(grad_bytes as f64 / sent.max(1) as f64, 3),
                 "bound_ratio": bound.map(|b| round(b, 3)),
+                "vs_allreduce": vs_allreduce,
                 "step_ms_at": keyed(at.iter().copied()),
                 "speedup_at": keyed(base_at.iter().zip(&at).map(|(b, s)| b / s)),
                 "break_even_gbit": break_even(line, base_line).map(|b| round(b, 3)),
                 "fixed_ms": round(line.0, 6),
                 "ms_gbit": round(line.1, 6),
             }));
+            if allreduce.is_none() {
+                allreduce = Some(m);
+            }
         }
     }
 }

@@ -7,7 +7,7 @@
 
 use collectives::link::{Charge, Link, LinkOp, Linked};
 use collectives::{run_local, ProcessGroup};
-use ddp_hooks::{GradBucket, HookSpec, Layout, Reducer, ReducerConfig};
+use ddp_hooks::{CommHook, GradBucket, HookSpec, Layout, Reducer, ReducerConfig};
 use lowrank::{CpuBackend, NormalRng};
 use std::hint::black_box;
 use std::sync::Arc;
@@ -130,6 +130,20 @@ impl Measured {
         median(self.steps.clone())
     }
 
+    /// The median over the steps of this hook's time over `base`'s in the same step (both
+    /// from one [`measure_alternating`]): a ratio of two hooks that load drifts between
+    /// steps do not move.
+    pub fn ratio_to(&self, base: &Measured) -> f64 {
+        let mut r: Vec<f64> = self
+            .steps
+            .iter()
+            .zip(&base.steps)
+            .map(|(a, b)| a.as_secs_f64() / b.as_secs_f64().max(1e-12))
+            .collect();
+        r.sort_by(f64::total_cmp);
+        r.get(r.len() / 2).copied().unwrap_or(f64::NAN)
+    }
+
     /// Payload bytes one rank sends per step.
     pub fn bytes_sent(&self) -> usize {
         self.ops.iter().map(LinkOp::bytes).sum()
@@ -153,59 +167,116 @@ pub fn measure(
     direct: bool,
     steps: usize,
 ) -> Measured {
-    let warmup = warmup(spec);
+    measure_alternating(shapes, grads, std::slice::from_ref(spec), direct, steps)
+        .pop()
+        .expect("one measurement per spec")
+}
+
+/// [`measure`] for several hooks at once, alternated step by step on the same ranks:
+/// step `i` of every hook runs before step `i + 1` of any, so a drift in the machine's
+/// load (other tenants' memory traffic moves this machine's bandwidth by 1.7x within
+/// minutes) touches them alike (each step starts at the next hook in turn), and [`Measured::ratio_to`] compares each hook with
+/// another step by step. Each hook has its own reducer and its own link log over one
+/// shared group; every hook warms up as long as the longest [`warmup`].
+pub fn measure_alternating(
+    shapes: &[Vec<usize>],
+    grads: &[Vec<Vec<f32>>],
+    specs: &[HookSpec],
+    direct: bool,
+    steps: usize,
+) -> Vec<Measured> {
+    let warmup = specs.iter().map(warmup).max().unwrap_or(0);
     let out = run_local(RANKS, |g| {
         let rank = g.rank();
+        let group: Arc<dyn ProcessGroup> = Arc::new(g);
         let link = Link::gbit(1.0, LATENCY).expect("a positive link speed");
-        let linked = Linked::new(g, link, Charge::Account);
-        let log = linked.log_handle();
         let be = Arc::new(backend());
-        let mut hook = spec
-            .build(be.clone(), Arc::new(linked) as Arc<dyn ProcessGroup>)
-            .expect("hook");
         let grads = &grads[rank];
-        let mut times = Vec::with_capacity(steps);
-        if direct {
-            let layout = Arc::new(Layout::packed(shapes).expect("layout"));
-            let flat: Vec<f32> = grads.concat();
-            for step in 0..warmup + steps {
-                let bucket = GradBucket::new(0, 1, flat.clone(), layout.clone()).expect("bucket");
-                if step == warmup {
-                    log.lock().expect("log").clear();
-                }
-                let t = Instant::now();
-                black_box(hook.run(bucket).wait().expect("hook"));
-                times.push(t.elapsed());
-            }
-        } else {
-            let mut reducer =
-                Reducer::new(be, shapes, hook, ReducerConfig::default()).expect("reducer");
-            for step in 0..warmup + steps {
-                for (p, g) in grads.iter().enumerate() {
-                    reducer.grad_mut(p).expect("grad").copy_from_slice(g);
-                }
-                if step == warmup {
-                    log.lock().expect("log").clear();
-                }
-                let t = Instant::now();
-                for p in (0..shapes.len()).rev() {
-                    reducer.mark_ready(p).expect("ready");
-                }
-                reducer.finish().expect("finish");
-                times.push(t.elapsed());
+        let flat: Vec<f32> = if direct { grads.concat() } else { Vec::new() };
+        let layout = Arc::new(Layout::packed(shapes).expect("layout"));
+        // Per hook: how it runs (a hook on the whole bucket, or a reducer) and its log.
+        let mut runs: Vec<_> = specs
+            .iter()
+            .map(|spec| {
+                let linked = Linked::new(group.clone(), link, Charge::Account);
+                let log = linked.log_handle();
+                let hook = spec
+                    .build(be.clone(), Arc::new(linked) as Arc<dyn ProcessGroup>)
+                    .expect("hook");
+                let run = if direct {
+                    Run::Direct(hook)
+                } else {
+                    Run::Reducer(Box::new(
+                        Reducer::new(be.clone(), shapes, hook, ReducerConfig::default())
+                            .expect("reducer"),
+                    ))
+                };
+                (run, log, Vec::with_capacity(steps))
+            })
+            .collect();
+        let n = runs.len();
+        for step in 0..warmup + steps {
+            // Each step starts at the next hook, so that no hook always runs right after
+            // the same other one.
+            for k in 0..n {
+                let (run, log, times) = &mut runs[(step + k) % n];
+                let t = match run {
+                    Run::Direct(hook) => {
+                        let bucket =
+                            GradBucket::new(0, 1, flat.clone(), layout.clone()).expect("bucket");
+                        if step == warmup {
+                            log.lock().expect("log").clear();
+                        }
+                        let t = Instant::now();
+                        black_box(hook.run(bucket).wait().expect("hook"));
+                        t.elapsed()
+                    }
+                    Run::Reducer(reducer) => {
+                        for (p, g) in grads.iter().enumerate() {
+                            reducer.grad_mut(p).expect("grad").copy_from_slice(g);
+                        }
+                        if step == warmup {
+                            log.lock().expect("log").clear();
+                        }
+                        let t = Instant::now();
+                        for p in (0..shapes.len()).rev() {
+                            reducer.mark_ready(p).expect("ready");
+                        }
+                        reducer.finish().expect("finish");
+                        t.elapsed()
+                    }
+                };
+                times.push(t);
             }
         }
-        let ops = std::mem::take(&mut *log.lock().expect("log"));
-        (times.split_off(warmup), ops)
+        runs.into_iter()
+            .map(|(_, log, mut times)| {
+                let ops = std::mem::take(&mut *log.lock().expect("log"));
+                (times.split_off(warmup), ops)
+            })
+            .collect::<Vec<_>>()
     })
     .expect("ranks");
-    let results: Vec<_> = out.into_iter().map(|r| r.expect("rank")).collect();
-    let steps_max = (0..steps)
-        .map(|i| results.iter().map(|r| r.0[i]).max().unwrap_or_default())
-        .collect();
-    let per_step = results[0].1.len() / steps.max(1);
-    Measured {
-        steps: steps_max,
-        ops: results[0].1[..per_step].to_vec(),
-    }
+    let ranks: Vec<Vec<_>> = out.into_iter().map(|r| r.expect("rank")).collect();
+    (0..specs.len())
+        .map(|h| {
+            let steps_max = (0..steps)
+                .map(|i| ranks.iter().map(|r| r[h].0[i]).max().unwrap_or_default())
+                .collect();
+            let ops = &ranks[0][h].1;
+            let per_step = ops.len() / steps.max(1);
+            Measured {
+                steps: steps_max,
+                ops: ops[..per_step].to_vec(),
+            }
+        })
+        .collect()
+}
+
+/// How [`measure_alternating`] runs one hook.
+enum Run {
+    /// The hook itself, on one bucket of every parameter.
+    Direct(Box<dyn CommHook<CpuBackend>>),
+    /// A reducer that buckets the parameters and calls the hook.
+    Reducer(Box<Reducer<CpuBackend, Box<dyn CommHook<CpuBackend>>>>),
 }
