@@ -158,8 +158,12 @@ unsafe fn mq_block<S: Simd, const RB: usize, const WIDE: usize, const FUSE: bool
 }
 
 /// Bytes of `Q` per column chunk in [`mq_chunked`]: the chunk's `r` columns stay in L1
-/// while every row of a block passes over them.
-const MQ_CHUNK_BYTES: usize = 16 * 1024;
+/// while every row of a block passes over them. A third of the 48 KiB L1 of the bench
+/// machine leaves room for the rows streaming through and their prefetches: at `r = 8`,
+/// one thread, cold, AVX2 kernels with 3 × 4 tiles, 4 KiB read 0.85-0.87 of the read
+/// reference, 8 KiB 0.88-0.89, 12 KiB 0.89-0.92, 16 KiB 0.83-0.85 and 32 KiB 0.73-0.74;
+/// AVX-512 at `r = 8` went from 0.90-0.91 (16 KiB) to 0.95-0.96.
+const MQ_CHUNK_BYTES: usize = 12 * 1024;
 /// Rows per block in [`mq_chunked`]: their accumulators (`r` vectors a row) stay in L1
 /// between chunks.
 const MQ_BLOCK_ROWS: usize = 16;
@@ -415,14 +419,19 @@ unsafe fn mq_chunked<S: Simd, const RB: usize, const RT: usize, const FUSE: bool
 ///
 /// Register budget: `RB x tile` accumulators plus `RB` row vectors. From `r = 4` (a
 /// multiple of the tile) [`mq_chunked`] keeps `Q` in L1: 4 rows × 4 columns at `r = 4` on
-/// AVX-512, tiles of 2 rows × 4 on AVX2 (at `r = 4` unchunked, `Q` is 64 KiB for 4096
+/// AVX-512, tiles of 2 rows × 4 on AVX2 at `r = 4` (unchunked, `Q` is 64 KiB for 4096
 /// columns and came from L2 for every row pair: cold, one thread, AVX2 kernels 0.82-0.91
 /// of the read reference, 0.93-1.03 chunked), and from `r = 8` tiles of 2 rows × 8. At
 /// `r = 2` (`Q` 32 KiB for 4096 columns, two thirds of L1) 8 rows × 2 on AVX-512 and
 /// 4 × 2 on AVX2 (AVX2 kernels 0.91-0.95 unchunked, 1.00-1.02 chunked).
-/// On AVX2 (16 registers) that tile spills a few accumulators, yet it measured faster
-/// than 2 × 4 (cold, r = 8, one thread: 0.80-0.84 of the read reference against
-/// 0.74-0.81; each row is read once instead of once per tile), and than 3 × 4 or 1 × 8.
+/// On AVX2 (16 registers) a 2 × 8 tile needs 19 and spills 4 accumulators: each step
+/// stores and reloads them, which puts store forwarding on their chains (17-18 GB/s with
+/// `M` in L2 against 47 GB/s of FMA); its occasional runs at 0.30 of the read reference
+/// (4.9 GB/s in L2, the whole run) fit a spill slot 4 KiB apart from a row of `M` (a
+/// false store-to-load dependency), which no counter here can confirm. From
+/// `r = 8` (a multiple of 4) AVX2 takes 3 × 4 tiles instead: 15 registers, no spill, each
+/// row read once per tile from L1 (20-21 GB/s in L2; cold, one thread, 0.89-0.90 of the
+/// read reference against 0.84-0.86 for 2 × 8, alternated runs).
 /// At `r = 1` (and for ranks the chunked tiles do not divide), AVX-512 takes 4 rows at
 /// a time with tiles of 4 (2 × 8 from `r = 8`), and AVX2 and the fallback 2 rows with
 /// tiles of 4.
@@ -431,7 +440,9 @@ pub(crate) unsafe fn mq_rows<S: Simd, const FUSE: bool>(a: &Mat, rows: Range<usi
     let mut i = rows.start;
     // SAFETY: every block lies inside `rows`, which the caller keeps inside 0..n.
     unsafe {
-        if a.r >= 8 && a.r.is_multiple_of(8) {
+        if S::LANES == 8 && a.r >= 8 && a.r.is_multiple_of(4) {
+            return mq_chunked::<S, 3, 4, FUSE>(a, rows);
+        } else if a.r >= 8 && a.r.is_multiple_of(8) {
             return mq_chunked::<S, 2, 8, FUSE>(a, rows);
         } else if S::LANES == 8 && a.r >= 4 && a.r.is_multiple_of(4) {
             return mq_chunked::<S, 2, 4, FUSE>(a, rows);
