@@ -14,7 +14,7 @@ use std::process::{Command, Stdio};
 pub const SPEEDS: [&str; 4] = ["1", "10", "100", "400"];
 
 /// The fields of `report.jsonl`, in order.
-const FIELDS: [&str; 12] = [
+const FIELDS: [&str; 13] = [
     "model",
     "hook",
     "rank",
@@ -24,6 +24,7 @@ const FIELDS: [&str; 12] = [
     "bytes_sent",
     "compression_ratio",
     "bound_ratio",
+    "vs_allreduce",
     "step_ms_at",
     "speedup_at",
     "break_even_gbit",
@@ -240,16 +241,19 @@ pub fn table(machine: &Machine, rows: &[Row]) -> String {
     let _ = writeln!(t);
     let _ = writeln!(
         t,
-        "{:<13} {:<19} {:>20} {:>7} {:>10} {:>8} {:>6}",
-        "model", "hook", "hook ms (min-max)", "GB/s", "sent/rank", "ratio", "bound"
+        "{:<13} {:<19} {:>20} {:>7} {:>10} {:>8} {:>6} {:>6}",
+        "model", "hook", "hook ms (min-max)", "GB/s", "sent/rank", "ratio", "bound", "/ AR"
     );
     for r in rows {
         let bound = r.0["bound_ratio"]
             .as_f64()
             .map_or("-".to_string(), |b| format!("{b:.2}x"));
+        let vs = r.0["vs_allreduce"]
+            .as_f64()
+            .map_or("-".to_string(), |v| format!("{v:.2}x"));
         let _ = writeln!(
             t,
-            "{:<13} {:<19} {:>20} {:>7.2} {:>10} {:>7.0}x {:>6}",
+            "{:<13} {:<19} {:>20} {:>7.2} {:>10} {:>7.0}x {:>6} {:>6}",
             r.str("model"),
             r.label(),
             format!(
@@ -261,7 +265,8 @@ pub fn table(machine: &Machine, rows: &[Row]) -> String {
             r.num("gbps"),
             bytes(r.num("bytes_sent")),
             r.num("compression_ratio"),
-            bound
+            bound,
+            vs
         );
     }
     let _ = writeln!(t);
@@ -299,7 +304,11 @@ pub fn table(machine: &Machine, rows: &[Row]) -> String {
     );
     let _ = writeln!(
         t,
-        "bound: hook time / its memory traffic at the read bandwidth: 7 passes over the gradient for PowerSGD, 2 for allreduce and fp16/bf16 (1.00x = memory-bound)."
+        "bound: hook time / its memory traffic at the read bandwidth: 7 passes over the gradient for PowerSGD, 2 for allreduce and fp16/bf16 (1.00x = memory-bound);"
+    );
+    let _ = writeln!(
+        t,
+        "/ AR: fp16/bf16 run alternated step by step with allreduce; median over the steps of their time / allreduce's."
     );
     t
 }
