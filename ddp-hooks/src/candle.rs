@@ -48,8 +48,10 @@
 //! default) `sync` returns [`Error::Reducer`] holding
 //! [`crate::Error::UnmarkedParameters`], which names every such variable by its index;
 //! with it on, the variable counts as a zero gradient on this rank and receives the mean
-//! like every other. Either way the step's collectives all run, so no rank waits for this
-//! one.
+//! like every other, unless no rank has a gradient for it: then it stays out of the
+//! `GradStore` (DDP leaves such a parameter's `.grad` untouched, [`Reducer::globally_unused`];
+//! candle-nn's optimizers skip a variable without a gradient, as PyTorch's skip a `None`
+//! one). Either way the step's collectives all run, so no rank waits for this one.
 //!
 //! # Errors
 //!
@@ -243,18 +245,21 @@ impl<H: CommHook<CpuBackend>> CandleDdp<H> {
             problems.reverse();
             return Err(Error::Gradients(problems));
         }
+        // A variable no rank has a gradient for stays out of the store, as it came.
+        let mut unused = vec![false; self.vars.len()];
+        for &p in self.reducer.globally_unused().unwrap_or_default() {
+            unused[p] = true;
+        }
         let reduced = (0..self.vars.len())
+            .filter(|&p| !unused[p])
             .map(|p| {
                 let g = self.reducer.grad(p)?;
-                Ok(Tensor::from_slice(
-                    g,
-                    self.shapes[p].as_slice(),
-                    &candle_core::Device::Cpu,
-                )?)
+                let t = Tensor::from_slice(g, self.shapes[p].as_slice(), &candle_core::Device::Cpu);
+                Ok((p, t?))
             })
-            .collect::<Result<Vec<Tensor>>>()?;
-        for (var, g) in self.vars.iter().zip(reduced) {
-            grads.insert(var, g);
+            .collect::<Result<Vec<(usize, Tensor)>>>()?;
+        for (p, g) in reduced {
+            grads.insert(&self.vars[p], g);
         }
         Ok(())
     }

@@ -27,6 +27,13 @@
 //! `sync_each_batch`, told through [`accum::GradSync::set_accumulating`]): the group's
 //! synchronised micro-steps leave their reduced gradients for the next ones to add to.
 //!
+//! A parameter that no rank used is no gradient at all: DDP finds those with one
+//! all-reduce of a used-parameter map per step and leaves their `.grad` untouched, so
+//! that the optimizer skips them (weight decay and momentum included). With the option
+//! and a process group, the reducer does the same after the step's buckets complete:
+//! [`Reducer::globally_unused`] lists them, and their slots are zero even where the hook
+//! gave something else (PowerSGD's error feedback does).
+//!
 //! Without the option, `finish` with unmarked parameters returns
 //! [`Error::UnmarkedParameters`] naming all of them, after doing what the option does:
 //! it launches every remaining bucket with zeros for them and waits. The rank in error
@@ -93,7 +100,9 @@ pub struct ReducerConfig {
     pub first_bucket_mb: f64,
     /// Parameters left unmarked at a synchronised step's `finish` are unused: zero
     /// gradients on this rank (DDP's `find_unused_parameters`, default off). Off, they
-    /// are [`Error::UnmarkedParameters`]; see the module docs.
+    /// are [`Error::UnmarkedParameters`]; see the module docs. On, with a process group,
+    /// each synchronised step also finds the parameters no rank used
+    /// ([`Reducer::globally_unused`]).
     pub find_unused_parameters: bool,
 }
 
@@ -159,6 +168,12 @@ pub struct Reducer<B: CommBackend, H> {
     accumulated: Vec<bool>,
     /// Gradients go on accumulating after this step ([`accum::GradSync::set_accumulating`]).
     accumulating: bool,
+    /// Counted unused in the synchronised step in progress (declared, or left unmarked
+    /// at `finish`), whether or not accumulated gradients make it used after all.
+    unused: Vec<bool>,
+    /// The parameters no rank used in the last synchronised step, when it was found
+    /// (see [`Reducer::globally_unused`]).
+    globally_unused: Option<Vec<usize>>,
     buckets: Vec<Bucket<B>>,
     next_launch: usize,
     sync: bool,
@@ -222,6 +237,8 @@ impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
             is_ready: vec![false; shapes.len()],
             accumulated: vec![false; shapes.len()],
             accumulating: false,
+            unused: vec![false; shapes.len()],
+            globally_unused: None,
             places,
             buckets,
             next_launch: 0,
@@ -290,6 +307,21 @@ impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
     /// Hook calls so far (one per bucket per synchronised step).
     pub fn hook_calls(&self) -> u64 {
         self.hook_calls
+    }
+
+    /// The parameters that no rank used in the last step (declared unused or left
+    /// unmarked on every rank, and holding no accumulated gradients), in increasing
+    /// order, when that step was synchronised, [`ReducerConfig::find_unused_parameters`]
+    /// is on and the reducer has a process group ([`with_process_group`]): like DDP's
+    /// `local_used_map`, one all-reduce of a map of the used parameters at the end of
+    /// each such step finds them. Their gradient slots are zero. DDP leaves their `.grad`
+    /// untouched (`None` after `zero_grad(set_to_none=True)`), so that the optimizer
+    /// skips them, weight decay and momentum included: skip these likewise. `None`
+    /// otherwise.
+    ///
+    /// [`with_process_group`]: Self::with_process_group
+    pub fn globally_unused(&self) -> Option<&[usize]> {
+        self.globally_unused.as_deref()
     }
 
     fn place(&self, param: usize) -> Result<Place> {
@@ -361,6 +393,7 @@ impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
             Ok(())
         };
         let launched = if self.mark(param)? {
+            self.unused[param] = true;
             self.launch_ready()
         } else {
             Ok(())
@@ -454,6 +487,7 @@ impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
         // The step's setting stays in place until the step is over: `finish_sync` marks
         // the parameters left unmarked as the step's own marks.
         let step_sync = *self.step_sync.get_or_insert(self.sync);
+        self.globally_unused = None;
         let result = if step_sync {
             self.finish_sync()
         } else {
@@ -473,6 +507,7 @@ impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
             buckets: self.buckets.len(),
         });
         self.is_ready.iter_mut().for_each(|r| *r = false);
+        self.unused.iter_mut().for_each(|u| *u = false);
         self.buckets.iter_mut().for_each(|b| b.ready = 0);
         self.next_launch = 0;
         self.marked = 0;
@@ -520,12 +555,20 @@ impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
             if let Err(e) = self.mark(p) {
                 first_error.get_or_insert(e);
             }
+            self.unused[p] = true;
         }
         if let Err(e) = self.launch_ready() {
             first_error.get_or_insert(e);
         }
         // Wait for what was launched in any case, so no bucket is left in flight.
-        let waited = self.wait_all();
+        let mut waited = self.wait_all();
+        // After every bucket (whose hooks may still issue collectives until they
+        // complete), so that every rank issues this one in the same place.
+        if self.config.find_unused_parameters && self.group.is_some() {
+            if let Err(e) = self.find_globally_unused() {
+                waited = waited.and(Err(e));
+            }
+        }
         if !unmarked.is_empty() && !self.config.find_unused_parameters {
             let e = Error::UnmarkedParameters {
                 params: unmarked,
@@ -574,6 +617,48 @@ impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
             }
         }
         first_error.map_or(Ok(()), Err)
+    }
+
+    /// DDP's used-parameter map: one all-reduce of this rank's map (1 where the
+    /// parameter was marked ready in this step or holds accumulated gradients) finds the
+    /// parameters no rank used; their slots are zeroed, since a hook's result there is
+    /// no gradient (PowerSGD's error feedback can make it nonzero), and
+    /// [`Reducer::globally_unused`] lists them.
+    fn find_globally_unused(&mut self) -> Result<()> {
+        let Some(group) = self.group.clone() else {
+            return Ok(());
+        };
+        let used: Vec<f32> = (0..self.unused.len())
+            .map(|p| f32::from(u8::from(!self.unused[p] || self.accumulated[p])))
+            .collect();
+        let total: Vec<f32> = group
+            .all_reduce(Buffer::from(used), collectives::ReduceOp::Sum)
+            .wait()?
+            .try_into()?;
+        if total.len() != self.unused.len() {
+            return Err(Error::Config(format!(
+                "the used-parameter map came back with {} entries for {} parameters",
+                total.len(),
+                self.unused.len()
+            )));
+        }
+        let unused: Vec<usize> = (0..total.len()).filter(|&p| total[p] == 0.0).collect();
+        for &p in &unused {
+            let place = self.place(p)?;
+            if place.len == 0 {
+                continue;
+            }
+            let storage = self.buckets[place.bucket]
+                .storage
+                .as_mut()
+                .ok_or_else(|| in_flight(place.bucket))?;
+            self.backend.zero(B::view_mut(
+                storage,
+                place.offset..place.offset + place.len,
+            )?)?;
+        }
+        self.globally_unused = Some(unused);
+        Ok(())
     }
 
     /// Rebuilds the buckets in the order of the step that just finished, as rank 0 saw

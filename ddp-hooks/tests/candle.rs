@@ -122,7 +122,8 @@ fn the_hook_spec_builds_the_same_reduction() {
 }
 
 #[test]
-fn a_var_without_a_gradient_is_named_by_default_and_zero_with_find_unused() {
+fn a_var_without_a_gradient_is_named_by_default_zero_with_find_unused_and_absent_if_no_rank_has_one(
+) {
     // Rank 0 leaves var 1 out of its loss; rank 1 uses every var.
     let used = |rank: usize| if rank == 0 { vec![0, 2] } else { vec![0, 1, 2] };
 
@@ -172,6 +173,22 @@ fn a_var_without_a_gradient_is_named_by_default_and_zero_with_find_unused() {
     for r in results {
         let got = r.unwrap();
         assert_eq!(got, vec![Some(mean(0)), Some(var1.clone()), Some(mean(2))]);
+    }
+
+    // No rank uses var 1: it stays out of the store (DDP leaves its `.grad` untouched),
+    // so an optimizer skips it; the others get their means.
+    let results = run_local(2, |group| {
+        let rank = group.rank();
+        let vars = vars();
+        let mut ddp = allreduce(&vars, group, config);
+        let mut grads = backward(&vars, &[0, 2], rank);
+        ddp.sync(&mut grads).unwrap();
+        assert_eq!(ddp.reducer().globally_unused(), Some(&[1][..]));
+        vars.iter().map(|v| values(&grads, v)).collect::<Vec<_>>()
+    })
+    .unwrap();
+    for r in results {
+        assert_eq!(r.unwrap(), vec![Some(mean(0)), None, Some(mean(2))]);
     }
 }
 

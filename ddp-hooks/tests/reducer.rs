@@ -289,12 +289,15 @@ fn a_parameter_unused_only_in_the_synchronised_step_keeps_its_accumulated_gradie
             r.mark_unused(0).unwrap();
         }
         r.finish().unwrap();
+        // Unused in the step, yet its accumulated gradients make it used.
+        assert_eq!(r.globally_unused(), Some(&[][..]));
         let after = grads(&r, 2);
         // The next synchronised step: parameter 0 unused again, now with nothing
         // accumulated, so its stale slot counts as zeros.
         r.grad_mut(1).unwrap().copy_from_slice(&g(rank, 2, 1));
         r.mark_ready(1).unwrap();
         r.finish().unwrap();
+        assert_eq!(r.globally_unused(), Some(&[0][..]));
         (after, grads(&r, 2))
     })
     .unwrap();
@@ -313,6 +316,98 @@ fn a_parameter_unused_only_in_the_synchronised_step_keeps_its_accumulated_gradie
         let (after, then) = r.unwrap();
         assert_close(&after, &want, "accumulated");
         assert_close(&then, &next, "the step after");
+    }
+}
+
+/// DDP's `local_used_map`: with `find_unused_parameters`, the parameters no rank used
+/// in a synchronised step are found (one all-reduce of the used map) and their slots are
+/// zero, even under PowerSGD, whose error feedback gives a matrix that was all zeros on
+/// every rank a nonzero approximation. A parameter used on one rank only is used. Without
+/// the option, or in a step without synchronisation, nothing is found.
+#[test]
+fn parameters_no_rank_used_are_found_and_left_zero_under_powersgd() {
+    let (shapes, config) = six();
+    let run = |find_unused: bool| {
+        let config = ReducerConfig {
+            find_unused_parameters: find_unused,
+            ..config
+        };
+        run_local_with_timeout(2, TIMEOUT, |g| {
+            let rank = g.rank();
+            let group: Arc<dyn ProcessGroup> = Arc::new(g);
+            let be = Arc::new(CpuBackend::new().with_threads(1).unwrap());
+            let cfg = PowerSgdConfig {
+                matrix_approximation_rank: 1,
+                start_powersgd_iter: 2,
+                ..PowerSgdConfig::default()
+            };
+            let hook = PowerSgd::new(be.clone(), group.clone(), cfg).unwrap();
+            let mut r = Reducer::new(be, &shapes, hook, config)
+                .unwrap()
+                .with_process_group(group);
+            let mut found = Vec::new();
+            for step in 0..5 {
+                // Step 1 accumulates without synchronising, which finds nothing.
+                r.set_sync(step != 1);
+                for p in (0..shapes.len()).rev() {
+                    // Step 4: parameter 2 left unmarked and 4 declared unused on both
+                    // ranks; parameter 0 used on rank 0 only.
+                    let unused = step == 4 && (p == 2 || p == 4 || (p == 0 && rank == 1));
+                    if unused {
+                        if p == 4 {
+                            r.mark_unused(p).unwrap();
+                        }
+                        continue;
+                    }
+                    r.grad_mut(p)
+                        .unwrap()
+                        .copy_from_slice(&step_grad(rank, step, p, &shapes));
+                    r.mark_ready(p).unwrap();
+                }
+                let finished = r.finish();
+                if find_unused || step < 4 {
+                    finished.unwrap();
+                } else {
+                    assert!(matches!(finished, Err(Error::UnmarkedParameters { .. })));
+                }
+                found.push(r.globally_unused().map(<[usize]>::to_vec));
+            }
+            let last: Vec<Vec<f32>> = (0..shapes.len())
+                .map(|p| r.grad(p).unwrap().to_vec())
+                .collect();
+            (found, last)
+        })
+        .unwrap()
+        .into_iter()
+        .map(|r| r.unwrap())
+        .collect::<Vec<_>>()
+    };
+    for (found, last) in run(true) {
+        let none: Vec<usize> = Vec::new();
+        assert_eq!(
+            found,
+            vec![
+                Some(none.clone()),
+                None,
+                Some(none.clone()),
+                Some(none),
+                Some(vec![2, 4])
+            ]
+        );
+        assert!(
+            last[2].iter().chain(&last[4]).all(|&x| x == 0.0),
+            "{last:?}"
+        );
+        assert!(last[0].iter().any(|&x| x != 0.0));
+    }
+    // Without the option nothing is found, and PowerSGD's error feedback does put values
+    // in the slots of the parameters no rank used: what the option zeroes.
+    for (found, last) in run(false) {
+        assert!(found.iter().all(Option::is_none));
+        assert!(
+            last[2].iter().chain(&last[4]).any(|&x| x != 0.0),
+            "{last:?}"
+        );
     }
 }
 
