@@ -427,6 +427,11 @@ impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
         if self.accumulated[param] {
             return Ok(());
         }
+        self.zero_slot(param)
+    }
+
+    /// Zeroes `param`'s slot.
+    fn zero_slot(&mut self, param: usize) -> Result<()> {
         let p = self.place(param)?;
         if p.len == 0 {
             return Ok(());
@@ -644,18 +649,7 @@ impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
         }
         let unused: Vec<usize> = (0..total.len()).filter(|&p| total[p] == 0.0).collect();
         for &p in &unused {
-            let place = self.place(p)?;
-            if place.len == 0 {
-                continue;
-            }
-            let storage = self.buckets[place.bucket]
-                .storage
-                .as_mut()
-                .ok_or_else(|| in_flight(place.bucket))?;
-            self.backend.zero(B::view_mut(
-                storage,
-                place.offset..place.offset + place.len,
-            )?)?;
+            self.zero_slot(p)?;
         }
         self.globally_unused = Some(unused);
         Ok(())

@@ -279,31 +279,34 @@ fn sum_scale(op: crate::ReduceOp) -> Option<f32> {
 // The same bits as [`two_ranks_bf16`] either way.
 
 /// One vector width of a 16-bit sum, in the `#[target_feature]` function that invokes
-/// it (macros, not closures, so that every intrinsic is compiled with the function's
-/// features). The vector operations are that function's macros, named here:
-/// `$ld!(p)`/`$st!(p, v)` load and store `$w` f32s, `$fq!(v)` rounds to the wire format
-/// (bf16: only right without NaNs), `$sum!(x, y)` is `(x + y) · scale`, `$nan!(x, y, s)`
-/// says whether a vector must take the exact element loop `$exact` (bf16: a lane of the
-/// three is a NaN; f16, whose conversion instructions handle NaNs: never), which also
-/// does the tail.
+/// it (a macro, not closures, so that every intrinsic is compiled with the function's
+/// features). `$load`/`$store`/`$add`/`$mul` are the width's intrinsics and `$sc` the
+/// scale splatted; `$fq!(v)` (a macro of that function) rounds to the wire format (bf16:
+/// only right without NaNs), and `$nan!(x, y, s)` says whether a vector must take the
+/// exact element loop `$exact` (bf16: a lane of the three is a NaN; f16, whose
+/// conversion instructions handle NaNs: never), which also does the tail.
 macro_rules! sum_loop {
-    ($a:ident, $b:ident, $scale:expr, $w:expr, $ld:ident, $st:ident, $fq:ident, $sum:ident, $nan:ident, $exact:ident) => {{
+    (
+        $a:ident, $b:ident, $scale:expr, $w:expr,
+        $load:ident, $store:ident, $add:ident, $mul:ident, $sc:ident,
+        $fq:ident, $nan:ident, $exact:ident
+    ) => {{
         let n = $a.len().min($b.len());
         let mut i = 0;
         while i + $w <= n {
             let (pa, pb) = ($a[i..].as_mut_ptr(), $b[i..].as_mut_ptr());
             // SAFETY: `i + $w <= n`, so both pointers have `$w` f32s behind them, and
             // `a` and `b` are distinct slices.
-            let (x, y) = unsafe { ($ld!(pa), $ld!(pb)) };
-            let s = $sum!($fq!(x), $fq!(y));
+            let (x, y) = unsafe { ($load(pa), $load(pb)) };
+            let s = $mul($add($fq!(x), $fq!(y)), $sc);
             if $nan!(x, y, s) {
                 $exact(&mut $a[i..i + $w], &mut $b[i..i + $w], $scale);
             } else {
                 let r = $fq!(s);
                 // SAFETY: as for the loads.
                 unsafe {
-                    $st!(pa, r);
-                    $st!(pb, r);
+                    $store(pa, r);
+                    $store(pb, r);
                 }
             }
             i += $w;
@@ -322,16 +325,6 @@ fn two_ranks_bf16_avx512(a: &mut [f32], b: &mut [f32], op: crate::ReduceOp) {
     let (one, bias) = (_mm512_set1_epi32(1), _mm512_set1_epi32(0x7fff));
     let keep = _mm512_set1_epi32(0xffff_0000u32 as i32);
     let sc = _mm512_set1_ps(scale);
-    macro_rules! ld {
-        ($p:expr) => {
-            _mm512_loadu_ps($p)
-        };
-    }
-    macro_rules! st {
-        ($p:expr, $v:expr) => {
-            _mm512_storeu_ps($p, $v)
-        };
-    }
     macro_rules! fq {
         ($x:expr) => {{
             let b = _mm512_castps_si512($x);
@@ -340,11 +333,6 @@ fn two_ranks_bf16_avx512(a: &mut [f32], b: &mut [f32], op: crate::ReduceOp) {
             _mm512_castsi512_ps(_mm512_and_si512(r, keep))
         }};
     }
-    macro_rules! sum {
-        ($x:expr, $y:expr) => {
-            _mm512_mul_ps(_mm512_add_ps($x, $y), sc)
-        };
-    }
     macro_rules! nan {
         ($x:expr, $y:expr, $s:expr) => {
             (_mm512_cmp_ps_mask::<_CMP_UNORD_Q>($x, $y)
@@ -352,7 +340,20 @@ fn two_ranks_bf16_avx512(a: &mut [f32], b: &mut [f32], op: crate::ReduceOp) {
                 != 0
         };
     }
-    sum_loop!(a, b, scale, 16, ld, st, fq, sum, nan, sum_bf16_exact);
+    sum_loop!(
+        a,
+        b,
+        scale,
+        16,
+        _mm512_loadu_ps,
+        _mm512_storeu_ps,
+        _mm512_add_ps,
+        _mm512_mul_ps,
+        sc,
+        fq,
+        nan,
+        sum_bf16_exact
+    );
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -365,16 +366,6 @@ fn two_ranks_bf16_avx2(a: &mut [f32], b: &mut [f32], op: crate::ReduceOp) {
     let (one, bias) = (_mm256_set1_epi32(1), _mm256_set1_epi32(0x7fff));
     let keep = _mm256_set1_epi32(0xffff_0000u32 as i32);
     let sc = _mm256_set1_ps(scale);
-    macro_rules! ld {
-        ($p:expr) => {
-            _mm256_loadu_ps($p)
-        };
-    }
-    macro_rules! st {
-        ($p:expr, $v:expr) => {
-            _mm256_storeu_ps($p, $v)
-        };
-    }
     macro_rules! fq {
         ($x:expr) => {{
             let b = _mm256_castps_si256($x);
@@ -382,11 +373,6 @@ fn two_ranks_bf16_avx2(a: &mut [f32], b: &mut [f32], op: crate::ReduceOp) {
             let r = _mm256_add_epi32(_mm256_add_epi32(b, bias), lsb);
             _mm256_castsi256_ps(_mm256_and_si256(r, keep))
         }};
-    }
-    macro_rules! sum {
-        ($x:expr, $y:expr) => {
-            _mm256_mul_ps(_mm256_add_ps($x, $y), sc)
-        };
     }
     macro_rules! nan {
         ($x:expr, $y:expr, $s:expr) => {{
@@ -397,7 +383,27 @@ fn two_ranks_bf16_avx2(a: &mut [f32], b: &mut [f32], op: crate::ReduceOp) {
             _mm256_testz_ps(m, m) == 0
         }};
     }
-    sum_loop!(a, b, scale, 8, ld, st, fq, sum, nan, sum_bf16_exact);
+    sum_loop!(
+        a,
+        b,
+        scale,
+        8,
+        _mm256_loadu_ps,
+        _mm256_storeu_ps,
+        _mm256_add_ps,
+        _mm256_mul_ps,
+        sc,
+        fq,
+        nan,
+        sum_bf16_exact
+    );
+}
+
+/// `$nan` of [`sum_loop`] for f16: its conversion instructions round NaNs as `half` does.
+macro_rules! never_nan {
+    ($x:expr, $y:expr, $s:expr) => {
+        false
+    };
 }
 
 /// The exact element loop of an f16 sum (`scale` 1) or mean (`scale` 0.5).
@@ -429,33 +435,26 @@ fn two_ranks_f16_f16c(a: &mut [f32], b: &mut [f32], op: crate::ReduceOp) {
         return two_ranks_with(a, b, op, q8, |x| f16::from_f32(x).to_f32());
     };
     let sc = _mm256_set1_ps(scale);
-    macro_rules! ld {
-        ($p:expr) => {
-            _mm256_loadu_ps($p)
-        };
-    }
-    macro_rules! st {
-        ($p:expr, $v:expr) => {
-            _mm256_storeu_ps($p, $v)
-        };
-    }
     // Mode 0: round to nearest even, as `half` converts (NaNs too, `matches_half`).
     macro_rules! fq {
         ($x:expr) => {
             _mm256_cvtph_ps(_mm256_cvtps_ph::<0>($x))
         };
     }
-    macro_rules! sum {
-        ($x:expr, $y:expr) => {
-            _mm256_mul_ps(_mm256_add_ps($x, $y), sc)
-        };
-    }
-    macro_rules! nan {
-        ($x:expr, $y:expr, $s:expr) => {
-            false
-        };
-    }
-    sum_loop!(a, b, scale, 8, ld, st, fq, sum, nan, sum_f16_exact);
+    sum_loop!(
+        a,
+        b,
+        scale,
+        8,
+        _mm256_loadu_ps,
+        _mm256_storeu_ps,
+        _mm256_add_ps,
+        _mm256_mul_ps,
+        sc,
+        fq,
+        never_nan,
+        sum_f16_exact
+    );
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -466,33 +465,26 @@ fn two_ranks_f16_avx512(a: &mut [f32], b: &mut [f32], op: crate::ReduceOp) {
         return two_ranks_f16_f16c(a, b, op);
     };
     let sc = _mm512_set1_ps(scale);
-    macro_rules! ld {
-        ($p:expr) => {
-            _mm512_loadu_ps($p)
-        };
-    }
-    macro_rules! st {
-        ($p:expr, $v:expr) => {
-            _mm512_storeu_ps($p, $v)
-        };
-    }
     // Mode 0: round to nearest even, as the 256-bit instruction in `two_ranks_f16_f16c`.
     macro_rules! fq {
         ($x:expr) => {
             _mm512_cvtph_ps(_mm512_cvtps_ph::<0>($x))
         };
     }
-    macro_rules! sum {
-        ($x:expr, $y:expr) => {
-            _mm512_mul_ps(_mm512_add_ps($x, $y), sc)
-        };
-    }
-    macro_rules! nan {
-        ($x:expr, $y:expr, $s:expr) => {
-            false
-        };
-    }
-    sum_loop!(a, b, scale, 16, ld, st, fq, sum, nan, sum_f16_exact);
+    sum_loop!(
+        a,
+        b,
+        scale,
+        16,
+        _mm512_loadu_ps,
+        _mm512_storeu_ps,
+        _mm512_add_ps,
+        _mm512_mul_ps,
+        sc,
+        fq,
+        never_nan,
+        sum_f16_exact
+    );
 }
 
 #[cfg(test)]
