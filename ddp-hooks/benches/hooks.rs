@@ -55,7 +55,8 @@ struct Args {
     preset: String,
     isa: Option<String>,
     no_bias: bool,
-    /// `--steps N`: steps per hook in the `hooks` suite (default 7, 3 with `--quick`).
+    /// `--steps N`: steps per hook in the `hooks` suite (default 7, 3 with `--quick`; 15 for
+    /// the alternated all-reduce and 16-bit hooks on the directly called 4 x Linear bucket).
     steps: Option<usize>,
 }
 
@@ -262,8 +263,13 @@ fn hooks_suite(a: &Args) {
         // goal, and load drifts between separate runs moved it by up to 1.9x); each
         // PowerSGD rank runs on its own (its goal is `bound`).
         let stateless = specs.iter().take_while(|s| s.2 == 0).count();
+        // The directly called 4 x Linear bucket takes about a millisecond a step, and
+        // single slow steps move a median of 7: 15 steps there unless `--steps` says.
+        let alt_steps = a
+            .steps
+            .unwrap_or(if direct { steps.max(15) } else { steps });
         let mut measured =
-            measure::measure_alternating(&shapes, &grads, &parsed[..stateless], direct, steps);
+            measure::measure_alternating(&shapes, &grads, &parsed[..stateless], direct, alt_steps);
         for spec in &parsed[stateless..] {
             measured.push(measure::measure(&shapes, &grads, spec, direct, steps));
         }
