@@ -519,25 +519,9 @@ fn main() {
     };
     if a.hooks {
         if let Some(name) = &a.isa {
-            match lowrank::Isa::supported()
-                .into_iter()
-                .find(|i| i.name() == name)
-            {
-                Some(isa) => {
-                    let _ = measure::ISA.set(isa);
-                    // The thread backend's 16-bit loops keep to the same instruction set
-                    // (set before any rank starts, while this is the only thread).
-                    let cap = if isa == lowrank::Isa::Portable {
-                        "default"
-                    } else {
-                        isa.name()
-                    };
-                    std::env::set_var("COLLECTIVES_CPU_CAPABILITY", cap);
-                }
-                None => {
-                    eprintln!("--isa {name}: not an instruction set this CPU runs");
-                    std::process::exit(2);
-                }
+            if let Err(e) = measure::select_isa(name) {
+                eprintln!("{e}");
+                std::process::exit(2);
             }
         }
         hooks_suite(&a);

@@ -29,7 +29,9 @@
 //! per row after.
 //!
 //! Arguments: `--quick` (4 x Linear and BERT-base, fewer steps), `--models a,b`,
-//! `--steps N` (timed steps of every model).
+//! `--steps N` (timed steps of every model), `--isa avx512|avx2|portable` (the kernels
+//! and the thread backend's 16-bit loops of that instruction set, as on a CPU that has
+//! no wider one).
 
 #[path = "measure/mod.rs"]
 mod measure;
@@ -38,7 +40,6 @@ mod models;
 
 use collectives::link::{Link, LinkOp};
 use ddp_hooks::HookSpec;
-use lowrank::CpuBackend;
 use measure::{LATENCY, RANKS};
 use serde_json::{json, Value};
 use std::io::Write;
@@ -66,6 +67,7 @@ struct Args {
     quick: bool,
     models: Option<Vec<String>>,
     steps: Option<usize>,
+    isa: Option<String>,
 }
 
 fn args() -> Result<Args, String> {
@@ -73,6 +75,7 @@ fn args() -> Result<Args, String> {
         quick: false,
         models: None,
         steps: None,
+        isa: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -91,6 +94,7 @@ fn args() -> Result<Args, String> {
                         .ok_or(format!("--steps {v}: expected a positive integer"))?,
                 );
             }
+            "--isa" => a.isa = Some(it.next().ok_or("--isa needs avx512, avx2 or portable")?),
             // `cargo bench` passes `--bench` to every benchmark.
             "--bench" => {}
             other => return Err(format!("unknown argument `{other}`")),
@@ -176,6 +180,12 @@ fn main() {
             std::process::exit(2);
         }
     };
+    if let Some(name) = &a.isa {
+        if let Err(e) = measure::select_isa(name) {
+            eprintln!("report: {e}");
+            std::process::exit(2);
+        }
+    }
     let mut presets = models::presets();
     if let Some(wanted) = &a.models {
         if let Some(bad) = wanted
@@ -201,7 +211,7 @@ fn main() {
         }
     }
     let bw = measure::read_bandwidth();
-    let isa = CpuBackend::new().isa();
+    let isa = measure::backend().isa();
     emit(json!({
         "kind": "machine",
         "cpu": cpu_model(),

@@ -5,7 +5,9 @@
 //! `ddp-hooks/benches/report.rs`): a table on the terminal, `target/bench/report.jsonl`
 //! and `target/bench/speedup.svg`. A named suite prints its own table (or, with `--json`,
 //! one JSON object per line); `--quick` keeps a suite's run under a minute and the report
-//! under 90 seconds, not counting compilation.
+//! under 90 seconds, not counting compilation. `--isa avx512|avx2|portable` runs the
+//! report, `lowrank`'s bandwidth table and the `hooks` suite on that instruction set's
+//! kernels (and the thread backend's 16-bit loops), as a CPU without a wider one would.
 
 mod report;
 mod svg;
@@ -20,7 +22,13 @@ pub struct Options {
     quick: bool,
     json: bool,
     suites: Vec<String>,
+    /// `--isa NAME`: the instruction set whose kernels `report`, `lowrank` and `hooks`
+    /// measure (as on a CPU without a wider one); all the machine has when absent.
+    isa: Option<String>,
 }
+
+/// The instruction sets `--isa` takes.
+const ISAS: &[&str] = &["avx512", "avx2", "portable"];
 
 /// Parses the arguments of `bench`; an unknown one is an error for the usage message.
 pub fn parse(args: &[String]) -> Result<Options, String> {
@@ -28,15 +36,26 @@ pub fn parse(args: &[String]) -> Result<Options, String> {
         quick: false,
         json: false,
         suites: Vec::new(),
+        isa: None,
     };
-    for a in args {
+    let mut args = args.iter();
+    while let Some(a) = args.next() {
         match a.as_str() {
             "--quick" => o.quick = true,
             "--json" => o.json = true,
+            "--isa" => match args.next() {
+                Some(v) if ISAS.contains(&v.as_str()) => o.isa = Some(v.clone()),
+                v => {
+                    return Err(format!(
+                        "--isa takes one of {}, got {v:?}",
+                        ISAS.join(", ")
+                    ))
+                }
+            },
             s if SUITES.contains(&s) => o.suites.push(s.to_string()),
             other => {
                 return Err(format!(
-                    "unknown bench argument `{other}`; suites: {} (default: report); flags: --quick, --json",
+                    "unknown bench argument `{other}`; suites: {} (default: report); flags: --quick, --json, --isa avx512|avx2|portable",
                     SUITES.join(", ")
                 ))
             }
@@ -52,10 +71,10 @@ pub fn parse(args: &[String]) -> Result<Options, String> {
 pub fn run(o: Options) -> Result<(), Failure> {
     for suite in &o.suites {
         match suite.as_str() {
-            "report" => report::run(o.quick, o.json)?,
-            "lowrank" => lowrank(o.quick, o.json)?,
+            "report" => report::run(o.quick, o.json, o.isa.as_deref())?,
+            "lowrank" => lowrank(o.quick, o.json, o.isa.as_deref())?,
             "collectives" => collectives(o.quick, o.json)?,
-            "hooks" | "accum" => ddp_hooks(suite, o.quick, o.json)?,
+            "hooks" | "accum" => ddp_hooks(suite, o.quick, o.json, o.isa.as_deref())?,
             "pipe" => pipe(o.quick, o.json)?,
             other => return Err(Failure(format!("no suite `{other}`"))),
         }
@@ -97,10 +116,13 @@ fn pipe(quick: bool, json: bool) -> Result<(), Failure> {
 /// The bandwidth table (cold cache, against a SIMD-sum reference and `gemm`), then the
 /// criterion benchmarks of every primitive (skipped with `--json`, whose output is only
 /// the table's JSON lines).
-fn lowrank(quick: bool, json: bool) -> Result<(), Failure> {
+fn lowrank(quick: bool, json: bool, isa: Option<&str>) -> Result<(), Failure> {
     let mut table = vec!["bench", "-q", "-p", "lowrank", "--bench", "bandwidth", "--"];
     if quick {
         table.push("--quick");
+    }
+    if let Some(isa) = isa {
+        table.extend(["--isa", isa]);
     }
     if json {
         table.push("--json");
@@ -170,7 +192,7 @@ fn collectives(quick: bool, json: bool) -> Result<(), Failure> {
 
 /// Hook times and link-priced step times (`hooks`), or accumulation against syncing every
 /// micro-step (`accum`).
-fn ddp_hooks(suite: &str, quick: bool, json: bool) -> Result<(), Failure> {
+fn ddp_hooks(suite: &str, quick: bool, json: bool, isa: Option<&str>) -> Result<(), Failure> {
     let mut args = vec![
         "bench",
         "-q",
@@ -186,6 +208,9 @@ fn ddp_hooks(suite: &str, quick: bool, json: bool) -> Result<(), Failure> {
     }
     if json {
         args.push("--json");
+    }
+    if let Some(isa) = isa {
+        args.extend(["--isa", isa]);
     }
     run_status(cargo(&args))
 }
@@ -206,5 +231,14 @@ mod tests {
         assert_eq!((o.suites, o.json), (vec!["hooks".to_string()], true));
         let e = parse(&args(&["hook"])).err().unwrap();
         assert!(e.contains("unknown bench argument `hook`"), "{e}");
+        let o = parse(&args(&["lowrank", "--isa", "avx2"])).unwrap();
+        assert_eq!(o.isa.as_deref(), Some("avx2"));
+        for bad in [&["--isa"][..], &["--isa", "sse2"]] {
+            let e = parse(&args(bad)).err().unwrap();
+            assert!(
+                e.contains("--isa takes one of avx512, avx2, portable"),
+                "{e}"
+            );
+        }
     }
 }

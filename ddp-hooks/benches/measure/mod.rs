@@ -20,6 +20,29 @@ pub const RANKS: usize = 2;
 /// it (`hooks --isa avx2` runs the AVX2 kernels on an AVX-512 machine).
 pub static ISA: std::sync::OnceLock<lowrank::Isa> = std::sync::OnceLock::new();
 
+/// Makes the measured backends use the kernels of the instruction set `name` (`avx512`,
+/// `avx2`, `portable`) and caps the thread backend's 16-bit loops at the same one
+/// (`COLLECTIVES_CPU_CAPABILITY`, read once, at the first 16-bit reduction). Call it at
+/// the start of `main`, before any other thread runs.
+pub fn select_isa(name: &str) -> Result<(), String> {
+    let Some(isa) = lowrank::Isa::supported()
+        .into_iter()
+        .find(|i| i.name() == name)
+    else {
+        return Err(format!(
+            "--isa {name}: not an instruction set this CPU runs"
+        ));
+    };
+    let _ = ISA.set(isa);
+    let cap = if isa == lowrank::Isa::Portable {
+        "default"
+    } else {
+        isa.name()
+    };
+    std::env::set_var("COLLECTIVES_CPU_CAPABILITY", cap);
+    Ok(())
+}
+
 /// A one-thread CPU backend with the kernels of [`ISA`].
 pub fn backend() -> CpuBackend {
     let be = CpuBackend::new().with_threads(1).expect("threads");

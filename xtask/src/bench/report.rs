@@ -105,12 +105,15 @@ fn out_dir() -> PathBuf {
 
 /// Builds and runs the report, then writes its files and prints the table (or, with
 /// `json`, the JSON lines).
-pub fn run(quick: bool, json: bool) -> Result<(), Failure> {
+pub fn run(quick: bool, json: bool, isa: Option<&str>) -> Result<(), Failure> {
     let exe = built_executable("bench", &["-p", "ddp-hooks", "--bench", "report"], "report")?;
     let started = std::time::Instant::now();
     let mut cmd = Command::new(&exe);
     if quick {
         cmd.arg("--quick");
+    }
+    if let Some(isa) = isa {
+        cmd.args(["--isa", isa]);
     }
     cmd.stdout(Stdio::piped()).stderr(Stdio::inherit());
     eprintln!("xtask: running {cmd:?}");
