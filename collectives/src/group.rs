@@ -81,10 +81,9 @@ pub trait ProcessGroup: Send + Sync {
     ) -> Work<crate::device::DeviceBuffer> {
         crate::device::staged(buf, |b| self.broadcast(b, root))
     }
-    /// Whether [`all_reduce_device`](ProcessGroup::all_reduce_device) and
-    /// [`broadcast_device`](ProcessGroup::broadcast_device) work on device memory without
-    /// staging it through the host (NCCL: `true`; the default: `false`). Wrappers answer
-    /// for the group they wrap.
+    /// Whether `all_reduce_device` and `broadcast_device` (feature `cuda`) work on device
+    /// memory without staging it through the host (NCCL: `true`; the default: `false`).
+    /// Wrappers answer for the group they wrap.
     fn device_native(&self) -> bool {
         false
     }

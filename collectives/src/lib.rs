@@ -18,14 +18,14 @@
 //! assert!(out.into_iter().all(|r| r.unwrap().unwrap() == Buffer::F32(vec![1.0])));
 //! ```
 //!
-//! - [`nccl::NcclGroup`] (feature `cuda`): NCCL through `cudarc`, on a progress thread
+//! - `nccl::NcclGroup` (feature `cuda`): NCCL through `cudarc`, on a progress thread
 //!   that owns the communicator; host buffers are staged, device buffers (`CudaSlice`) go
 //!   direct. It compiles everywhere; see its module docs for what has run on which GPU.
 //! - `device` (feature `cuda`): `DeviceBuffer` and the device methods of every
 //!   [`ProcessGroup`] (`all_reduce_device`, `broadcast_device`, `device_native`): NCCL
 //!   works on the device, other backends stage through host memory in one place.
 //!
-//! - [`mpi::MpiGroup`] (feature `mpi`): MPI through the `mpi` crate (Open MPI), one
+//! - `mpi::MpiGroup` (feature `mpi`): MPI through the `mpi` crate (Open MPI), one
 //!   progress thread per process owning every communicator, non-blocking collectives
 //!   polled against the timeout; reductions bit-identical to the thread backend's by
 //!   default (a fixed order of additions on any number of ranks). Open MPI 4 has no fault tolerance: a dead rank aborts the
