@@ -569,7 +569,7 @@ impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
         let mut waited = self.wait_all();
         // After every bucket (whose hooks may still issue collectives until they
         // complete), so that every rank issues this one in the same place.
-        if self.config.find_unused_parameters && self.group.is_some() {
+        if self.config.find_unused_parameters {
             if let Err(e) = self.find_globally_unused() {
                 waited = waited.and(Err(e));
             }
@@ -624,11 +624,11 @@ impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
         first_error.map_or(Ok(()), Err)
     }
 
-    /// DDP's used-parameter map: one all-reduce of this rank's map (1 where the
-    /// parameter was marked ready in this step or holds accumulated gradients) finds the
-    /// parameters no rank used; their slots are zeroed, since a hook's result there is
-    /// no gradient (PowerSGD's error feedback can make it nonzero), and
-    /// [`Reducer::globally_unused`] lists them.
+    /// DDP's used-parameter map (nothing without a process group): one all-reduce of
+    /// this rank's map (1 where the parameter was marked ready in this step or holds
+    /// accumulated gradients) finds the parameters no rank used; their slots are zeroed,
+    /// since a hook's result there is no gradient (PowerSGD's error feedback can make it
+    /// nonzero), and [`Reducer::globally_unused`] lists them.
     fn find_globally_unused(&mut self) -> Result<()> {
         let Some(group) = self.group.clone() else {
             return Ok(());

@@ -215,8 +215,11 @@ pub fn measure_alternating(
         let link = Link::gbit(1.0, LATENCY).expect("a positive link speed");
         let be = Arc::new(backend());
         let grads = &grads[rank];
-        let flat: Vec<f32> = if direct { grads.concat() } else { Vec::new() };
-        let layout = Arc::new(Layout::packed(shapes).expect("layout"));
+        // The whole-model bucket of `direct` runs.
+        let direct_bucket = direct.then(|| {
+            let layout = Arc::new(Layout::packed(shapes).expect("layout"));
+            (grads.concat(), layout)
+        });
         // Per hook: how it runs (a hook on the whole bucket, or a reducer) and its log.
         let mut runs: Vec<_> = specs
             .iter()
@@ -245,8 +248,10 @@ pub fn measure_alternating(
                 let (run, log, times) = &mut runs[(step + k) % n];
                 let t = match run {
                     Run::Direct(hook) => {
-                        let bucket =
-                            GradBucket::new(0, 1, flat.clone(), layout.clone()).expect("bucket");
+                        let bucket = {
+                            let (flat, layout) = direct_bucket.as_ref().expect("a direct run");
+                            GradBucket::new(0, 1, flat.clone(), layout.clone()).expect("bucket")
+                        };
                         if step == warmup {
                             log.lock().expect("log").clear();
                         }
