@@ -43,10 +43,18 @@ pub trait Backend: Send + Sync {
     /// A mutable view of (part of) a buffer.
     type ViewMut<'a, T: Element>: ViewLen;
 
+    /// Whether buffers live in host memory, so that reading a few elements back
+    /// ([`Backend::download`]) costs a copy and no wait for a device: `true` for the CPU
+    /// backend. Callers use it to learn at once what a device backend leaves on the
+    /// device until later (such as a raised [`flag_nonfinite`](Backend::flag_nonfinite)).
+    const HOST_RESIDENT: bool = false;
+
     /// A short description (`"cpu avx512 x2"`, `"cuda:0 NVIDIA H200"`).
     fn name(&self) -> String;
 
-    /// A zeroed buffer of `len` elements.
+    /// A zeroed buffer of `len` elements. More than `isize::MAX` bytes, or memory the
+    /// allocator refuses, is [`crate::Error::Alloc`] (or the device's error), never a panic
+    /// or an abort.
     fn alloc<T: Element>(&self, len: usize) -> Result<Self::Buffer<T>>;
     /// A buffer holding a copy of `host`.
     fn upload<T: Element>(&self, host: &[T]) -> Result<Self::Buffer<T>>;
@@ -114,6 +122,35 @@ pub trait Backend: Send + Sync {
         q: Self::View<'_, f32>,
         m: Self::ViewMut<'_, f32>,
         e: Self::ViewMut<'_, f32>,
+    ) -> Result<()>;
+
+    /// [`pqt_error`](Backend::pqt_error) under a flag: `M̂ = P Qᵀ` is always written into
+    /// `m`, and `e = x - M̂` only while `flag[0] == 0`; a raised flag leaves `e` exactly as
+    /// it was. `flag` is a one-element buffer ([`flag_nonfinite`](Backend::flag_nonfinite)
+    /// raises it) read where the data is: on a GPU inside the kernel, with no host wait.
+    fn pqt_error_unflagged(
+        &self,
+        dims: Dims,
+        p: Self::View<'_, f32>,
+        q: Self::View<'_, f32>,
+        m: Self::ViewMut<'_, f32>,
+        e: Self::ViewMut<'_, f32>,
+        flag: Self::View<'_, f32>,
+    ) -> Result<()>;
+
+    /// Raises `flag` (a one-element buffer) to `1.0` when any element of `x` is a NaN or
+    /// an infinity; never lowers it. On a GPU the flag stays on the device (no host copy
+    /// of `x`, no host wait), for [`copy_unflagged`](Backend::copy_unflagged) and
+    /// [`pqt_error_unflagged`](Backend::pqt_error_unflagged) to read.
+    fn flag_nonfinite(&self, x: Self::View<'_, f32>, flag: Self::ViewMut<'_, f32>) -> Result<()>;
+
+    /// `dst = src` while `flag[0] == 0` (a one-element buffer); a raised flag leaves `dst`
+    /// as it was.
+    fn copy_unflagged(
+        &self,
+        src: Self::View<'_, f32>,
+        dst: Self::ViewMut<'_, f32>,
+        flag: Self::View<'_, f32>,
     ) -> Result<()>;
 
     /// Gram-Schmidt on the `r` columns of each of `batch` column-major `n x r` factors,

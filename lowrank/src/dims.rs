@@ -116,6 +116,21 @@ pub(crate) fn same_len(a: &'static str, len_a: usize, b: &'static str, len_b: us
     }
 }
 
+/// A flag buffer ([`Backend::flag_nonfinite`](crate::Backend::flag_nonfinite)) holds
+/// exactly one element.
+pub(crate) fn check_flag(len: usize) -> Result<()> {
+    if len == 1 {
+        Ok(())
+    } else {
+        Err(Error::LengthMismatch {
+            a: "flag",
+            len_a: len,
+            b: "one element",
+            len_b: 1,
+        })
+    }
+}
+
 /// Validates an orthogonalisation epsilon.
 pub(crate) fn check_epsilon(eps: f32) -> Result<()> {
     if eps.is_finite() && eps >= 0.0 {

@@ -35,6 +35,19 @@ pub enum Error {
     /// A shape whose element count does not fit in `usize`.
     #[error("shape {0} overflows the address space")]
     Overflow(String),
+    /// A buffer that cannot be allocated: `elements` of `element_bytes` bytes each exceed
+    /// `isize::MAX` bytes (no allocation can hold them), or the allocator refused them
+    /// (out of memory, or an address-space limit).
+    #[error(
+        "cannot allocate a buffer of {elements} elements of {element_bytes} bytes each: {}",
+        alloc_reason(*.elements, *.element_bytes)
+    )]
+    Alloc {
+        /// Elements requested.
+        elements: usize,
+        /// Bytes per element.
+        element_bytes: usize,
+    },
     /// A sub-range of a buffer is out of bounds.
     #[error("range {start}..{end} is out of bounds for a buffer of {len} elements")]
     OutOfBounds {
@@ -72,6 +85,14 @@ pub enum Error {
     /// NVRTC failed to compile the crate's kernels.
     #[error("NVRTC failed to compile the kernels: {0}")]
     Nvrtc(String),
+}
+
+/// Why `elements` of `element_bytes` bytes could not be allocated, for [`Error::Alloc`].
+fn alloc_reason(elements: usize, element_bytes: usize) -> &'static str {
+    match elements.checked_mul(element_bytes) {
+        Some(bytes) if bytes <= isize::MAX as usize => "out of memory",
+        _ => "more than isize::MAX bytes, larger than any allocation",
+    }
 }
 
 /// `Result` with this crate's [`Error`].

@@ -619,6 +619,116 @@ fn check_elementwise<B: Backend>(be: &B) {
     assert!(out[0].is_nan());
 }
 
+/// The non-finite flag and the operations it guards: `flag_nonfinite` raises it for a
+/// NaN or an infinity anywhere (any length, any position: the GPU's grid-stride loop and
+/// the CPU's chunks), never for finite values, and never lowers it; `copy_unflagged` and
+/// `pqt_error_unflagged` write `dst` and the error only while it is down, and the
+/// approximation always (bit for bit `pqt_error`'s).
+fn check_flags<B: Backend>(be: &B) {
+    let flag_of = |x: &[f32]| {
+        let mut f = on(be, &[0.0]);
+        be.flag_nonfinite(v::<B>(&on(be, x)), vm::<B>(&mut f))
+            .unwrap();
+        back(be, &f)[0]
+    };
+    for len in [1, 17, 1000, 300_001] {
+        let mut x = random(len, 9);
+        x[len / 2] = f32::MAX;
+        x[0] = -f32::MIN_POSITIVE / 4.0; // subnormal
+        assert_eq!(
+            flag_of(&x),
+            0.0,
+            "{}: finite values raised the flag",
+            be.name()
+        );
+        for (at, bad) in [
+            (0, f32::NAN),
+            (len - 1, f32::INFINITY),
+            (len / 3, f32::NEG_INFINITY),
+        ] {
+            let mut y = x.clone();
+            y[at] = bad;
+            assert_eq!(flag_of(&y), 1.0, "{}: {bad} at {at} of {len}", be.name());
+        }
+    }
+    // Never lowered.
+    let mut f = on(be, &[1.0]);
+    be.flag_nonfinite(v::<B>(&on(be, &[0.0; 8])), vm::<B>(&mut f))
+        .unwrap();
+    assert_eq!(back(be, &f), [1.0]);
+    let (up, down) = (on(be, &[1.0]), on(be, &[0.0]));
+    let src = random(1000, 4);
+    let mut dst = on(be, &[7.0; 1000]);
+    be.copy_unflagged(v::<B>(&on(be, &src)), vm::<B>(&mut dst), v::<B>(&up))
+        .unwrap();
+    assert_eq!(
+        back(be, &dst),
+        [7.0; 1000],
+        "{}: copied under a raised flag",
+        be.name()
+    );
+    be.copy_unflagged(v::<B>(&on(be, &src)), vm::<B>(&mut dst), v::<B>(&down))
+        .unwrap();
+    assert_eq!(
+        back(be, &dst),
+        src,
+        "{}: not copied under a lowered flag",
+        be.name()
+    );
+    // pqt_error under either flag, against pqt_error itself.
+    let d = Dims::new(2, 70, 130, 3).unwrap();
+    let (p, q, m) = (
+        random(d.p_len(), 1),
+        random(d.q_len(), 2),
+        random(d.m_len(), 3),
+    );
+    let e0 = random(d.m_len(), 5);
+    let (mut m_ref, mut e_ref) = (on(be, &m), on(be, &e0));
+    let (pb, qb) = (on(be, &p), on(be, &q));
+    be.pqt_error(
+        d,
+        v::<B>(&pb),
+        v::<B>(&qb),
+        vm::<B>(&mut m_ref),
+        vm::<B>(&mut e_ref),
+    )
+    .unwrap();
+    for (flag, want_e) in [(&down, back(be, &e_ref)), (&up, e0.clone())] {
+        let (mut mm, mut ee) = (on(be, &m), on(be, &e0));
+        be.pqt_error_unflagged(
+            d,
+            v::<B>(&pb),
+            v::<B>(&qb),
+            vm::<B>(&mut mm),
+            vm::<B>(&mut ee),
+            v::<B>(flag),
+        )
+        .unwrap();
+        assert_eq!(
+            back(be, &mm),
+            back(be, &m_ref),
+            "{}: approximation",
+            be.name()
+        );
+        assert_eq!(
+            back(be, &ee),
+            want_e,
+            "{}: error under flag {:?}",
+            be.name(),
+            back(be, flag)
+        );
+    }
+    // A flag is one element.
+    let mut two = on(be, &[0.0, 0.0]);
+    assert!(be
+        .flag_nonfinite(v::<B>(&on(be, &[1.0])), vm::<B>(&mut two))
+        .is_err());
+    let mut one = on(be, &[0.0]);
+    assert!(be
+        .copy_unflagged(v::<B>(&on(be, &[1.0])), vm::<B>(&mut one), v::<B>(&two))
+        .is_err());
+}
+
 /// `f32 -> T -> f32` matches the `half` crate's round-to-nearest-even conversions.
 fn check_cast<B: Backend, T: Element>(be: &B, a: &[f32]) {
     let mut h = be.alloc::<T>(a.len()).unwrap();
@@ -816,6 +926,7 @@ cpu_tests!(
     check_orthogonalize_precision,
     check_orthogonalize_refill,
     check_elementwise,
+    check_flags,
     check_fill_normal,
     check_bad_input,
     check_views,

@@ -7,9 +7,10 @@
 
 mod kernels;
 mod simd;
+mod storage;
 
 use crate::backend::Backend;
-use crate::dims::{check_epsilon, resolve, same_len};
+use crate::dims::{check_epsilon, check_flag, resolve, same_len};
 use crate::{Dims, Element, Error, NormalRng, Result};
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
@@ -298,17 +299,21 @@ impl Backend for CpuBackend {
     type Buffer<T: Element> = Vec<T>;
     type View<'a, T: Element> = &'a [T];
     type ViewMut<'a, T: Element> = &'a mut [T];
+    const HOST_RESIDENT: bool = true;
 
     fn name(&self) -> String {
         format!("cpu {} x{}", self.isa.name(), self.threads)
     }
 
+    /// Zeroed by the allocator (lazily mapped pages, as `vec![0.0; len]`); more than
+    /// `isize::MAX` bytes, or a refused allocation, is [`Error::Alloc`].
     fn alloc<T: Element>(&self, len: usize) -> Result<Vec<T>> {
-        Ok(vec![T::default(); len])
+        storage::zeroed(len)
     }
 
+    /// A refused allocation is [`Error::Alloc`].
     fn upload<T: Element>(&self, host: &[T]) -> Result<Vec<T>> {
-        Ok(host.to_vec())
+        storage::copied(host)
     }
 
     fn download<T: Element>(&self, src: &[T], dst: &mut [T]) -> Result<()> {
@@ -423,6 +428,48 @@ impl Backend for CpuBackend {
         self.over_rows(&d, mat, |a, rows| unsafe {
             dispatch!(self.isa, pqt(a, rows, true))
         });
+        Ok(())
+    }
+
+    fn pqt_error_unflagged(
+        &self,
+        d: Dims,
+        p: &[f32],
+        q: &[f32],
+        m: &mut [f32],
+        e: &mut [f32],
+        flag: &[f32],
+    ) -> Result<()> {
+        check_flag(flag.len())?;
+        d.expect("e", e.len(), d.m_len())?;
+        if flag[0] == 0.0 {
+            self.pqt_error(d, p, q, m, e)
+        } else {
+            self.pqt(d, p, q, m)
+        }
+    }
+
+    fn flag_nonfinite(&self, x: &[f32], flag: &mut [f32]) -> Result<()> {
+        check_flag(flag.len())?;
+        // The exponent field all ones is an infinity or a NaN; one OR over the bits of a
+        // chunk, so the loop vectorises without a branch per element.
+        let bad = x.chunks(1024).any(|c| {
+            c.iter().fold(0u32, |acc, v| {
+                acc | u32::from(v.to_bits() & 0x7f80_0000 == 0x7f80_0000)
+            }) != 0
+        });
+        if bad {
+            flag[0] = 1.0;
+        }
+        Ok(())
+    }
+
+    fn copy_unflagged(&self, src: &[f32], dst: &mut [f32], flag: &[f32]) -> Result<()> {
+        check_flag(flag.len())?;
+        same_len("src", src.len(), "dst", dst.len())?;
+        if flag[0] == 0.0 {
+            dst.copy_from_slice(src);
+        }
         Ok(())
     }
 

@@ -143,9 +143,29 @@ extern "C" __global__ void lr_scale(float* __restrict__ x, float alpha, u64 n) {
     LR_GRID_STRIDE(i, n) { x[i] *= alpha; }
 }
 
+/* flag_nonfinite: *flag = 1 when some x[i] has an all-ones exponent (an infinity or a
+   NaN); never lowered. Each thread ORs its elements, then raises the flag once. */
+extern "C" __global__ void lr_flag_nonfinite(const float* __restrict__ x, float* flag, u64 n) {
+    u32 bad = 0u;
+    LR_GRID_STRIDE(i, n) { bad |= (__float_as_uint(x[i]) & 0x7f800000u) == 0x7f800000u; }
+    if (bad) {
+        atomicExch(flag, 1.0f);
+    }
+}
+
+/* copy_unflagged: dst = src unless *flag != 0. */
+extern "C" __global__ void lr_copy_unflagged(const float* __restrict__ src, float* __restrict__ dst,
+                                             const float* __restrict__ flag, u64 n) {
+    if (*flag != 0.0f) {
+        return;
+    }
+    LR_GRID_STRIDE(i, n) { dst[i] = src[i]; }
+}
+
 /* ---------------------------------------------------------------------------------- */
 /* pqt_error: for every (b, i, j): s = sum_k P[b][k*n + i] * Q[b][k*m + j] (k ascending,
-   fused multiply-add from 0); x = M[b][i*m + j]; M = s; E = x - s.
+   fused multiply-add from 0); x = M[b][i*m + j]; M = s; E = x - s, unless `flag` is
+   not null and *flag != 0 (then E is not written).
    A block of 256 threads computes a tile of 32 rows x 128 columns of one matrix; thread
    (tx, ty) = (tid % 32, tid / 32) owns the 4 x 4 elements of rows ty*4 .. ty*4+3 and
    columns tx*4 .. tx*4+3, so a warp reads and writes 512 contiguous bytes of one row.
@@ -163,8 +183,9 @@ extern "C" __global__ void lr_scale(float* __restrict__ x, float alpha, u64 n) {
 
 extern "C" __global__ void __launch_bounds__(PE_THREADS) lr_pqt_error(
     const float* __restrict__ p, const float* __restrict__ q, float* __restrict__ mat,
-    float* __restrict__ err, u64 batch, u64 n, u64 m, u32 r) {
+    float* __restrict__ err, u64 batch, u64 n, u64 m, u32 r, const float* __restrict__ flag) {
     extern __shared__ float4 pe_smem[];
+    const bool keep_err = flag != nullptr && *flag != 0.0f;
     float* sp = reinterpret_cast<float*>(pe_smem);
     float* sq = sp + (u64)r * PE_ROWS;
     const u32 tid = threadIdx.x;
@@ -256,14 +277,18 @@ extern "C" __global__ void __launch_bounds__(PE_THREADS) lr_pqt_error(
                     e.z = x[a][2] - acc[a][2];
                     e.w = x[a][3] - acc[a][3];
                     *reinterpret_cast<float4*>(mat + at) = s;
-                    *reinterpret_cast<float4*>(err + at) = e;
+                    if (!keep_err) {
+                        *reinterpret_cast<float4*>(err + at) = e;
+                    }
                 }
             } else {
 #pragma unroll
                 for (int c = 0; c < 4; ++c) {
                     if (i < n && j + c < m) {
                         mat[at + c] = acc[a][c];
-                        err[at + c] = x[a][c] - acc[a][c];
+                        if (!keep_err) {
+                            err[at + c] = x[a][c] - acc[a][c];
+                        }
                     }
                 }
             }
@@ -750,8 +775,13 @@ pub(super) struct Kernels {
     pub(super) add: CudaFunction,
     /// `lr_scale(float* x, float alpha, u64 n)`.
     pub(super) scale: CudaFunction,
-    /// `lr_pqt_error(const float* p, const float* q, float* m, float* e, u64 batch, u64 n, u64 m, u32 r)`.
+    /// `lr_pqt_error(const float* p, const float* q, float* m, float* e, u64 batch, u64 n,
+    /// u64 m, u32 r, const float* flag)` (`flag` may be null).
     pub(super) pqt_error: CudaFunction,
+    /// `lr_flag_nonfinite(const float* x, float* flag, u64 n)`.
+    pub(super) flag_nonfinite: CudaFunction,
+    /// `lr_copy_unflagged(const float* src, float* dst, const float* flag, u64 n)`.
+    pub(super) copy_unflagged: CudaFunction,
     /// `lr_orthogonalize(float* x, u64 batch, u64 n, u32 r, float eps, float tol, u64 key,
     /// u32 refill)`.
     pub(super) orthogonalize: CudaFunction,
@@ -783,6 +813,8 @@ impl Kernels {
             add: function("lr_add")?,
             scale: function("lr_scale")?,
             pqt_error: function("lr_pqt_error")?,
+            flag_nonfinite: function("lr_flag_nonfinite")?,
+            copy_unflagged: function("lr_copy_unflagged")?,
             orthogonalize: function("lr_orthogonalize")?,
             orthogonalize_serial: function("lr_orthogonalize_serial")?,
             casts,

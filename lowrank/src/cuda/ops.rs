@@ -7,7 +7,7 @@ use super::kernels::{
     PQT_ERROR_THREADS,
 };
 use crate::backend::{Backend, ViewLen};
-use crate::dims::{check_epsilon, resolve, same_len};
+use crate::dims::{check_epsilon, check_flag, resolve, same_len};
 use crate::{Dims, Element, Error, NormalRng, Result};
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 use std::any::TypeId;
@@ -45,6 +45,52 @@ impl CudaBackend {
     /// `lr_orthogonalize` over `batch` matrices, refilling zero columns under `refill`'s
     /// key when given (see [`Backend::orthogonalize_refill`]); `lr_orthogonalize_serial`
     /// below `ORTHO_SERIAL_N` rows (see [`CudaBackend::ortho_config`]).
+    /// `lr_pqt_error`, with the flag that suppresses the error write or without one.
+    fn launch_pqt_error(
+        &self,
+        d: Dims,
+        p: CudaView<'_, f32>,
+        q: CudaView<'_, f32>,
+        mut m: CudaViewMut<'_, f32>,
+        mut e: CudaViewMut<'_, f32>,
+        flag: Option<CudaView<'_, f32>>,
+    ) -> Result<()> {
+        d.expect("p", p.len(), d.p_len())?;
+
+        d.expect("q", q.len(), d.q_len())?;
+        d.expect("m", m.len(), d.m_len())?;
+        d.expect("e", e.len(), d.m_len())?;
+        if d.m_len() == 0 {
+            return Ok(());
+        }
+        let tiles = d.batch() * d.n().div_ceil(PQT_ERROR_ROWS) * d.m().div_ceil(PQT_ERROR_COLS);
+        let mut cfg = self.launch_config(tiles, PQT_ERROR_THREADS);
+        // The tile's P rows and Q columns: r * (32 + 128) floats, at most 40 KiB (r <= 64).
+        cfg.shared_mem_bytes = (d.r() * (PQT_ERROR_ROWS + PQT_ERROR_COLS) * 4) as u32;
+        let (batch, n, cols, r) = (d.batch() as u64, d.n() as u64, d.m() as u64, d.r() as u32);
+        let mut launch = self.stream.launch_builder(&self.kernels.pqt_error);
+        // A null pointer when unflagged: the kernel then always writes the error.
+        let no_flag = 0u64;
+        launch.arg(&p).arg(&q).arg(&mut m).arg(&mut e);
+        launch.arg(&batch).arg(&n).arg(&cols).arg(&r);
+        match &flag {
+            Some(f) => launch.arg(f),
+            None => launch.arg(&no_flag),
+        };
+        // SAFETY: the arguments match `lr_pqt_error(const float* p, const float* q,
+        // float* m, float* e, u64 batch, u64 n, u64 m, u32 r, const float* flag)`, the
+        // flag a device pointer to one f32 (checked by the caller) or null (a `u64` 0,
+        // the size of a device pointer), which the kernel tests before reading; every
+        // length was checked
+        // against the shape, the kernel indexes below `batch*n*r`, `batch*m*r` and
+        // `batch*n*m` only (its 16-byte accesses only when `m % 4 == 0` and both `m` and
+        // `e` start 16-byte aligned, checked in the kernel), its dynamic shared memory is
+        // the `r * (32 + 128)` floats it indexes, within the 48 KiB default as `r <= 64`
+        // (by `Dims`). `m` and `e` are distinct buffers (both borrowed mutably).
+        unsafe { launch.launch(cfg) }.map_err(driver_error)?;
+        Ok(())
+    }
+
     fn launch_orthogonalize(
         &self,
         batch: usize,
@@ -121,18 +167,27 @@ impl Backend for CudaBackend {
         self.describe()
     }
 
+    /// More than `isize::MAX` bytes is [`Error::Alloc`] before the driver is asked
+    /// (cudarc multiplies the length by the element size unchecked), and so is a device
+    /// out of memory.
     fn alloc<T: Element>(&self, len: usize) -> Result<CudaSlice<T>> {
         if len == 0 {
             return self.empty();
         }
-        self.stream.alloc_zeros(len).map_err(driver_error)
+        std::alloc::Layout::array::<T>(len).map_err(|_| refused::<T>(len))?;
+        self.stream
+            .alloc_zeros(len)
+            .map_err(|e| allocation_error::<T>(e, len))
     }
 
+    /// A device out of memory is [`Error::Alloc`].
     fn upload<T: Element>(&self, host: &[T]) -> Result<CudaSlice<T>> {
         if host.is_empty() {
             return self.empty();
         }
-        self.stream.clone_htod(host).map_err(driver_error)
+        self.stream
+            .clone_htod(host)
+            .map_err(|e| allocation_error::<T>(e, host.len()))
     }
 
     fn download<T: Element>(&self, src: CudaView<'_, T>, dst: &mut [T]) -> Result<()> {
@@ -241,31 +296,62 @@ impl Backend for CudaBackend {
         d: Dims,
         p: CudaView<'_, f32>,
         q: CudaView<'_, f32>,
-        mut m: CudaViewMut<'_, f32>,
-        mut e: CudaViewMut<'_, f32>,
+        m: CudaViewMut<'_, f32>,
+        e: CudaViewMut<'_, f32>,
     ) -> Result<()> {
-        d.expect("p", p.len(), d.p_len())?;
-        d.expect("q", q.len(), d.q_len())?;
-        d.expect("m", m.len(), d.m_len())?;
-        d.expect("e", e.len(), d.m_len())?;
-        if d.m_len() == 0 {
+        self.launch_pqt_error(d, p, q, m, e, None)
+    }
+
+    /// The same kernel as [`pqt_error`](Backend::pqt_error), which reads the flag on the
+    /// device and then writes no error.
+    fn pqt_error_unflagged(
+        &self,
+        d: Dims,
+        p: CudaView<'_, f32>,
+        q: CudaView<'_, f32>,
+        m: CudaViewMut<'_, f32>,
+        e: CudaViewMut<'_, f32>,
+        flag: CudaView<'_, f32>,
+    ) -> Result<()> {
+        check_flag(flag.len())?;
+        self.launch_pqt_error(d, p, q, m, e, Some(flag))
+    }
+
+    fn flag_nonfinite(&self, x: CudaView<'_, f32>, mut flag: CudaViewMut<'_, f32>) -> Result<()> {
+        check_flag(flag.len())?;
+        if x.is_empty() {
             return Ok(());
         }
-        let tiles = d.batch() * d.n().div_ceil(PQT_ERROR_ROWS) * d.m().div_ceil(PQT_ERROR_COLS);
-        let mut cfg = self.launch_config(tiles, PQT_ERROR_THREADS);
-        // The tile's P rows and Q columns: r * (32 + 128) floats, at most 40 KiB (r <= 64).
-        cfg.shared_mem_bytes = (d.r() * (PQT_ERROR_ROWS + PQT_ERROR_COLS) * 4) as u32;
-        let (batch, n, cols, r) = (d.batch() as u64, d.n() as u64, d.m() as u64, d.r() as u32);
-        let mut launch = self.stream.launch_builder(&self.kernels.pqt_error);
-        launch.arg(&p).arg(&q).arg(&mut m).arg(&mut e);
-        launch.arg(&batch).arg(&n).arg(&cols).arg(&r);
-        // SAFETY: the arguments match `lr_pqt_error(const float* p, const float* q,
-        // float* m, float* e, u64 batch, u64 n, u64 m, u32 r)`; every length was checked
-        // against the shape, the kernel indexes below `batch*n*r`, `batch*m*r` and
-        // `batch*n*m` only (its 16-byte accesses only when `m % 4 == 0` and both `m` and
-        // `e` start 16-byte aligned, checked in the kernel), its dynamic shared memory is
-        // the `r * (32 + 128)` floats it indexes, within the 48 KiB default as `r <= 64`
-        // (by `Dims`). `m` and `e` are distinct buffers (both borrowed mutably).
+        let n = x.len() as u64;
+        let cfg = self.elementwise_config(x.len());
+        let mut launch = self.stream.launch_builder(&self.kernels.flag_nonfinite);
+        launch.arg(&x).arg(&mut flag).arg(&n);
+        // SAFETY: the arguments match `lr_flag_nonfinite(const float* x, float* flag,
+        // u64 n)`; `x` holds `n` f32s and the kernel reads indices below `n` only; `flag`
+        // holds one f32 (checked), the only element written.
+        unsafe { launch.launch(cfg) }.map_err(driver_error)?;
+        Ok(())
+    }
+
+    fn copy_unflagged(
+        &self,
+        src: CudaView<'_, f32>,
+        mut dst: CudaViewMut<'_, f32>,
+        flag: CudaView<'_, f32>,
+    ) -> Result<()> {
+        check_flag(flag.len())?;
+        same_len("src", src.len(), "dst", dst.len())?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        let n = src.len() as u64;
+        let cfg = self.elementwise_config(src.len());
+        let mut launch = self.stream.launch_builder(&self.kernels.copy_unflagged);
+        launch.arg(&src).arg(&mut dst).arg(&flag).arg(&n);
+        // SAFETY: the arguments match `lr_copy_unflagged(const float* src, float* dst,
+        // const float* flag, u64 n)`; `src` and `dst` hold `n` f32s (checked equal) and
+        // are distinct buffers (one borrowed mutably); the kernel touches indices below
+        // `n` only, and reads the one element of `flag` (checked).
         unsafe { launch.launch(cfg) }.map_err(driver_error)?;
         Ok(())
     }
@@ -374,5 +460,22 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         self.stream.memcpy_htod(&host, &mut x).map_err(driver_error)
+    }
+}
+
+/// [`Error::Alloc`] for `len` elements of `T`.
+fn refused<T>(len: usize) -> Error {
+    Error::Alloc {
+        elements: len,
+        element_bytes: size_of::<T>(),
+    }
+}
+
+/// A failed device allocation of `len` elements of `T`: [`Error::Alloc`] when the device
+/// is out of memory, else the driver's error.
+fn allocation_error<T>(e: cudarc::driver::DriverError, len: usize) -> Error {
+    match e.0 {
+        cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => refused::<T>(len),
+        _ => driver_error(e),
     }
 }
