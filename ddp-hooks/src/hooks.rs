@@ -122,10 +122,18 @@ pub struct CompressionStats {
     pub after: u64,
     /// `before / after`; 0 before the first compressed step (`after == 0`).
     pub ratio: f64,
+    /// Compressed bucket steps that met a NaN or an infinity in their reduced values (an
+    /// overflow step of mixed-precision training): their output was non-finite, so a loss
+    /// scaler skips the optimizer step, and the hook's memories were left as before the
+    /// step. Counted by the PowerSGD hooks; 0 for the others and in a state saved before
+    /// it was counted.
+    #[serde(default)]
+    pub nonfinite_steps: u64,
 }
 
 impl CompressionStats {
-    /// The statistics of `before` and `after` elements, with their ratio.
+    /// The statistics of `before` and `after` elements, with their ratio (and no held
+    /// step).
     pub fn new(before: u64, after: u64) -> Self {
         let ratio = if after > 0 {
             before as f64 / after as f64
@@ -136,6 +144,7 @@ impl CompressionStats {
             before,
             after,
             ratio,
+            nonfinite_steps: 0,
         }
     }
 }

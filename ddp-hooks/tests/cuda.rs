@@ -28,6 +28,83 @@ fn gpu() -> Option<Arc<CudaBackend>> {
     }
 }
 
+/// Issue 29 on CUDA buckets: a step whose gradient holds an infinity on one rank is held
+/// on the device (the flag never reaches the host within the step): its output is
+/// non-finite, the saved memories are those from before it, the count reads 1, and the
+/// next step is finite. Both PowerSGD hooks.
+/// One bucket step of `hook` on CUDA from host values, back on the host.
+fn cuda_step(
+    gpu: &CudaBackend,
+    hook: &mut dyn CommHook<CudaBackend>,
+    layout: &Arc<Layout>,
+    host: Vec<f32>,
+) -> Vec<f32> {
+    let buf = gpu.upload(&host).unwrap();
+    let out = hook
+        .run(GradBucket::new(0, 1, buf, layout.clone()).unwrap())
+        .wait()
+        .unwrap();
+    let mut back = vec![0.0; host.len()];
+    gpu.download(CudaBackend::view(&out, ..).unwrap(), &mut back)
+        .unwrap();
+    back
+}
+
+#[test]
+fn cuda_powersgd_holds_a_non_finite_step() {
+    let Some(gpu) = gpu() else { return };
+    let layout = Arc::new(Layout::packed(&[vec![64, 96], vec![64], vec![32, 40]]).unwrap());
+    let cfg = PowerSgdConfig {
+        matrix_approximation_rank: 2,
+        start_powersgd_iter: 2,
+        ..Default::default()
+    };
+    for batched in [false, true] {
+        let out = run_local(2, |g| {
+            let rank = g.rank();
+            let g = Arc::new(g) as Arc<dyn ProcessGroup>;
+            let mut hook: Box<dyn CommHook<CudaBackend>> = if batched {
+                Box::new(ddp_hooks::BatchedPowerSgd::new(gpu.clone(), g, cfg.clone()).unwrap())
+            } else {
+                Box::new(PowerSgd::new(gpu.clone(), g, cfg.clone()).unwrap())
+            };
+            for s in 0..4 {
+                cuda_step(&gpu, &mut *hook, &layout, grad(rank, s, layout.len()));
+            }
+            let mut poisoned = grad(rank, 4, layout.len());
+            if rank == 1 {
+                poisoned[100] = f32::INFINITY;
+            }
+            let held = cuda_step(&gpu, &mut *hook, &layout, poisoned);
+            let before_next = hook.save_state().unwrap();
+            let stats = hook.compression_stats().unwrap();
+            let next = cuda_step(&gpu, &mut *hook, &layout, grad(rank, 5, layout.len()));
+            (held, before_next, stats, next)
+        })
+        .unwrap();
+        for r in out {
+            let (held, saved, stats, next) = r.unwrap();
+            assert!(
+                held.iter().any(|x| !x.is_finite()),
+                "batched {batched}: held output finite"
+            );
+            assert_eq!(stats.nonfinite_steps, 1, "batched {batched}");
+            // `save` refuses a non-finite memory: the state saved, so the memories are finite.
+            let (ddp_hooks::HookState::PowerSgd(s) | ddp_hooks::HookState::BatchedPowerSgd(s)) =
+                saved
+            else {
+                panic!("not a PowerSGD state")
+            };
+            assert_eq!(s.nonfinite_steps, 1);
+            assert!(
+                next.iter().all(|x| x.is_finite()),
+                "batched {batched}: next step"
+            );
+        }
+        println!("cuda held non-finite step, batched {batched}: ok");
+    }
+}
+
 #[test]
 fn cuda_powersgd_matches_cpu() {
     let Some(gpu) = gpu() else { return };

@@ -278,7 +278,8 @@ fn compression_stats_follow_the_formula() {
             CompressionStats {
                 before,
                 after,
-                ratio: before as f64 / after as f64
+                ratio: before as f64 / after as f64,
+                nonfinite_steps: 0,
             }
         );
     }

@@ -38,6 +38,7 @@ impl Backend for Recording {
     type Buffer<T: Element> = Vec<T>;
     type View<'a, T: Element> = &'a [T];
     type ViewMut<'a, T: Element> = &'a mut [T];
+    const HOST_RESIDENT: bool = true;
 
     fn name(&self) -> String {
         format!("recording {}", self.cpu.name())
@@ -96,6 +97,23 @@ impl Backend for Recording {
         e: &mut [f32],
     ) -> lowrank::Result<()> {
         self.cpu.pqt_error(d, p, q, m, e)
+    }
+    fn pqt_error_unflagged(
+        &self,
+        d: Dims,
+        p: &[f32],
+        q: &[f32],
+        m: &mut [f32],
+        e: &mut [f32],
+        flag: &[f32],
+    ) -> lowrank::Result<()> {
+        self.cpu.pqt_error_unflagged(d, p, q, m, e, flag)
+    }
+    fn flag_nonfinite(&self, x: &[f32], flag: &mut [f32]) -> lowrank::Result<()> {
+        self.cpu.flag_nonfinite(x, flag)
+    }
+    fn copy_unflagged(&self, src: &[f32], dst: &mut [f32], flag: &[f32]) -> lowrank::Result<()> {
+        self.cpu.copy_unflagged(src, dst, flag)
     }
     fn orthogonalize(
         &self,

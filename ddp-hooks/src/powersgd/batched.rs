@@ -19,6 +19,11 @@
 //! layout, an allocation or kernel failure) counts no statistics, as in the per-layer
 //! hook.
 //!
+//! A step whose reduced `P̂` or `Q` holds a NaN or an infinity is held as in the per-layer
+//! hook: its output is non-finite (for the loss scaler), the error, `P` and `Q` stay as
+//! before it, decided on the device from a flag, and it is counted in
+//! [`CompressionStats::nonfinite_steps`].
+//!
 //! **The memory belongs to one layout.** Its sizes depend only on the bucket's length,
 //! but its values are positional: the error at element `i` (and the rows of `P`) belong
 //! to whichever parameter lies at element `i`. So, as for the per-layer hook
@@ -29,7 +34,9 @@
 //! that trade places are not detected, and a state saved without a recorded layout is
 //! checked for its length only.
 
-use super::progress::{in_flight, lock, refill_key, Progress};
+use super::progress::{
+    count_nonfinite, in_flight, lock, observe_nonfinite, refill_key, warn_if_flagged, Progress,
+};
 use super::sequence::Sequencer;
 use super::state::{layout_mismatch, same_layout, shapes_of, SavedBucket};
 use super::{PowerSgdConfig, PowerSgdState};
@@ -52,9 +59,14 @@ struct Memory<B: Backend> {
     /// The padded matrix, kept from step to step (absent while a step is in flight, and
     /// after a failed step lost it: reallocated then).
     padded: Option<B::Buffer<f32>>,
-    /// The step's own `P` and `Q`, the buffers it all-reduces, swapped with `p` and `q`
-    /// when it succeeds; kept like `padded`.
+    /// The step's own `P` and `Q`, the buffers it all-reduces, copied into `p` and `q`
+    /// when it succeeds with finite values; kept like `padded`.
     work: Option<(B::Buffer<f32>, B::Buffer<f32>)>,
+    /// The step's non-finite flag (one element; see the per-layer hook's), kept like
+    /// `padded`.
+    flag: Option<B::Buffer<f32>>,
+    /// The count of held steps (one element, on the backend).
+    count: B::Buffer<f32>,
 }
 
 struct Inner<B: Backend> {
@@ -120,8 +132,16 @@ impl<B: CommBackend> BatchedPowerSgd<B> {
 
     /// The statistics as PyTorch counts them for the batched hook: the bucket length
     /// before, `2 · side · rank` (the unclamped rank) after.
+    /// Held steps (non-finite values) are counted as by the per-layer hook.
     pub fn compression_stats(&self) -> CompressionStats {
-        lock(&self.inner).progress.compression_stats()
+        let mut g = lock(&self.inner);
+        let g = &mut *g;
+        let counts = g.memory.values().map(|m| &m.count);
+        let nonfinite = observe_nonfinite(&*self.backend, &mut g.progress, counts);
+        CompressionStats {
+            nonfinite_steps: nonfinite,
+            ..g.progress.compression_stats()
+        }
     }
 
     /// A hook that continues from `state` (saved by [`BatchedPowerSgd::save`]) over
@@ -214,6 +234,8 @@ impl<B: CommBackend> BatchedPowerSgd<B> {
                     q: be.upload(&saved.q)?,
                     padded: Some(padded),
                     work: None,
+                    flag: None,
+                    count: super::hook::zeroed(be, 1)?,
                 },
             );
         }
@@ -258,7 +280,9 @@ impl<B: CommBackend> BatchedPowerSgd<B> {
                 },
             );
         }
-        let state = g.progress.to_state(buckets);
+        let mut state = g.progress.to_state(buckets);
+        let counts = g.memory.values().map(|m| &m.count);
+        state.nonfinite_steps = count_nonfinite(&*self.backend, &g.progress, counts)?;
         state.validate()?;
         Ok(state)
     }
@@ -338,6 +362,8 @@ impl<B: CommBackend> BatchedPowerSgd<B> {
                 q: be.alloc(side * r)?,
                 padded: Some(be.alloc(side * side)?),
                 work: None,
+                flag: None,
+                count: super::hook::zeroed(&*be, 1)?,
             });
         }
         let m = g.memory.get_mut(&index).ok_or_else(|| in_flight(index))?;
@@ -351,6 +377,11 @@ impl<B: CommBackend> BatchedPowerSgd<B> {
             }
             _ => (be.try_alloc(side * r)?, be.try_alloc(side * r)?),
         };
+        let mut flag = match m.flag.take() {
+            Some(f) => f,
+            None => be.try_alloc(1)?,
+        };
+        be.zero(B::view_mut(&mut flag, ..)?)?;
         be.copy(B::view(&x, ..)?, B::view_mut(&mut xp, ..len)?)?;
         be.zero(B::view_mut(&mut xp, len..)?)?;
         if randomize {
@@ -414,7 +445,8 @@ impl<B: CommBackend> BatchedPowerSgd<B> {
             chain.then(move |r| {
                 let done = match r {
                     Ok((p, q, xp)) => {
-                        decompress(&*be, &inner, index, is_last, len, dims, p, q, xp, x)
+                        let bufs = Step { p, q, xp, flag };
+                        decompress(&*be, &inner, index, is_last, len, dims, bufs, x)
                             .map_err(Into::into)
                     }
                     Err(e) => Err(e),
@@ -436,10 +468,21 @@ impl<B: CommBackend> BatchedPowerSgd<B> {
     }
 }
 
+/// A step's own buffers at decompression: the reduced factors, the padded matrix and the
+/// non-finite flag.
+struct Step<B: Backend> {
+    p: B::Buffer<f32>,
+    q: B::Buffer<f32>,
+    xp: B::Buffer<f32>,
+    flag: B::Buffer<f32>,
+}
+
 /// `M̂ = P̂ Qᵀ` into the padded matrix with the error update, the bucket's part copied
-/// into `x`; then the step's factors swapped into the memory (the old ones become the
-/// next step's working buffers), the padded matrix kept, the bucket released and the
-/// iteration counted. The error is the only memory written before the last kernel.
+/// into `x`; then the step's factors copied into the memory (the step's buffers stay its
+/// working buffers), all three memories left as they were when the reduced factors hold
+/// a NaN or an infinity (on the device, from the flag), the padded matrix kept, the
+/// bucket released and the iteration counted. The error is the only memory written
+/// before the last kernel.
 #[allow(clippy::too_many_arguments)]
 fn decompress<B: CommBackend>(
     be: &B,
@@ -448,11 +491,18 @@ fn decompress<B: CommBackend>(
     is_last: bool,
     len: usize,
     dims: Dims,
-    p: B::Buffer<f32>,
-    q: B::Buffer<f32>,
-    mut xp: B::Buffer<f32>,
+    step: Step<B>,
     mut x: B::Buffer<f32>,
 ) -> Result<B::Buffer<f32>> {
+    let Step {
+        p,
+        q,
+        mut xp,
+        mut flag,
+    } = step;
+    // The same reduced values on every rank: every rank holds the same steps.
+    be.flag_nonfinite(B::view(&p, ..)?, B::view_mut(&mut flag, ..)?)?;
+    be.flag_nonfinite(B::view(&q, ..)?, B::view_mut(&mut flag, ..)?)?;
     let mut guard = lock(inner);
     let g = &mut *guard;
     let ef = g.progress.config.use_error_feedback;
@@ -462,12 +512,13 @@ fn decompress<B: CommBackend>(
         why: "the batched PowerSGD memory of this bucket is missing".into(),
     })?;
     match m.error.as_mut() {
-        Some(e) if ef => be.pqt_error(
+        Some(e) if ef => be.pqt_error_unflagged(
             dims,
             B::view(&p, ..)?,
             B::view(&q, ..)?,
             B::view_mut(&mut xp, ..)?,
             B::view_mut(e, ..)?,
+            B::view(&flag, ..)?,
         )?,
         _ => be.pqt(
             dims,
@@ -477,9 +528,22 @@ fn decompress<B: CommBackend>(
         )?,
     }
     be.copy(B::view(&xp, ..len)?, B::view_mut(&mut x, ..)?)?;
-    let old_p = std::mem::replace(&mut m.p, p);
-    let old_q = std::mem::replace(&mut m.q, q);
-    m.work = Some((old_p, old_q));
+    be.copy_unflagged(
+        B::view(&p, ..)?,
+        B::view_mut(&mut m.p, ..)?,
+        B::view(&flag, ..)?,
+    )?;
+    be.copy_unflagged(
+        B::view(&q, ..)?,
+        B::view_mut(&mut m.q, ..)?,
+        B::view(&flag, ..)?,
+    )?;
+    be.add(B::view_mut(&mut m.count, ..)?, B::view(&flag, ..)?)?;
+    if B::HOST_RESIDENT {
+        warn_if_flagged(be, &flag, index, g.progress.iter)?;
+    }
+    m.work = Some((p, q));
+    m.flag = Some(flag);
     m.padded = Some(xp);
     g.busy.remove(&index);
     g.progress.maybe_increase_iter(is_last);

@@ -1,7 +1,9 @@
 //! The per-layer PowerSGD hook.
 
 use super::plan::{Group, Memory, Plan, Source};
-use super::progress::{in_flight, lock, refill_key, Progress};
+use super::progress::{
+    count_nonfinite, in_flight, lock, observe_nonfinite, refill_key, warn_if_flagged, Progress,
+};
 use super::sequence::Sequencer;
 use super::state::{layout_mismatch, same_layout, shapes_of, SavedBucket};
 use super::{PowerSgdConfig, PowerSgdState};
@@ -47,6 +49,13 @@ struct Inner<B: Backend> {
     /// The buckets with a compressed step in flight: taken by `start`, released by the
     /// step's last continuation whether it succeeded or failed.
     busy: BTreeSet<usize>,
+    /// Each bucket's non-finite flag, a one-element buffer a step lowers, raises when a
+    /// reduced value is a NaN or an infinity, and reads (on the device) before it updates
+    /// the memories; kept from step to step like [`Inner::work`]; never saved.
+    flags: BTreeMap<usize, Factor<B>>,
+    /// Each bucket's count of steps whose flag was raised, a one-element buffer on the
+    /// backend (added to on the device, read when the statistics are asked for).
+    counts: BTreeMap<usize, Factor<B>>,
 }
 
 /// The PowerSGD hook: owns its state (a [`PowerSgdState`] when saved) and reduces every
@@ -73,6 +82,24 @@ struct Inner<B: Backend> {
 /// rank recovers the same way, so the ranks stay consistent. (A kernel failure *during*
 /// decompression, a bug rather than a communication failure, may leave the error of the
 /// batches before it updated.)
+///
+/// **A non-finite step is held.** A step whose reduced values hold a NaN or an infinity
+/// (any rank's gradient did: an overflow step of mixed-precision training) outputs
+/// non-finite values, so a loss scaler sees the overflow and skips the optimizer step as
+/// `torch.cuda.amp.GradScaler` does, and leaves the bucket's error feedback, `P` and `Q`
+/// exactly as before the step: the next finite step compresses as if the held one had
+/// never happened. (PyTorch's hook instead writes the NaN into its error memory, and every
+/// later step's output is NaN.) The decision is made where the data is, from a flag the
+/// step raises on the reduced `P̂`, `Q` and uncompressed means, which are the same on
+/// every rank, so every rank holds the same steps; on a GPU the flag never leaves the
+/// device within the step. What a held step still changes: its statistics and the
+/// iteration are counted (the step happened; [`PowerSgd::iteration`] stays PyTorch's
+/// count), and at a bucket's first compressed step or without warm start its random draw
+/// of `Q` is consumed, as after a failed step. Each held step is counted
+/// ([`CompressionStats::nonfinite_steps`]) and logged with a `tracing` warning: at once on
+/// the CPU; on a device backend when the statistics are next read. The hold is per
+/// bucket: buckets of the same step whose values were finite update their memories (a
+/// bucket is reduced before the later buckets' gradients exist).
 pub struct PowerSgd<B: CommBackend> {
     backend: Arc<B>,
     group: Arc<dyn ProcessGroup>,
@@ -108,6 +135,8 @@ impl<B: CommBackend> PowerSgd<B> {
                 stacks: BTreeMap::new(),
                 work: BTreeMap::new(),
                 busy: BTreeSet::new(),
+                flags: BTreeMap::new(),
+                counts: BTreeMap::new(),
             })),
             sequence: Sequencer::default(),
         })
@@ -133,9 +162,18 @@ impl<B: CommBackend> PowerSgd<B> {
     }
 
     /// Elements before and after compression over all compressed steps, and their
-    /// ratio (0 before the first compressed step), as PyTorch's `compression_stats()`.
+    /// ratio (0 before the first compressed step), as PyTorch's `compression_stats()`;
+    /// and the compressed bucket steps that met a NaN or an infinity and were held
+    /// ([`CompressionStats::nonfinite_steps`], see [`PowerSgd`]). On a device backend the
+    /// count is read from the device here (a wait for the work already issued).
     pub fn compression_stats(&self) -> CompressionStats {
-        lock(&self.inner).progress.compression_stats()
+        let mut g = lock(&self.inner);
+        let g = &mut *g;
+        let nonfinite = observe_nonfinite(&*self.backend, &mut g.progress, g.counts.values());
+        CompressionStats {
+            nonfinite_steps: nonfinite,
+            ..g.progress.compression_stats()
+        }
     }
 
     /// The whole state except the process group, on the host. A memory holding a NaN
@@ -187,7 +225,8 @@ impl<B: CommBackend> PowerSgd<B> {
             entry.p = p;
             entry.q = q;
         }
-        let state = g.progress.to_state(buckets);
+        let mut state = g.progress.to_state(buckets);
+        state.nonfinite_steps = count_nonfinite(be, &g.progress, g.counts.values())?;
         state.validate()?;
         Ok(state)
     }
@@ -273,6 +312,8 @@ impl<B: CommBackend> PowerSgd<B> {
         g.orders.clear();
         g.stacks.clear();
         g.work.clear();
+        g.flags.clear();
+        g.counts.clear();
         Ok(())
     }
 
@@ -405,6 +446,14 @@ impl<B: CommBackend> PowerSgd<B> {
             (len, Some(s)) if B::buffer_len(&s) == len => Some(s),
             (len, _) => Some(be.try_alloc(len)?),
         };
+        let mut flag = match g.flags.remove(&index) {
+            Some(f) => f,
+            None => be.try_alloc(1)?,
+        };
+        be.zero(B::view_mut(&mut flag, ..)?)?;
+        if let std::collections::btree_map::Entry::Vacant(slot) = g.counts.entry(index) {
+            slot.insert(zeroed(&*be, 1)?);
+        }
         // Nothing below returns early: the step's last continuation releases the bucket.
         g.busy.insert(index);
         g.progress.record(plan.before, plan.after, is_last);
@@ -467,11 +516,12 @@ impl<B: CommBackend> PowerSgd<B> {
             &q,
             &mut p,
         ) {
-            Ok(()) => products_done.complete(Ok((p, q, Memories { x, stack }))),
+            Ok(()) => products_done.complete(Ok((p, q, Memories { x, stack, flag }))),
             Err(e) => {
                 {
                     let mut g = lock(&self.inner);
                     g.work.insert(index, (p, q));
+                    g.flags.insert(index, flag);
                     if let Some(s) = stack {
                         g.stacks.insert(index, s);
                     }
@@ -527,10 +577,12 @@ fn release_failed<B: Backend>(inner: &Mutex<Inner<B>>, index: usize) {
     );
 }
 
-/// The bucket and, when some batch is stacked, its stacking buffer, in flight.
+/// The bucket, when some batch is stacked its stacking buffer, and the step's non-finite
+/// flag ([`Inner::flags`]), in flight.
 struct Memories<B: Backend> {
     x: B::Buffer<f32>,
     stack: Option<B::Buffer<f32>>,
+    flag: B::Buffer<f32>,
 }
 
 impl<B: Backend> Memories<B> {
@@ -825,7 +877,18 @@ fn decompress<B: CommBackend>(
     xs: Memories<B>,
     u: &B::Buffer<f32>,
 ) -> Result<B::Buffer<f32>> {
-    let Memories { mut x, mut stack } = xs;
+    let Memories {
+        mut x,
+        mut stack,
+        mut flag,
+    } = xs;
+    // The reduced values are the same on every rank, so every rank raises the flag
+    // alike. A NaN or an infinity in any rank's gradient reaches them: `P = X Q` of a
+    // non-finite `X` is non-finite, and the orthogonalisation turns that matrix into NaN
+    // (so `Q = Xᵀ P̂` is NaN too); the uncompressed means carry it as they are.
+    be.flag_nonfinite(B::view(&p, ..)?, B::view_mut(&mut flag, ..)?)?;
+    be.flag_nonfinite(B::view(&q, ..)?, B::view_mut(&mut flag, ..)?)?;
+    be.flag_nonfinite(B::view(u, ..)?, B::view_mut(&mut flag, ..)?)?;
     let mut guard = lock(inner);
     let g = &mut *guard;
     let ef = g.progress.config.use_error_feedback;
@@ -837,12 +900,13 @@ fn decompress<B: CommBackend>(
         };
         match g.errors.get_mut(&index) {
             Some((_, e)) if ef => {
-                be.pqt_error(
+                be.pqt_error_unflagged(
                     d,
                     B::view(&p, ps)?,
                     B::view(&q, qs)?,
                     B::view_mut(src, xr)?,
                     B::view_mut(e, grp.e_range())?,
+                    B::view(&flag, ..)?,
                 )?;
             }
             _ => be.pqt(d, B::view(&p, ps)?, B::view(&q, qs)?, B::view_mut(src, xr)?)?,
@@ -867,20 +931,31 @@ fn decompress<B: CommBackend>(
         )?;
         at += len;
     }
-    let new = Factors {
-        len: plan.len,
-        p,
-        q,
-    };
-    let spare = if g.progress.config.warm_start {
-        g.factors.insert(index, new)
+    if g.progress.config.warm_start {
+        // The warm-start memory takes the step's factors unless the flag is raised (a
+        // device-side copy: no host wait). The step's buffers stay its working buffers.
+        let f = g.factors.get_mut(&index).ok_or_else(|| no_factors(index))?;
+        be.copy_unflagged(
+            B::view(&p, ..)?,
+            B::view_mut(&mut f.p, ..)?,
+            B::view(&flag, ..)?,
+        )?;
+        be.copy_unflagged(
+            B::view(&q, ..)?,
+            B::view_mut(&mut f.q, ..)?,
+            B::view(&flag, ..)?,
+        )?;
     } else {
         g.factors.remove(&index);
-        Some(new)
-    };
-    if let Some(f) = spare {
-        g.work.insert(index, (f.p, f.q));
     }
+    g.work.insert(index, (p, q));
+    if let Some(count) = g.counts.get_mut(&index) {
+        be.add(B::view_mut(count, ..)?, B::view(&flag, ..)?)?;
+    }
+    if B::HOST_RESIDENT {
+        warn_if_flagged(be, &flag, index, g.progress.iter)?;
+    }
+    g.flags.insert(index, flag);
     if let Some(s) = stack {
         g.stacks.insert(index, s);
     }

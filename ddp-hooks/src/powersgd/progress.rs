@@ -3,8 +3,8 @@
 
 use super::state::SavedBucket;
 use super::{PowerSgdConfig, PowerSgdState};
-use crate::{CompressionStats, Error};
-use lowrank::NormalRng;
+use crate::{CompressionStats, Error, Result};
+use lowrank::{Backend, NormalRng};
 use std::collections::BTreeMap;
 use std::sync::{Mutex, MutexGuard};
 
@@ -15,6 +15,11 @@ pub(super) struct Progress {
     pub total_after: u64,
     pub next_stats_report: u64,
     pub rng: NormalRng,
+    /// Held steps (non-finite values) counted before the buckets' counters began: those
+    /// of a loaded state.
+    pub nonfinite_base: u64,
+    /// The held steps already logged ([`observe_nonfinite`]).
+    pub nonfinite_reported: u64,
 }
 
 impl Progress {
@@ -27,6 +32,8 @@ impl Progress {
             total_after: 0,
             next_stats_report: 0,
             rng,
+            nonfinite_base: 0,
+            nonfinite_reported: 0,
         }
     }
 
@@ -39,6 +46,8 @@ impl Progress {
             total_after: state.total_after,
             next_stats_report: state.next_stats_report,
             rng: state.rng.clone(),
+            nonfinite_base: state.nonfinite_steps,
+            nonfinite_reported: state.nonfinite_steps,
         }
     }
 
@@ -51,6 +60,7 @@ impl Progress {
             total_after: self.total_after,
             next_stats_report: self.next_stats_report,
             rng: self.rng.clone(),
+            nonfinite_steps: self.nonfinite_base,
             buckets,
         }
     }
@@ -82,6 +92,7 @@ impl Progress {
                 before,
                 after,
                 ratio,
+                ..
             } = self.compression_stats();
             tracing::info!(
                 "Compression stats: iter {}, total before compression {before}, total after compression {after}, rate {ratio}",
@@ -97,6 +108,71 @@ impl Progress {
     pub fn compression_stats(&self) -> CompressionStats {
         CompressionStats::new(self.total_before, self.total_after)
     }
+}
+
+/// The held steps so far: the loaded state's, plus every bucket's counter (one-element
+/// buffers on the backend, whole numbers of `f32`, exact up to `2^24` held steps a
+/// bucket; read from the device, a wait for the work already issued there).
+pub(super) fn count_nonfinite<'a, B: Backend>(
+    be: &B,
+    progress: &Progress,
+    counts: impl IntoIterator<Item = &'a B::Buffer<f32>>,
+) -> Result<u64> {
+    let mut total = progress.nonfinite_base;
+    for count in counts {
+        let mut v = [0.0f32];
+        be.download(B::view(count, ..)?, &mut v)?;
+        total = total.saturating_add(v[0] as u64);
+    }
+    Ok(total)
+}
+
+/// [`count_nonfinite`] for the statistics, which cannot fail: a counter that cannot be
+/// read is logged and left out. On a device backend, held steps not logged yet (the step
+/// left its flag on the device) are logged here; the CPU backend's were logged by the
+/// step itself ([`warn_if_flagged`]).
+pub(super) fn observe_nonfinite<'a, B: Backend>(
+    be: &B,
+    progress: &mut Progress,
+    counts: impl IntoIterator<Item = &'a B::Buffer<f32>>,
+) -> u64 {
+    match count_nonfinite(be, progress, counts) {
+        Ok(total) => {
+            if total > progress.nonfinite_reported && !B::HOST_RESIDENT {
+                tracing::warn!(
+                    held = total - progress.nonfinite_reported,
+                    total,
+                    "PowerSGD held bucket steps whose reduced gradients held a NaN or an infinity: their output is non-finite (for the loss scaler to skip the step) and the memories were left as before the step"
+                );
+            }
+            progress.nonfinite_reported = progress.nonfinite_reported.max(total);
+            total
+        }
+        Err(e) => {
+            tracing::error!("the PowerSGD non-finite counters could not be read: {e}");
+            progress.nonfinite_reported
+        }
+    }
+}
+
+/// After a step on a host backend: logs the bucket's held step at once when the step
+/// raised its flag.
+pub(super) fn warn_if_flagged<B: Backend>(
+    be: &B,
+    flag: &B::Buffer<f32>,
+    bucket: usize,
+    iter: u64,
+) -> Result<()> {
+    let mut v = [0.0f32];
+    be.download(B::view(flag, ..)?, &mut v)?;
+    if v[0] != 0.0 {
+        tracing::warn!(
+            bucket,
+            iter,
+            "a PowerSGD step met a NaN or an infinity in the reduced gradients: its output is non-finite (for the loss scaler to skip the step) and the bucket keeps its memories from before the step"
+        );
+    }
+    Ok(())
 }
 
 /// The key of a bucket's zero-column refill at a step

@@ -93,6 +93,11 @@ pub struct PowerSgdState {
     pub next_stats_report: u64,
     /// The random stream of initial `Q`s.
     pub rng: NormalRng,
+    /// Compressed bucket steps held because their reduced values held a NaN or an
+    /// infinity ([`CompressionStats::nonfinite_steps`](crate::CompressionStats)); 0 in a
+    /// state saved before it was counted.
+    #[serde(default)]
+    pub nonfinite_steps: u64,
     /// Per bucket index.
     pub buckets: BTreeMap<usize, SavedBucket>,
 }
