@@ -40,6 +40,17 @@ pub enum Error {
         /// The value.
         value: f32,
     },
+    /// [`Reducer::mark_unused`](crate::Reducer::mark_unused) on a parameter whose
+    /// gradient slot was handed out for writing ([`Reducer::grad_mut`](crate::Reducer::grad_mut))
+    /// in the same step: marking it unused would zero what was written. Nothing changed;
+    /// mark it ready instead.
+    #[error("parameter {param} (shape {shape}) cannot be marked unused: its gradient was written in this step (grad_mut); mark it ready instead, or do not write an unused parameter's slot")]
+    WrittenUnused {
+        /// The parameter's index.
+        param: usize,
+        /// Its shape, printed.
+        shape: String,
+    },
     /// A parameter shape, or a bucket of them, whose element count does not fit in
     /// `usize`, or whose `f32` buffer would exceed `isize::MAX` bytes.
     #[error("{0}: too many elements for one buffer")]
@@ -130,8 +141,34 @@ fn index_ranges(indices: &[usize]) -> String {
 }
 
 impl From<lowrank::Error> for Error {
+    /// A buffer the kernel layer cannot allocate stays typed: more than `isize::MAX`
+    /// bytes is [`Error::Overflow`], memory the allocator refused [`Error::Alloc`]; any
+    /// other kernel error is [`Error::Kernel`].
     fn from(e: lowrank::Error) -> Self {
-        Error::Kernel(e.to_string())
+        match e {
+            lowrank::Error::Alloc {
+                elements,
+                element_bytes,
+            } => Error::buffer(elements, element_bytes),
+            other => Error::Kernel(other.to_string()),
+        }
+    }
+}
+
+impl Error {
+    /// The error for a buffer of `elements` of `element_bytes` bytes that could not be
+    /// allocated: [`Error::Overflow`] if it exceeds `isize::MAX` bytes (no allocation can
+    /// hold it), else [`Error::Alloc`].
+    pub(crate) fn buffer(elements: usize, element_bytes: usize) -> Error {
+        match elements.checked_mul(element_bytes) {
+            Some(bytes) if bytes <= isize::MAX as usize => Error::Alloc {
+                elements,
+                element_bytes,
+            },
+            _ => Error::Overflow(format!(
+                "a buffer of {elements} elements of {element_bytes} bytes"
+            )),
+        }
     }
 }
 

@@ -373,7 +373,8 @@ impl<H: CommHook<CpuBackend>> Shared<H> {
                 Ok(()) => reducer.mark_ready(p),
                 Err(problem) => {
                     fault(at, problem);
-                    reducer.mark_unused(p)
+                    // The copy may have written part of the slot: zeroed as unused.
+                    reducer.discard(p)
                 }
             };
             if let Err(e) = marked {

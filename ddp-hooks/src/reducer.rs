@@ -161,6 +161,9 @@ pub struct Reducer<B: CommBackend, H> {
     lens: Vec<usize>,
     places: Vec<Place>,
     is_ready: Vec<bool>,
+    /// Handed out by [`Reducer::grad_mut`] in the step in progress: the slot may hold
+    /// this step's gradient, which [`Reducer::mark_unused`] must not zero.
+    written: Vec<bool>,
     /// Marked ready in an unsynchronised step since the last synchronised one (or in any
     /// step of the accumulation group in progress): the slot holds accumulated
     /// gradients, which a synchronised step reduces even if the parameter is unused in
@@ -235,6 +238,7 @@ impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
             shapes: shapes.to_vec(),
             lens,
             is_ready: vec![false; shapes.len()],
+            written: vec![false; shapes.len()],
             accumulated: vec![false; shapes.len()],
             accumulating: false,
             unused: vec![false; shapes.len()],
@@ -349,14 +353,17 @@ impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
         )?)
     }
 
-    /// Parameter `param`'s gradient storage, to write or accumulate into.
+    /// Parameter `param`'s gradient storage, to write or accumulate into. The parameter
+    /// counts as written in this step: [`Reducer::mark_unused`] then refuses it.
     pub fn grad_mut(&mut self, param: usize) -> Result<B::ViewMut<'_, f32>> {
         let p = self.place(param)?;
         let storage = self.buckets[p.bucket]
             .storage
             .as_mut()
             .ok_or_else(|| in_flight(p.bucket))?;
-        Ok(B::view_mut(storage, p.offset..p.offset + p.len)?)
+        let view = B::view_mut(storage, p.offset..p.offset + p.len)?;
+        self.written[param] = true;
+        Ok(view)
     }
 
     /// Marks `param`'s gradient as complete for this step. With sync on, a bucket whose
@@ -379,13 +386,37 @@ impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
     /// its slot is zeroed, unless gradients accumulated in unsynchronised steps since the
     /// last synchronised one are there (those are reduced as they are), and it counts as
     /// ready, so its bucket can launch before `finish`. In an unsynchronised step it
-    /// only counts as marked. Its slot must not have been written in this step. Marking
-    /// a parameter twice in a step (ready or unused) is an error.
+    /// only counts as marked. Its slot must not have been written in this step: a
+    /// parameter whose slot [`Reducer::grad_mut`] handed out in this step is
+    /// [`Error::WrittenUnused`], and nothing changes (zeroing it would silently drop the
+    /// gradient). Marking a parameter twice in a step (ready or unused) is an error.
     pub fn mark_unused(&mut self, param: usize) -> Result<()> {
         self.place(param)?;
         if self.is_ready[param] {
             return Err(twice(param));
         }
+        if self.written[param] {
+            return Err(Error::WrittenUnused {
+                param,
+                shape: crate::bucket::shape_str(&self.shapes[param]),
+            });
+        }
+        self.mark_unused_unchecked(param)
+    }
+
+    /// [`Reducer::mark_unused`] for a slot this crate wrote in part and gives up on (a
+    /// copy into it failed): it is zeroed like any unused parameter's.
+    #[cfg(feature = "pipe")]
+    pub(crate) fn discard(&mut self, param: usize) -> Result<()> {
+        self.place(param)?;
+        if self.is_ready[param] {
+            return Err(twice(param));
+        }
+        self.mark_unused_unchecked(param)
+    }
+
+    /// `mark_unused` once the checks passed.
+    fn mark_unused_unchecked(&mut self, param: usize) -> Result<()> {
         // Zero before the mark: once marked, the bucket may be in flight.
         let zeroed = if self.step_sync.unwrap_or(self.sync) {
             self.zero_unless_accumulated(param)
@@ -512,6 +543,7 @@ impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
             buckets: self.buckets.len(),
         });
         self.is_ready.iter_mut().for_each(|r| *r = false);
+        self.written.iter_mut().for_each(|w| *w = false);
         self.unused.iter_mut().for_each(|u| *u = false);
         self.buckets.iter_mut().for_each(|b| b.ready = 0);
         self.next_launch = 0;

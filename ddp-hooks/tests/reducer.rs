@@ -1009,3 +1009,44 @@ fn rebuild_errors_are_values_and_never_hang() {
         assert!(matches!(r.unwrap(), Err(Error::Comm(_))));
     }
 }
+
+/// Issue 29, item 5: `mark_unused` on a parameter whose slot was written in this step
+/// silently zeroed the gradient. It is now refused with an error naming the parameter,
+/// the gradient is kept, and the step goes on (the parameter can still be marked ready).
+/// A parameter not written in the step is still zeroed as unused.
+#[test]
+fn mark_unused_refuses_a_written_gradient() {
+    let shapes = vec![vec![3, 4], vec![4]];
+    let out = run_local_with_timeout(2, TIMEOUT, |g| {
+        let mut r = reducer(Arc::new(g), &shapes, ReducerConfig::default());
+        r.grad_mut(0).unwrap().fill(2.0);
+        r.grad_mut(1).unwrap().fill(5.0);
+        let refused = r.mark_unused(0);
+        let kept = r.grad(0).unwrap().to_vec();
+        r.mark_ready(0).unwrap();
+        r.mark_ready(1).unwrap();
+        r.finish().unwrap();
+        let first = r.grad(0).unwrap().to_vec();
+        r.zero_grad().unwrap();
+        // The next step starts afresh: an unwritten parameter may be marked unused.
+        r.grad_mut(1).unwrap().fill(1.0);
+        r.mark_ready(1).unwrap();
+        r.mark_unused(0).unwrap();
+        r.finish().unwrap();
+        (refused, kept, first, r.grad(0).unwrap().to_vec())
+    })
+    .unwrap();
+    for rank in out {
+        let (refused, kept, first, second) = rank.unwrap();
+        match refused {
+            Err(e @ Error::WrittenUnused { param: 0, .. }) => {
+                let msg = e.to_string();
+                assert!(msg.contains("parameter 0 (shape [3, 4])"), "{msg}");
+            }
+            other => panic!("a written gradient was marked unused: {other:?}"),
+        }
+        assert_eq!(kept, vec![2.0; 12], "the refusal changed the gradient");
+        assert_eq!(first, vec![2.0; 12]);
+        assert_eq!(second, vec![0.0; 12]);
+    }
+}
