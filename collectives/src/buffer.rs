@@ -1,6 +1,8 @@
 //! Owned buffers that collectives operate on, and the reduction operators.
 
+use crate::{Error, Result};
 use half::{bf16, f16};
+use std::alloc::Layout;
 
 /// A reduction operator.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -56,57 +58,78 @@ pub enum Buffer {
 impl Buffer {
     /// This buffer's values in `dtype` (round to nearest even, as the `half` crate
     /// converts); a copy even when `dtype` is its own.
+    ///
+    /// # Panics
+    /// If the copy cannot be allocated; [`try_narrowed`](Buffer::try_narrowed) returns
+    /// that as an error.
     pub fn narrowed(&self, dtype: DType) -> Buffer {
+        self.try_narrowed(dtype)
+            .unwrap_or_else(|e| panic!("Buffer::narrowed: {e}"))
+    }
+
+    /// [`narrowed`](Buffer::narrowed), with an allocation failure [`Error::Alloc`].
+    pub fn try_narrowed(&self, dtype: DType) -> Result<Buffer> {
         use half::slice::HalfFloatSliceExt;
         // An f32 buffer (the wire path's only input) converts straight from its values.
         let owned;
         let wide: &[f32] = match self {
             Buffer::F32(v) => v,
             other => {
-                owned = other.to_f32_vec();
+                owned = other.try_to_f32_vec()?;
                 &owned
             }
         };
-        match dtype {
-            DType::F32 => Buffer::F32(wide.to_vec()),
-            DType::F64 => Buffer::F64(wide.iter().map(|&v| v as f64).collect()),
+        Ok(match dtype {
+            DType::F32 => Buffer::F32(try_copy(wide)?),
+            DType::F64 => Buffer::F64(try_map(wide, |&v| v as f64)?),
             DType::F16 => {
-                let mut v = vec![f16::ZERO; wide.len()];
+                let mut v = try_zeroed_vec::<f16>(wide.len())?;
                 v.convert_from_f32_slice(wide);
                 Buffer::F16(v)
             }
             DType::BF16 => {
-                let mut v = vec![bf16::ZERO; wide.len()];
+                let mut v = try_zeroed_vec::<bf16>(wide.len())?;
                 v.convert_from_f32_slice(wide);
                 Buffer::BF16(v)
             }
-        }
+        })
     }
 
     /// This buffer's values as an `F32` buffer (exact for the 16-bit formats).
+    ///
+    /// # Panics
+    /// If the `f32` copy cannot be allocated; [`try_widened`](Buffer::try_widened)
+    /// returns that as an error.
     pub fn widened(self) -> Buffer {
-        match self {
-            Buffer::F32(v) => Buffer::F32(v),
-            other => Buffer::F32(other.to_f32_vec()),
-        }
+        self.try_widened()
+            .unwrap_or_else(|e| panic!("Buffer::widened: {e}"))
     }
 
-    fn to_f32_vec(&self) -> Vec<f32> {
+    /// [`widened`](Buffer::widened), with an allocation failure [`Error::Alloc`] (an
+    /// `F32` buffer comes back as it is, allocating nothing).
+    pub fn try_widened(self) -> Result<Buffer> {
+        Ok(match self {
+            Buffer::F32(v) => Buffer::F32(v),
+            other => Buffer::F32(other.try_to_f32_vec()?),
+        })
+    }
+
+    fn try_to_f32_vec(&self) -> Result<Vec<f32>> {
         use half::slice::HalfFloatSliceExt;
-        match self {
-            Buffer::F32(v) => v.clone(),
-            Buffer::F64(v) => v.iter().map(|&x| x as f32).collect(),
+        Ok(match self {
+            Buffer::F32(v) => try_copy(v)?,
+            Buffer::F64(v) => try_map(v, |&x| x as f32)?,
             Buffer::F16(v) => {
-                let mut w = vec![0.0; v.len()];
+                let mut w = try_zeroed_vec(v.len())?;
                 v.convert_to_f32_slice(&mut w);
                 w
             }
             Buffer::BF16(v) => {
-                let mut w = vec![0.0; v.len()];
+                let mut w = try_zeroed_vec(v.len())?;
                 v.convert_to_f32_slice(&mut w);
                 w
             }
-        }
+        })
     }
 
     /// Number of elements.
@@ -135,13 +158,25 @@ impl Buffer {
     }
 
     /// A zeroed buffer of `len` elements of `dtype`.
+    ///
+    /// # Panics
+    /// If `len` elements exceed `isize::MAX` bytes or cannot be allocated;
+    /// [`try_zeros`](Buffer::try_zeros) returns that as an error.
     pub fn zeros(dtype: DType, len: usize) -> Buffer {
-        match dtype {
-            DType::F32 => Buffer::F32(vec![0.0; len]),
-            DType::F16 => Buffer::F16(vec![f16::ZERO; len]),
-            DType::BF16 => Buffer::BF16(vec![bf16::ZERO; len]),
-            DType::F64 => Buffer::F64(vec![0.0; len]),
-        }
+        Buffer::try_zeros(dtype, len).unwrap_or_else(|e| panic!("Buffer::zeros: {e}"))
+    }
+
+    /// A zeroed buffer of `len` elements of `dtype`, or [`Error::Alloc`] if `len`
+    /// elements exceed `isize::MAX` bytes or the allocator refuses them: never a panic
+    /// or an abort. The zeros come from the allocator's zeroed allocation (as
+    /// `vec![0.0; len]`'s), so a large buffer's pages are mapped lazily by the OS.
+    pub fn try_zeros(dtype: DType, len: usize) -> Result<Buffer> {
+        Ok(match dtype {
+            DType::F32 => Buffer::F32(try_zeroed_vec(len)?),
+            DType::F16 => Buffer::F16(try_zeroed_vec(len)?),
+            DType::BF16 => Buffer::BF16(try_zeroed_vec(len)?),
+            DType::F64 => Buffer::F64(try_zeroed_vec(len)?),
+        })
     }
 
     /// The elements as bytes.
@@ -163,6 +198,61 @@ impl Buffer {
             Buffer::F64(v) => bytemuck::cast_slice_mut(v),
         }
     }
+}
+
+/// The error for a buffer of `len` elements of `T`.
+fn refused<T>(len: usize) -> Error {
+    Error::Alloc {
+        elements: len,
+        element_bytes: size_of::<T>(),
+    }
+}
+
+/// A vector of `len` zeros, or [`Error::Alloc`]: from the allocator's zeroed allocation
+/// (`alloc_zeroed`, `calloc`, as `vec![0.0; len]`), so the pages of a large one are mapped
+/// lazily by the OS, not written here. `Layout::array` refuses more than `isize::MAX`
+/// bytes before the allocator is asked.
+pub(crate) fn try_zeroed_vec<T: bytemuck::Zeroable>(len: usize) -> Result<Vec<T>> {
+    let layout = Layout::array::<T>(len).map_err(|_| refused::<T>(len))?;
+    if layout.size() == 0 {
+        // Nothing to allocate (`len` is 0, or `T` has no size): `Vec` needs no memory.
+        let mut v = Vec::new();
+        v.resize_with(len, T::zeroed);
+        return Ok(v);
+    }
+    // SAFETY: `layout` has a non-zero size (checked above), as `alloc_zeroed` requires.
+    let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+    if ptr.is_null() {
+        return Err(refused::<T>(len));
+    }
+    // SAFETY: `ptr` is non-null and was allocated by the global allocator (the one `Vec`
+    // uses) with `Layout::array::<T>(len)`: `T`'s alignment and `len * size_of::<T>()`
+    // bytes (at most `isize::MAX`), exactly the layout of a `Vec<T>` of capacity `len`.
+    // All `len` elements are initialised: the memory is zeroed, and all-zero bytes are a
+    // valid `T` (`T: Zeroable`; for the element types here, 0.0). The vector owns the
+    // allocation from here; nothing else holds `ptr`.
+    Ok(unsafe { Vec::from_raw_parts(ptr.cast::<T>(), len, len) })
+}
+
+/// An empty vector with room for exactly `len` elements, or [`Error::Alloc`].
+fn try_with_capacity<T>(len: usize) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(len).map_err(|_| refused::<T>(len))?;
+    Ok(v)
+}
+
+/// A copy of `s` (one `memcpy`, as `to_vec`), or [`Error::Alloc`].
+pub(crate) fn try_copy<T: Copy>(s: &[T]) -> Result<Vec<T>> {
+    let mut v = try_with_capacity(s.len())?;
+    v.extend_from_slice(s);
+    Ok(v)
+}
+
+/// `s` mapped element-wise by `f`, or [`Error::Alloc`].
+fn try_map<S, D>(s: &[S], f: impl FnMut(&S) -> D) -> Result<Vec<D>> {
+    let mut v = try_with_capacity(s.len())?;
+    v.extend(s.iter().map(f));
+    Ok(v)
 }
 
 macro_rules! conversions {

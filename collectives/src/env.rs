@@ -12,7 +12,9 @@
 //! variables are required. `MASTER_ADDR` and `MASTER_PORT` are read whatever the source,
 //! and [`EnvInfo::connect_store`] needs them. `LOWRANK_STORE_TOKEN`
 //! ([`TOKEN_ENV`]), when set, is the secret the store's clients
-//! must present; `launch` sets it for its ranks.
+//! must present; `launch` sets it for its ranks. Without it, rank 0 serves only a
+//! loopback `MASTER_ADDR`, unless `LOWRANK_STORE_INSECURE=1`
+//! ([`INSECURE_ENV`](crate::store::INSECURE_ENV)).
 //!
 //! # Guarantees
 //! - **Bad values are named.** A missing variable is [`Error::MissingEnv`] naming it; an
@@ -47,7 +49,10 @@ use std::io;
 use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
 use std::time::Duration;
 
-use crate::store::{StoreLimits, StoreOptions, StoreToken, TcpStore, MAX_WORLD_SIZE, TOKEN_ENV};
+use crate::store::{
+    check_bind, escape_for_log, StoreLimits, StoreOptions, StoreToken, TcpStore, MAX_WORLD_SIZE,
+    TOKEN_ENV,
+};
 use crate::{Error, Result};
 
 /// Which launcher's variables an [`EnvInfo`] was read from.
@@ -193,10 +198,13 @@ impl EnvInfo {
     ///
     /// Rank 0 binds the address `MASTER_ADDR` names, and no other: for a job across
     /// hosts, give it an address the other hosts reach (a host name can resolve, on its
-    /// own host, to a loopback address). The token, if set, is required of every client;
-    /// without one, a store on a non-loopback address accepts anyone who reaches it (a
-    /// warning says so). A second process with `RANK=0` finds the port taken, joins the
-    /// store as a client, and so fails every rank by name.
+    /// own host, to a loopback address). The token, if set, is required of every client.
+    /// Without one, rank 0 serves only a loopback `MASTER_ADDR` (127.0.0.0/8, `::1`,
+    /// `localhost`): any other is [`Error::InvalidArgument`], before binding, saying how
+    /// to set the token, unless `LOWRANK_STORE_INSECURE=1`
+    /// ([`INSECURE_ENV`](crate::store::INSECURE_ENV)) opts in. A second process with
+    /// `RANK=0` finds the port taken, joins the store as a client, and so fails every
+    /// rank by name.
     ///
     /// Errors: [`Error::MissingEnv`] without `MASTER_ADDR` or `MASTER_PORT`; the store's
     /// and [`TcpStore::join`]'s errors.
@@ -211,6 +219,7 @@ impl EnvInfo {
         let options = StoreOptions {
             token: self.token.clone(),
             limits: StoreLimits::for_world_size(self.world_size),
+            ..StoreOptions::default()
         };
         let store = if self.rank == 0 {
             self.serve(host, port, timeout, &options)?
@@ -230,24 +239,19 @@ impl EnvInfo {
         timeout: Duration,
         options: &StoreOptions,
     ) -> Result<TcpStore> {
+        let shown = escape_for_log(host);
         let resolved: Vec<SocketAddr> = (host, port)
             .to_socket_addrs()
-            .map_err(|e| Error::io(format!("resolving MASTER_ADDR={host}"), e))?
+            .map_err(|e| Error::io(format!("resolving MASTER_ADDR={shown}"), e))?
             .collect();
         if resolved.is_empty() {
             return Err(invalid("MASTER_ADDR", host, "resolves to no address"));
         }
-        let context = || format!("binding the store at MASTER_ADDR={host} MASTER_PORT={port}");
+        // Before binding: a store that may not serve there holds no port.
+        check_bind(&resolved, options)?;
+        let context = || format!("binding the store at MASTER_ADDR={shown} MASTER_PORT={port}");
         match TcpListener::bind(&resolved[..]) {
-            Ok(listener) => {
-                if self.token.is_none() && !resolved.iter().all(|a| a.ip().is_loopback()) {
-                    tracing::warn!(
-                        %host, port,
-                        "the rendezvous store accepts any client that reaches it: set {TOKEN_ENV} on every rank"
-                    );
-                }
-                TcpStore::serve_on(listener, self.world_size, timeout, options)
-            }
+            Ok(listener) => TcpStore::serve_on(listener, self.world_size, timeout, options),
             Err(e) if e.kind() == io::ErrorKind::AddrInUse => {
                 // If this job's store holds the port, a second rank 0 is the mistake:
                 // joining it as rank 0 makes the store name it on every rank. Anything

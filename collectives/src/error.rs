@@ -86,6 +86,21 @@ pub enum Error {
         /// The ranks involved.
         ranks: Vec<usize>,
     },
+    /// A buffer that cannot be allocated: `elements` of `element_bytes` bytes each exceed
+    /// `isize::MAX` bytes (no allocation can hold them), or the allocator refused them
+    /// (out of memory, or an address-space limit). A collective that cannot allocate its
+    /// output fails on this rank with this error before exchanging anything (its peers
+    /// fail at once, as after a rejected argument).
+    #[error(
+        "cannot allocate a buffer of {elements} elements of {element_bytes} bytes each: {}",
+        alloc_reason(*.elements, *.element_bytes)
+    )]
+    Alloc {
+        /// Elements requested.
+        elements: usize,
+        /// Bytes per element.
+        element_bytes: usize,
+    },
     /// An error raised above the collectives, in a work's continuation (a communication
     /// hook's own error: a bad bucket, a configuration), kept typed instead of flattened
     /// into a string. It prints as the error it holds; [`HookError::downcast_ref`]
@@ -148,6 +163,14 @@ impl std::fmt::Display for HookError {
 impl std::error::Error for HookError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         self.0.source()
+    }
+}
+
+/// Why `elements` of `element_bytes` bytes could not be allocated, for [`Error::Alloc`].
+fn alloc_reason(elements: usize, element_bytes: usize) -> &'static str {
+    match elements.checked_mul(element_bytes) {
+        Some(bytes) if bytes <= isize::MAX as usize => "out of memory",
+        _ => "more than isize::MAX bytes, larger than any allocation",
     }
 }
 

@@ -52,9 +52,11 @@ pub trait ProcessGroup: Send + Sync {
     fn all_reduce_wire(&self, buf: Buffer, wire: DType, op: ReduceOp) -> Work<Buffer> {
         match check_wire(&buf, wire) {
             Ok(()) if wire == DType::F32 => self.all_reduce(buf, op),
-            Ok(()) => self
-                .all_reduce(buf.narrowed(wire), op)
-                .then(|r| Ok(r?.widened())),
+            // A narrowed copy that cannot be allocated fails here, as bad arguments do.
+            Ok(()) => match buf.try_narrowed(wire) {
+                Ok(narrow) => self.all_reduce(narrow, op).then(|r| r?.try_widened()),
+                Err(e) => Work::ready(Err(e)),
+            },
             Err(e) => Work::ready(Err(e)),
         }
     }

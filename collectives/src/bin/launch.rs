@@ -22,6 +22,11 @@
 //! - SIGTERM or SIGINT sent to `launch` is forwarded to every rank's group; groups still
 //!   there after `--grace SECS` (default 10), or at a second signal, are killed; the
 //!   status is 128 + the signal's number (143, 130).
+//! - On Linux, a rank does not outlive `launch` even when `launch` cannot act (SIGKILL,
+//!   the OOM killer): each rank is started with `PR_SET_PDEATHSIG` = SIGKILL, so the
+//!   kernel kills it when `launch` dies, and a rank whose `launch` died while it was
+//!   being started exits before running the program. What a rank itself started is
+//!   not covered by this (it is by the group kill above whenever `launch` can act).
 //! - Usage errors are reported with the usage and status 2; a program that cannot be
 //!   started, status 127; no free port or no token, status 1.
 
@@ -338,7 +343,9 @@ fn launch(options: &Options) -> Result<(), Failure> {
     let start = Instant::now();
     let mut running: Vec<Rank> = Vec::with_capacity(options.nproc);
     for rank in 0..options.nproc {
-        let spawned = Command::new(&options.program)
+        let mut command = Command::new(&options.program);
+        die_with_launch(&mut command);
+        let spawned = command
             .args(&options.args)
             .env("RANK", rank.to_string())
             .env("WORLD_SIZE", options.nproc.to_string())
@@ -404,6 +411,47 @@ fn launch(options: &Options) -> Result<(), Failure> {
         thread::sleep(POLL);
     }
 }
+
+/// Makes the child that `command` starts die with `launch` (Linux): the kernel sends it
+/// SIGKILL when `launch` dies, however it dies, and a child whose `launch` is gone
+/// already when it starts exits at once instead of running the program.
+///
+/// The death signal is tied to the thread that forks: `launch` starts every rank from
+/// its main thread, which lives as long as `launch`.
+#[cfg(target_os = "linux")]
+fn die_with_launch(command: &mut Command) {
+    // Read before the fork: the child compares its parent with it.
+    let launcher = std::process::id();
+    let hook = move || -> io::Result<()> {
+        // SAFETY (of the hook as a whole, which runs in the child between `fork` and
+        // `exec`, where only async-signal-safe calls are allowed): it allocates nothing,
+        // takes no lock and touches no shared state; it makes three system calls
+        // (`prctl`, `getppid`, `_exit`), all async-signal-safe, and builds an
+        // `io::Error` from an errno, which holds the code inline without allocating.
+        //
+        // SAFETY: `prctl(PR_SET_PDEATHSIG, sig)` takes a signal number, no pointers.
+        let rc = unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) };
+        if rc != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // `launch` may have died before the death signal was set: then the child has
+        // been handed to another parent already, and no signal will come.
+        // SAFETY: `getppid` takes no arguments and cannot fail.
+        let parent = unsafe { libc::getppid() };
+        if u32::try_from(parent).ok() != Some(launcher) {
+            // SAFETY: `_exit` ends the process at once, running no handlers or
+            // destructors: safe in a forked child.
+            unsafe { libc::_exit(127) };
+        }
+        Ok(())
+    };
+    // SAFETY: the hook is async-signal-safe, as its SAFETY comment details.
+    unsafe { command.pre_exec(hook) };
+}
+
+/// Elsewhere, ranks outlive a `launch` killed with SIGKILL.
+#[cfg(not(target_os = "linux"))]
+fn die_with_launch(_command: &mut Command) {}
 
 /// Forwards `signal` to every rank's group, waits up to `grace` (or a second signal) for
 /// the ranks to exit, and kills the groups of those that did not.

@@ -9,7 +9,7 @@
 
 use super::comm::Watch;
 use super::engine::{driver, Engine};
-use crate::{Buffer, DType, ReduceOp, Result};
+use crate::{Buffer, DType, Error, ReduceOp, Result};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits};
 use cudarc::nccl::{result, sys};
 use half::{bf16, f16};
@@ -195,23 +195,26 @@ impl Engine {
             return Ok(vec![Buffer::zeros(buf.dtype(), 0); size]);
         }
         let bytes = buf.as_bytes().len();
+        let total = bytes.checked_mul(size).ok_or(Error::Alloc {
+            elements: buf.len().saturating_mul(size),
+            element_bytes: buf.dtype().size(),
+        })?;
         let send = self.upload(buf.as_bytes())?;
         let mut recv = self
             .stream
-            .alloc_zeros::<u8>(bytes * size)
+            .alloc_zeros::<u8>(total)
             .map_err(driver("allocating the all_gather result"))?;
         self.all_gather_raw(&send, &mut recv, buf.len(), buf.dtype(), watch)?;
         self.finish(watch)?;
-        let mut all = vec![0u8; bytes * size];
+        let mut all = crate::buffer::try_zeroed_vec::<u8>(total)?;
         self.download(&recv, &mut all, watch)?;
-        Ok(all
-            .chunks_exact(bytes)
+        all.chunks_exact(bytes)
             .map(|chunk| {
-                let mut out = Buffer::zeros(buf.dtype(), buf.len());
+                let mut out = Buffer::try_zeros(buf.dtype(), buf.len())?;
                 out.as_bytes_mut().copy_from_slice(chunk);
-                out
+                Ok(out)
             })
-            .collect())
+            .collect()
     }
 
     fn all_gather_raw<T>(
@@ -239,7 +242,7 @@ impl Engine {
         watch: &Watch<'_>,
     ) -> Result<Buffer> {
         let chunk = buf.len() / self.shared.size;
-        let mut out = Buffer::zeros(buf.dtype(), chunk);
+        let mut out = Buffer::try_zeros(buf.dtype(), chunk)?;
         if chunk == 0 {
             return Ok(out);
         }

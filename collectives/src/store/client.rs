@@ -10,10 +10,20 @@ use std::time::{Duration, Instant};
 
 use crate::{Error, Result};
 
+use super::escape::{escape_for_log, sanitize};
 use super::frame::{deadline_after, is_timeout, read_frame, write_frame, FrameError};
 use super::token::StoreToken;
 use super::wire::{self, Request, Response};
 use super::{unexpected, MAX_WORLD_SIZE};
+
+/// The likely cause when nothing listens where the store should be, once connecting
+/// has timed out.
+const NOTHING_LISTENS: &str = "; nothing listens there: either the rendezvous is over \
+    (rank 0 has left it and closed the store: is this rank late, or a second process \
+    with the same RANK?) or MASTER_ADDR/MASTER_PORT do not name rank 0's store";
+
+/// The likely cause when the store refuses to reconnect.
+const GONE: &str = " (the store has closed: rank 0 has left the rendezvous)";
 
 /// One connection to the server; requests take turns on it.
 pub(super) struct Client {
@@ -45,8 +55,9 @@ struct Greeted {
 
 /// Why one attempt to connect failed.
 enum Attempt {
-    /// Nothing listens, or the connection broke: the server may not be up yet.
-    Unreachable(String),
+    /// Nothing listens (`refused`), or the connection broke: the server may not be up
+    /// yet.
+    Unreachable { why: String, refused: bool },
     /// The server is at its connection limit.
     Busy(String),
     /// Retrying cannot help: not a store, or the token was refused.
@@ -64,11 +75,15 @@ impl Client {
         let start = Instant::now();
         let mut backoff = Duration::from_millis(5);
         let mut last_error = String::from("no address to try");
+        let mut refused = false;
         loop {
             let left = timeout.saturating_sub(start.elapsed());
             if left.is_zero() {
+                let cause = if refused { NOTHING_LISTENS } else { "" };
                 return Err(Error::Timeout {
-                    what: format!("connecting to the store at {name} (last error: {last_error})"),
+                    what: format!(
+                        "connecting to the store at {name} (last error: {last_error}){cause}"
+                    ),
                     after: timeout,
                     missing: Vec::new(),
                 });
@@ -93,11 +108,14 @@ impl Client {
                                 })
                             }
                             Err(Attempt::Fatal(e)) => return Err(e),
-                            Err(Attempt::Unreachable(e) | Attempt::Busy(e)) => last_error = e,
+                            Err(Attempt::Unreachable { why, refused: r }) => {
+                                (last_error, refused) = (why, r);
+                            }
+                            Err(Attempt::Busy(why)) => (last_error, refused) = (why, false),
                         }
                     }
                 }
-                Err(e) => last_error = format!("resolving {name}: {e}"),
+                Err(e) => (last_error, refused) = (format!("resolving {name}: {e}"), false),
             }
             thread::sleep(backoff.min(timeout.saturating_sub(start.elapsed())));
             backoff = (backoff * 2).min(Duration::from_millis(100));
@@ -136,19 +154,21 @@ impl Client {
             }
             Ok(Response::Protocol(message)) => {
                 // The server closes the connection after a protocol error.
+                let message = sanitize(&message);
                 conn.broken = Some(format!("the store rejected a request: {message}"));
                 Err(Error::Protocol(format!(
                     "the store rejected our {op}: {message}"
                 )))
             }
             Ok(Response::Refused(message)) => {
+                let message = sanitize(&message);
                 conn.broken = Some(format!("the store refused us: {message}"));
                 Err(Error::Unauthorized(format!(
                     "the store at {} refused our {op}: {message}",
                     self.addr
                 )))
             }
-            Ok(Response::Invalid(message)) => Err(Error::InvalidArgument(message)),
+            Ok(Response::Invalid(message)) => Err(Error::InvalidArgument(sanitize(&message))),
             Ok(Response::Quota {
                 needed,
                 held,
@@ -183,11 +203,12 @@ impl Client {
                     return Ok(());
                 }
                 Err(Attempt::Fatal(e)) => return Err(e),
-                Err(Attempt::Unreachable(why)) => {
+                Err(Attempt::Unreachable { why, refused }) => {
+                    let cause = if refused { GONE } else { "" };
                     return Err(Error::Io {
                         context: format!("reconnecting to the store at {}", self.addr),
-                        message: why,
-                    })
+                        message: format!("{why}{cause}"),
+                    });
                 }
                 Err(Attempt::Busy(why)) => why,
             };
@@ -211,15 +232,18 @@ fn saturate(n: u64) -> usize {
 /// Connects to `addr` and exchanges the hello, all within `left`.
 fn greet(addr: SocketAddr, left: Duration, token: Option<&StoreToken>) -> Result<Greeted, Attempt> {
     let context = || format!("connecting to the store at {addr}");
-    let unreachable = |e: io::Error| Attempt::Unreachable(format!("{}: {e}", context()));
+    let unreachable = |e: io::Error| Attempt::Unreachable {
+        refused: e.kind() == io::ErrorKind::ConnectionRefused,
+        why: format!("{}: {e}", context()),
+    };
     let mut stream = TcpStream::connect_timeout(&addr, left).map_err(unreachable)?;
     // Connecting to a free port of the ephemeral range can, rarely, connect the socket
     // to itself (TCP simultaneous open); that is no server.
     if stream.local_addr().ok() == Some(addr) {
-        return Err(Attempt::Unreachable(format!(
-            "{}: connected to itself; no server yet",
-            context()
-        )));
+        return Err(Attempt::Unreachable {
+            why: format!("{}: connected to itself; no server yet", context()),
+            refused: true,
+        });
     }
     stream.set_nodelay(true).map_err(unreachable)?;
     let hello = Request::Hello {
@@ -230,7 +254,12 @@ fn greet(addr: SocketAddr, left: Duration, token: Option<&StoreToken>) -> Result
     let reply = match exchange(&mut stream, addr, &hello, left) {
         Ok(reply) => reply,
         Err(e @ Error::Protocol(_)) => return Err(Attempt::Fatal(e)),
-        Err(e) => return Err(Attempt::Unreachable(e.to_string())),
+        Err(e) => {
+            return Err(Attempt::Unreachable {
+                why: e.to_string(),
+                refused: false,
+            })
+        }
     };
     match reply {
         Response::Hello {
@@ -259,11 +288,16 @@ fn greet(addr: SocketAddr, left: Duration, token: Option<&StoreToken>) -> Result
             })
         }
         Response::Refused(why) => Err(Attempt::Fatal(Error::Unauthorized(format!(
-            "the store at {addr} refused this client: {why}"
+            "the store at {addr} refused this client: {}",
+            escape_for_log(&why)
         )))),
-        Response::Busy(why) => Err(Attempt::Busy(format!("the store at {addr}: {why}"))),
+        Response::Busy(why) => Err(Attempt::Busy(format!(
+            "the store at {addr}: {}",
+            escape_for_log(&why)
+        ))),
         Response::Protocol(message) => Err(Attempt::Fatal(Error::Protocol(format!(
-            "the store at {addr} rejected our hello: {message}"
+            "the store at {addr} rejected our hello: {}",
+            escape_for_log(&message)
         )))),
         other => Err(Attempt::Fatal(unexpected("hello", &other))),
     }
@@ -309,7 +343,7 @@ fn exchange(
     })?;
     let context = || format!("reading a reply from the store at {addr}");
     match read_frame(stream, deadline) {
-        Ok(Some(frame)) => Response::decode(&frame).map_err(Error::Protocol),
+        Ok(Some(frame)) => Response::decode(&frame).map_err(|e| Error::Protocol(sanitize(&e))),
         Ok(None) => Err(Error::Io {
             context: context(),
             message: "the store closed the connection".into(),

@@ -119,9 +119,24 @@ pub(super) fn read_frame(
     if len > MAX_FRAME {
         return Err(FrameError::TooLarge(len));
     }
-    let mut payload = vec![0u8; len];
+    let mut payload = zeroed_bytes(len).ok_or_else(|| {
+        FrameError::Io(io::Error::new(
+            io::ErrorKind::OutOfMemory,
+            format!("no memory for a frame of {len} bytes"),
+        ))
+    })?;
     if !read_by(stream, &mut payload, deadline).map_err(FrameError::Io)? && len > 0 {
         return Err(FrameError::Io(io::ErrorKind::UnexpectedEof.into()));
     }
     Ok(Some(payload))
+}
+
+/// `len` zero bytes for a frame's payload, or `None` when the allocator refuses them (a
+/// frame is at most [`MAX_FRAME`] bytes, but memory may still run out): the connection
+/// is dropped then, never the process aborted.
+pub(super) fn zeroed_bytes(len: usize) -> Option<Vec<u8>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(len).ok()?;
+    v.resize(len, 0);
+    Some(v)
 }

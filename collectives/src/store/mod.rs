@@ -23,6 +23,17 @@
 //! - **No request is served before the hello**, and with a [`StoreToken`] none before a
 //!   hello carrying it ([`Error::Unauthorized`] otherwise); a client with a token also
 //!   refuses a server that does not check one.
+//! - **Only loopback without a token.** A server on any other address (`0.0.0.0`, a
+//!   host's own address) needs a token, or an explicit opt-in
+//!   ([`StoreOptions::allow_insecure_bind`], [`INSECURE_ENV`]`=1`); otherwise it does not
+//!   start ([`Error::InvalidArgument`], saying how to set a token).
+//! - **A malformed join fails only its sender.** A join whose rank is not below its
+//!   own world size, or whose world size is 0 or above [`MAX_WORLD_SIZE`], is answered
+//!   [`Error::InvalidArgument`] before it touches the rendezvous.
+//! - **Peer text cannot forge a log line.** Keys and names are quoted with [`Quoted`],
+//!   and text a peer sends (a failure it reports, a server's message) is shown through
+//!   [`escape_for_log`]: no control character or bidirectional override reaches an
+//!   error message or a log line raw.
 //! - **Rendezvous mistakes fail every rank, by name.** [`join`](TcpStore::join) registers
 //!   a rank with set-if-absent and compares world sizes: a rank claimed by two processes,
 //!   or ranks that disagree on the world size, is [`Error::Rendezvous`] naming the ranks
@@ -68,7 +79,9 @@
 //! The token travels in the clear: it keeps out other users of a shared host or network,
 //! not someone who can read the job's traffic.
 
+mod bind;
 mod client;
+mod escape;
 mod frame;
 mod limits;
 mod server;
@@ -84,10 +97,14 @@ use std::time::Duration;
 use crate::{Error, Result};
 
 use client::Client;
+use escape::quoted_list;
 use server::Server;
 use state::join_key;
 use wire::{Failure, Request, Response};
 
+pub(crate) use bind::check_bind;
+pub use bind::INSECURE_ENV;
+pub use escape::{escape_for_log, EscapedForLog, Quoted};
 pub use limits::{StoreLimits, StoreStats, ENTRY_OVERHEAD};
 pub use token::{StoreToken, MAX_TOKEN_LEN, MIN_TOKEN_LEN, TOKEN_ENV};
 
@@ -97,7 +114,8 @@ pub use token::{StoreToken, MAX_TOKEN_LEN, MIN_TOKEN_LEN, TOKEN_ENV};
 /// before anything is allocated for the ranks.
 pub const MAX_WORLD_SIZE: usize = 1 << 20;
 
-/// How a store is served or joined: the shared token and the server's limits.
+/// How a store is served or joined: the shared token, the server's limits, and whether
+/// it may serve a non-loopback address without a token.
 ///
 /// ```
 /// use collectives::store::{StoreLimits, StoreOptions};
@@ -105,7 +123,7 @@ pub const MAX_WORLD_SIZE: usize = 1 << 20;
 /// let mut options = StoreOptions::default();
 /// options.limits = StoreLimits::for_world_size(4096);
 /// assert_eq!(options.limits.max_connections, 8192);
-/// assert!(options.token.is_none());
+/// assert!(options.token.is_none() && !options.allow_insecure_bind);
 /// ```
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 #[non_exhaustive]
@@ -116,6 +134,10 @@ pub struct StoreOptions {
     pub token: Option<StoreToken>,
     /// The server's limits; a client ignores them.
     pub limits: StoreLimits,
+    /// Lets a server without a token serve a non-loopback address (`0.0.0.0`, a host's
+    /// own address), where anyone who reaches it may join: the opt-in in code that
+    /// [`INSECURE_ENV`]`=1` is in the environment. Off by default; a client ignores it.
+    pub allow_insecure_bind: bool,
 }
 
 /// A client of a TCP key-value store, and on rank 0 also its server.
@@ -133,12 +155,13 @@ pub struct TcpStore {
 
 impl TcpStore {
     /// Binds `addr`, serves the store from background threads, and connects to it; no
-    /// token, and the default limits with room for `world_size` ranks
+    /// token (so `addr` must be a loopback address, unless [`INSECURE_ENV`]`=1`), and
+    /// the default limits with room for `world_size` ranks
     /// ([`StoreLimits::for_world_size`]). See [`server_with`](Self::server_with).
     pub fn server(addr: impl ToSocketAddrs, world_size: usize, timeout: Duration) -> Result<Self> {
         let options = StoreOptions {
-            token: None,
             limits: StoreLimits::for_world_size(world_size),
+            ..StoreOptions::default()
         };
         TcpStore::server_with(addr, world_size, timeout, &options)
     }
@@ -150,6 +173,11 @@ impl TcpStore {
     /// number of ranks the job has (1 to [`MAX_WORLD_SIZE`]); clients learn it when they
     /// connect. `timeout` bounds every operation of the returned store that does not
     /// take its own. A bad world size or limit is [`Error::InvalidArgument`].
+    ///
+    /// Without a token, only loopback addresses (127.0.0.0/8, `::1`, `localhost`) are
+    /// served: any other address, `0.0.0.0` included, is [`Error::InvalidArgument`]
+    /// (checked before binding, the message says how to set a token) unless
+    /// [`StoreOptions::allow_insecure_bind`] or [`INSECURE_ENV`]`=1` opts in.
     pub fn server_with(
         addr: impl ToSocketAddrs,
         world_size: usize,
@@ -158,11 +186,18 @@ impl TcpStore {
     ) -> Result<Self> {
         check_world_size(world_size)?;
         options.limits.validate(world_size)?;
-        let listener = TcpListener::bind(addr).map_err(|e| Error::io("binding the store", e))?;
+        let addrs: Vec<SocketAddr> = addr
+            .to_socket_addrs()
+            .map_err(|e| Error::io("resolving the store's address", e))?
+            .collect();
+        check_bind(&addrs, options)?;
+        let listener =
+            TcpListener::bind(&addrs[..]).map_err(|e| Error::io("binding the store", e))?;
         TcpStore::serve_on(listener, world_size, timeout, options)
     }
 
     /// Serves the store on a bound `listener`; see [`server_with`](Self::server_with).
+    /// The caller has checked the bind rule ([`check_bind`]) before binding.
     pub(crate) fn serve_on(
         listener: TcpListener,
         world_size: usize,
@@ -211,7 +246,8 @@ impl TcpStore {
         timeout: Duration,
         options: &StoreOptions,
     ) -> Result<Self> {
-        let name = format!("{host}:{port}");
+        // The host is shown in errors: escaped, as a caller may pass anything.
+        let name = format!("{}:{port}", escape_for_log(host));
         let client = Client::connect(&name, (host, port), timeout, options.token.clone())?;
         Ok(TcpStore {
             client,
@@ -284,7 +320,7 @@ impl TcpStore {
         match self.call("get", &Request::Get { key, timeout }, timeout)? {
             Response::Value(value) => Ok((*value).as_ref().to_vec()),
             Response::TimedOut(_) => Err(Error::Timeout {
-                what: format!("store get of key {key:?}"),
+                what: format!("store get of key {}", Quoted(key)),
                 after: timeout,
                 missing: Vec::new(),
             }),
@@ -300,7 +336,11 @@ impl TcpStore {
             return Ok(());
         }
         Err(Error::Timeout {
-            what: format!("store wait for keys {keys:?} (still missing: {missing:?})"),
+            what: format!(
+                "store wait for keys {} (still missing: {})",
+                quoted_list(keys),
+                quoted_list(&missing)
+            ),
             after: timeout,
             missing: Vec::new(),
         })
@@ -403,7 +443,8 @@ impl TcpStore {
         check_world_size(world_size)?;
         if rank >= world_size {
             return Err(Error::InvalidArgument(format!(
-                "barrier {name:?}: rank {rank} is not below the world size {world_size}"
+                "barrier {}: rank {rank} is not below the world size {world_size}",
+                Quoted(name)
             )));
         }
         let generation = self.add(&format!("{name}/calls/{rank}"), 1)?;
@@ -419,7 +460,7 @@ impl TcpStore {
             return Ok(());
         }
         Err(self.fail(Error::Timeout {
-            what: format!("barrier {name:?} (rank {rank} of {world_size})"),
+            what: format!("barrier {} (rank {rank} of {world_size})", Quoted(name)),
             after: timeout,
             missing: ranks_of(&keys, &missing),
         }))

@@ -362,7 +362,13 @@ fn read_request(
             };
         }
     };
-    let mut frame = vec![0u8; len];
+    let Some(mut frame) = frame::zeroed_bytes(len) else {
+        tracing::warn!(
+            len,
+            "no memory for a request frame: the connection is closed"
+        );
+        return Incoming::Gone;
+    };
     match read_by(stream, &mut frame, rest_by) {
         Ok(true) => Incoming::Frame(frame, charge),
         Ok(false) if len == 0 => Incoming::Frame(frame, charge),

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use super::limits::{Charge, Meter, OverQuota, StoreLimits, StoreStats, Stored};
 use super::token::StoreToken;
 use super::wire::{Failure, Request, Response, SET_IF_ABSENT};
+use super::MAX_WORLD_SIZE;
 
 /// How often a parked wait checks that its client is still connected.
 const LEAVE_POLL: Duration = Duration::from_millis(200);
@@ -116,10 +117,10 @@ impl Shared {
     }
 
     /// Records that `rank` asked to join.
-    fn heard(&self, rank: u64) {
-        let Some(rank) = usize::try_from(rank).ok().filter(|&r| r < self.world_size) else {
+    fn heard(&self, rank: usize) {
+        if rank >= self.world_size {
             return;
-        };
+        }
         if self.lock().heard.insert(rank) {
             self.closed.notify_all();
         }
@@ -219,7 +220,8 @@ impl Shared {
                 id,
             } => self.join(rank, world_size, id),
             Request::Fail(failure) => {
-                self.fail(failure);
+                // A client's text, shown in every rank's error and in the log.
+                self.fail(failure.sanitized());
                 Response::Unit
             }
         };
@@ -263,30 +265,29 @@ impl Shared {
     }
 
     /// Registers `rank` with set-if-absent, after comparing world sizes; a mismatch or
-    /// a rank claimed by another process fails the job for every rank.
+    /// a rank claimed by another process fails the job for every rank. A malformed join
+    /// ([`malformed_join`]) is answered `Invalid`, to its client alone, before it
+    /// touches the rendezvous.
     fn join(&self, rank: u64, world_size: u64, id: &[u8]) -> Response {
+        if let Some(why) = malformed_join(rank, world_size) {
+            tracing::debug!(rank, world_size, "store refused a malformed join");
+            return Response::Invalid(why);
+        }
+        // Below `world_size`, itself at most `MAX_WORLD_SIZE`: the cast is exact.
+        let rank = rank as usize;
         self.heard(rank);
         let ours = self.world_size;
-        let rank_text = rank;
         if world_size != ours as u64 {
             let failure = Failure::Rendezvous {
                 why: format!(
-                    "the ranks disagree on the world size: rank {rank_text} has \
+                    "the ranks disagree on the world size: rank {rank} has \
                      WORLD_SIZE={world_size}, rank 0 (which serves the store) has WORLD_SIZE={ours}"
                 ),
-                ranks: match usize::try_from(rank) {
-                    Ok(rank) if rank != 0 => vec![0, rank],
-                    _ => vec![0],
-                },
+                ranks: if rank == 0 { vec![0] } else { vec![0, rank] },
             };
             self.fail(failure.clone());
             return Response::Failed(failure);
         }
-        let Some(rank) = usize::try_from(rank).ok().filter(|&r| r < ours) else {
-            return Response::Invalid(format!(
-                "join as rank {rank_text}: not below the world size {ours}"
-            ));
-        };
         let key = join_key(rank);
         let mut state = self.lock();
         match state.data.get(&key) {
@@ -408,6 +409,30 @@ impl Shared {
             Err(end) => end,
         }
     }
+}
+
+/// Why a join of `rank` of `world_size` is malformed, whatever the store: its rank is
+/// not below its own world size, or its world size is 0 or above [`MAX_WORLD_SIZE`]
+/// (no client of this crate sends one). `None` for a well-formed join, which may still
+/// disagree with the store's world size (a rendezvous mistake that fails every rank).
+fn malformed_join(rank: u64, world_size: u64) -> Option<String> {
+    if world_size == 0 {
+        return Some(format!(
+            "join as rank {rank} of a world of 0 ranks: a world has at least one rank"
+        ));
+    }
+    if world_size > MAX_WORLD_SIZE as u64 {
+        return Some(format!(
+            "join as rank {rank} of a world of {world_size} ranks: more than the \
+             {MAX_WORLD_SIZE} a store supports"
+        ));
+    }
+    if rank >= world_size {
+        return Some(format!(
+            "join as rank {rank}: not below its world size {world_size}"
+        ));
+    }
+    None
 }
 
 /// The reply to a request refused for the byte limit.

@@ -6,6 +6,8 @@ use std::time::Duration;
 
 use crate::{Error, Result};
 
+use super::escape::sanitize;
+
 /// A decoding failure, described for [`Error::Protocol`].
 type DecodeResult<T> = std::result::Result<T, String>;
 
@@ -104,8 +106,30 @@ impl Failure {
         }
     }
 
-    pub(super) fn into_error(self) -> Error {
+    /// The failure with its text shown as [`escape_for_log`](super::escape_for_log)
+    /// shows it: a peer reported it, and it ends up in every rank's error and logs.
+    pub(super) fn sanitized(self) -> Failure {
         match self {
+            Failure::Timeout {
+                what,
+                after,
+                missing,
+            } => Failure::Timeout {
+                what: sanitize(&what),
+                after,
+                missing,
+            },
+            Failure::Rendezvous { why, ranks } => Failure::Rendezvous {
+                why: sanitize(&why),
+                ranks,
+            },
+        }
+    }
+
+    /// The error every rank reports for this failure, its text escaped
+    /// ([`sanitized`](Self::sanitized)): it came from a peer.
+    pub(super) fn into_error(self) -> Error {
+        match self.sanitized() {
             Failure::Timeout {
                 what,
                 after,

@@ -129,20 +129,42 @@ impl ThreadGroup {
     /// Where every rank rejects its arguments, each gets its own error and the group
     /// stays usable.
     fn reject<T: Send + 'static>(&self, e: Error) -> Work<T> {
-        self.submit(move |world, rank| {
-            let desc = Desc {
-                kind: Kind::Rejected(e.to_string()),
-                parts: Vec::new(),
-            };
-            match collective(world, rank, &desc, Vec::new(), |_| ()) {
-                // Nothing was posted, so nothing can leak; a mismatch or a timeout on
-                // the way still reports this rank's own error.
-                Ok(Err(Error::Mismatch(_) | Error::InvalidArgument(_))) | Ok(Ok(())) => Err(e),
-                Ok(Err(other)) => Err(other),
-                Err(MustLeak(other)) => Err(other),
-            }
-        })
+        self.submit(move |world, rank| rejected(world, rank, e))
     }
+}
+
+/// This rank's part of a collective it rejects (`e`), on its progress thread: see
+/// [`ThreadGroup::reject`]. Also for a collective whose output this rank cannot allocate
+/// ([`Error::Alloc`]), found before it posts anything.
+fn rejected<T>(world: &World, rank: usize, e: Error) -> Result<T> {
+    let desc = Desc {
+        kind: Kind::Rejected(e.to_string()),
+        parts: Vec::new(),
+    };
+    match collective(world, rank, &desc, Vec::new(), |_| ()) {
+        // Nothing was posted, so nothing can leak; a mismatch or a timeout on the way
+        // still reports this rank's own error.
+        Ok(Err(Error::Mismatch(_) | Error::InvalidArgument(_))) | Ok(Ok(())) => Err(e),
+        Ok(Err(other)) => Err(other),
+        Err(MustLeak(other)) => Err(other),
+    }
+}
+
+/// The buffers `all_gather` copies its peers' buffers into: one of `len` elements per
+/// peer, an empty one in this rank's place (its own buffer goes there).
+fn gather_outputs(dtype: DType, len: usize, size: usize, rank: usize) -> Result<Vec<Buffer>> {
+    let mut out = Vec::new();
+    out.try_reserve_exact(size).map_err(|_| Error::Alloc {
+        elements: size,
+        element_bytes: size_of::<Buffer>(),
+    })?;
+    for peer in 0..size {
+        out.push(Buffer::try_zeros(
+            dtype,
+            if peer == rank { 0 } else { len },
+        )?);
+    }
+    Ok(out)
 }
 
 /// Runs this rank's part of one collective: posts `addrs`, meets every rank, runs `body`
@@ -322,23 +344,25 @@ impl ProcessGroup for ThreadGroup {
                 kind: Kind::AllGather,
                 parts: vec![(buf.dtype(), buf.len())],
             };
+            // The copies are allocated before this rank posts anything: if they cannot
+            // be, it rejects the collective and its peers fail at once.
+            let mut out = match gather_outputs(buf.dtype(), buf.len(), world.size, rank) {
+                Ok(out) => out,
+                Err(e) => return rejected(world, rank, e),
+            };
             let addrs = vec![addr_of(&mut buf)];
-            let (dtype, len) = (buf.dtype(), buf.len());
             let outcome = collective(world, rank, &desc, addrs, |all| {
-                let mut out: Vec<Buffer> = Vec::with_capacity(world.size);
                 for (peer, addrs) in all.iter().enumerate() {
                     if peer == rank {
-                        out.push(Buffer::zeros(dtype, 0));
                         continue;
                     }
-                    let mut copy = Buffer::zeros(dtype, len);
-                    let bytes = copy.as_bytes_mut();
-                    // SAFETY: the peer's buffer has this byte length (checked by `meet`)
-                    // and stays alive and unwritten until every rank has left.
+                    let bytes = out[peer].as_bytes_mut();
+                    // SAFETY: the peer's buffer has this byte length (checked by `meet`:
+                    // same dtype and length as this rank's, which `out[peer]` has) and
+                    // stays alive and unwritten until every rank has left.
                     bytes.copy_from_slice(unsafe {
                         std::slice::from_raw_parts(addrs[0] as *const u8, bytes.len())
                     });
-                    out.push(copy);
                 }
                 out
             });
@@ -361,10 +385,14 @@ impl ProcessGroup for ThreadGroup {
                 kind: Kind::ReduceScatter(op),
                 parts: vec![(buf.dtype(), buf.len())],
             };
-            let addrs = vec![addr_of(&mut buf)];
             let (dtype, chunk) = (buf.dtype(), buf.len() / world.size);
+            // As in all_gather: the output exists before anything is posted.
+            let mut out = match Buffer::try_zeros(dtype, chunk) {
+                Ok(out) => out,
+                Err(e) => return rejected(world, rank, e),
+            };
+            let addrs = vec![addr_of(&mut buf)];
             let outcome = collective(world, rank, &desc, addrs, |all| {
-                let mut out = Buffer::zeros(dtype, chunk);
                 let peers: Vec<usize> = all.iter().map(|a| a[0]).collect();
                 // SAFETY: as in all_reduce; the results go to this rank's own `out`, and
                 // the peers' buffers are only read.
