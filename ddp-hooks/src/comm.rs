@@ -74,9 +74,9 @@ pub trait CommBackend: Backend + 'static {
 
     /// A zeroed buffer of `len` elements whose allocation failure is an error, never an
     /// abort: [`Error::Overflow`] if `len` elements exceed `isize::MAX` bytes,
-    /// [`Error::Alloc`] if the allocator refuses them. The default relies on
-    /// [`Backend::alloc`] failing with an error (true of device allocators); the CPU
-    /// backend overrides it, because its `alloc` aborts on failure like `vec!`.
+    /// [`Error::Alloc`] if the allocator refuses them. The default checks the size before
+    /// calling [`Backend::alloc`] (a device allocator is never asked for more bytes than
+    /// can exist) and maps its allocation error (`lowrank::Error::Alloc`) to those two.
     fn try_alloc<T: Element>(&self, len: usize) -> Result<Self::Buffer<T>> {
         check_bytes::<T>(len)?;
         Ok(self.alloc(len)?)
@@ -87,10 +87,7 @@ pub trait CommBackend: Backend + 'static {
 fn check_bytes<T>(len: usize) -> Result<()> {
     match len.checked_mul(size_of::<T>()) {
         Some(b) if b <= isize::MAX as usize => Ok(()),
-        _ => Err(Error::Overflow(format!(
-            "a buffer of {len} elements of {} bytes",
-            size_of::<T>()
-        ))),
+        _ => Err(Error::buffer(len, size_of::<T>())),
     }
 }
 
@@ -116,14 +113,14 @@ impl CommBackend for CpuBackend {
             .then(|r| f32::unwrap(r?)))
     }
 
+    /// As the default (the CPU backend's `alloc` is fallible), with the zeros written now:
+    /// a bucket's storage is often read before it is written (gradients accumulated into
+    /// it), and a lazily mapped page read first is the shared zero page, whose copy on the
+    /// first write then costs a TLB flush of every core per page (see PowerSGD's error
+    /// memory). One pass of writes maps every page writable at once.
     fn try_alloc<T: Element>(&self, len: usize) -> Result<Vec<T>> {
-        check_bytes::<T>(len)?;
-        let mut v = Vec::new();
-        v.try_reserve_exact(len).map_err(|_| Error::Alloc {
-            elements: len,
-            element_bytes: size_of::<T>(),
-        })?;
-        v.resize(len, T::default());
+        let mut v = self.alloc(len)?;
+        v.fill(T::default());
         Ok(v)
     }
 }

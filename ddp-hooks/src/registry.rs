@@ -6,6 +6,7 @@ use crate::{
     AllReduce, BatchedPowerSgd, CommBackend, CommHook, Compress, Error, HalfWire, Noop, PowerSgd,
     PowerSgdConfig, Result,
 };
+use collectives::store::escape_for_log;
 use collectives::ProcessGroup;
 use half::{bf16, f16};
 use std::str::FromStr;
@@ -53,11 +54,13 @@ const QUOTE_SPEC: usize = 100;
 const QUOTE_PART: usize = 32;
 
 /// The first `max` characters of `s`, then `…` if there are more (cut on a char
-/// boundary).
+/// boundary), with control characters and bidirectional overrides escaped
+/// ([`escape_for_log`]): every part of a spec that an error quotes goes through here, so
+/// that a spec cannot forge the line that reports it.
 fn excerpt(s: &str, max: usize) -> String {
     match s.char_indices().nth(max) {
-        Some((end, _)) => format!("{}…", &s[..end]),
-        None => s.to_string(),
+        Some((end, _)) => format!("{}…", escape_for_log(&s[..end])),
+        None => escape_for_log(s).to_string(),
     }
 }
 
@@ -109,7 +112,7 @@ impl FromStr for HookSpec {
             return Err(err(format!(
                 "`{wrap}+` wraps a hook that computes in f32; `{}` already sends 16 bits \
                  (use it alone)",
-                inner.trim()
+                excerpt(inner.trim(), QUOTE_PART)
             )));
         }
         Ok(wrapped(Box::new(hook)))
@@ -329,6 +332,28 @@ mod tests {
         ] {
             let e = spec.parse::<HookSpec>().unwrap_err().to_string();
             assert!(e.contains(says), "{spec}: {e}");
+        }
+    }
+
+    /// Regression: the parts of a spec an error quotes were shown raw, so a spec with
+    /// ESC, CR, NUL or U+202E could forge the log line that reports it.
+    #[test]
+    fn errors_quote_the_spec_escaped() {
+        let forge = "\x1b[31m\r\0\u{202e}";
+        for spec in [
+            forge.to_string(),
+            format!("fp16+{forge}"),
+            format!("{forge}+allreduce"),
+            format!("powersgd:{forge}=1"),
+            format!("powersgd:rank={forge}"),
+            format!("allreduce:{forge}"),
+        ] {
+            let e = spec.parse::<HookSpec>().unwrap_err().to_string();
+            assert!(
+                !e.chars().any(|c| c.is_control() || c == '\u{202e}'),
+                "{spec:?}: {e:?}"
+            );
+            assert!(e.contains(r"\u{1b}[31m\r\0\u{202e}"), "{spec:?}: {e:?}");
         }
     }
 }

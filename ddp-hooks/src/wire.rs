@@ -9,7 +9,7 @@
 //! `AllReduce` over a `HalfWire` group is exactly the `fp16`/`bf16` hook.
 
 use crate::hooks::HalfFormat;
-use collectives::{Buffer, ProcessGroup, ReduceOp, Result, Work};
+use collectives::{Buffer, DType, ProcessGroup, ReduceOp, Result, Work};
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use std::marker::PhantomData;
@@ -18,17 +18,18 @@ use std::time::Duration;
 
 /// Narrows `f32` to the format's `Buffer` and back.
 pub trait WireFormat: HalfFormat {
-    /// `f32` values rounded to this format.
-    fn narrow(v: &[f32]) -> Buffer;
+    /// `f32` values rounded to this format; a copy that cannot be allocated is
+    /// [`collectives::Error::Alloc`].
+    fn narrow(v: &[f32]) -> Result<Buffer>;
     /// The values of a buffer of this format, widened into `out`.
     fn widen(b: &Buffer, out: &mut [f32]) -> Result<()>;
 }
 
 impl WireFormat for f16 {
-    fn narrow(v: &[f32]) -> Buffer {
-        let mut h = vec![f16::ZERO; v.len()];
+    fn narrow(v: &[f32]) -> Result<Buffer> {
+        let mut h = Vec::<f16>::try_from(Buffer::try_zeros(DType::F16, v.len())?)?;
         h.convert_from_f32_slice(v);
-        Buffer::F16(h)
+        Ok(Buffer::F16(h))
     }
     fn widen(b: &Buffer, out: &mut [f32]) -> Result<()> {
         match b {
@@ -46,10 +47,10 @@ impl WireFormat for f16 {
 }
 
 impl WireFormat for bf16 {
-    fn narrow(v: &[f32]) -> Buffer {
-        let mut h = vec![bf16::ZERO; v.len()];
+    fn narrow(v: &[f32]) -> Result<Buffer> {
+        let mut h = Vec::<bf16>::try_from(Buffer::try_zeros(DType::BF16, v.len())?)?;
         h.convert_from_f32_slice(v);
-        Buffer::BF16(h)
+        Ok(Buffer::BF16(h))
     }
     fn widen(b: &Buffer, out: &mut [f32]) -> Result<()> {
         match b {
@@ -64,6 +65,11 @@ impl WireFormat for bf16 {
             ))),
         }
     }
+}
+
+/// `len` zeros to widen a result into, or [`collectives::Error::Alloc`].
+fn zeros_f32(len: usize) -> Result<Vec<f32>> {
+    Vec::try_from(Buffer::try_zeros(DType::F32, len)?)
 }
 
 /// A process group that sends `f32` buffers as 16-bit values (other types unchanged).
@@ -82,11 +88,11 @@ impl<H: WireFormat> HalfWire<H> {
     }
 
     /// Narrows an `f32` buffer for the wire; returns it with the original to widen into.
-    fn narrow(buf: Buffer) -> (Buffer, Option<Vec<f32>>) {
-        match buf {
-            Buffer::F32(v) => (H::narrow(&v), Some(v)),
+    fn narrow(buf: Buffer) -> Result<(Buffer, Option<Vec<f32>>)> {
+        Ok(match buf {
+            Buffer::F32(v) => (H::narrow(&v)?, Some(v)),
             other => (other, None),
-        }
+        })
     }
 
     fn widen(result: Result<Buffer>, original: Option<Vec<f32>>) -> Result<Buffer> {
@@ -122,7 +128,14 @@ impl<H: WireFormat> ProcessGroup for HalfWire<H> {
         }
     }
     fn all_reduce_coalesced(&self, bufs: Vec<Buffer>, op: ReduceOp) -> Work<Vec<Buffer>> {
-        let (wire, originals): (Vec<_>, Vec<_>) = bufs.into_iter().map(Self::narrow).unzip();
+        let narrowed = bufs
+            .into_iter()
+            .map(Self::narrow)
+            .collect::<Result<Vec<_>>>();
+        let (wire, originals): (Vec<_>, Vec<_>) = match narrowed {
+            Ok(n) => n.into_iter().unzip(),
+            Err(e) => return Work::ready(Err(e)),
+        };
         self.inner.all_reduce_coalesced(wire, op).then(move |r| {
             r?.into_iter()
                 .zip(originals)
@@ -131,28 +144,38 @@ impl<H: WireFormat> ProcessGroup for HalfWire<H> {
         })
     }
     fn broadcast(&self, buf: Buffer, root: usize) -> Work<Buffer> {
-        let (wire, original) = Self::narrow(buf);
+        let (wire, original) = match Self::narrow(buf) {
+            Ok(n) => n,
+            Err(e) => return Work::ready(Err(e)),
+        };
         self.inner
             .broadcast(wire, root)
             .then(move |r| Self::widen(r, original))
     }
     fn all_gather(&self, buf: Buffer) -> Work<Vec<Buffer>> {
-        let (wire, original) = Self::narrow(buf);
+        let (wire, original) = match Self::narrow(buf) {
+            Ok(n) => n,
+            Err(e) => return Work::ready(Err(e)),
+        };
         let len = original.as_ref().map(Vec::len);
         self.inner.all_gather(wire).then(move |r| {
             r?.into_iter()
-                .map(|b| Self::widen(Ok(b), len.map(|n| vec![0.0; n])))
+                .map(|b| Self::widen(Ok(b), len.map(zeros_f32).transpose()?))
                 .collect()
         })
     }
     fn reduce_scatter(&self, buf: Buffer, op: ReduceOp) -> Work<Buffer> {
-        let (wire, original) = Self::narrow(buf);
-        let chunk = original
-            .as_ref()
-            .map(|v| vec![0.0; v.len() / self.size().max(1)]);
-        self.inner
-            .reduce_scatter(wire, op)
-            .then(move |r| Self::widen(r, chunk))
+        let (wire, original) = match Self::narrow(buf) {
+            Ok(n) => n,
+            Err(e) => return Work::ready(Err(e)),
+        };
+        let chunk = original.as_ref().map(|v| v.len() / self.size().max(1));
+        // The f32 result is allocated once the collective is done: this rank takes part
+        // in it whatever the allocation does afterwards.
+        self.inner.reduce_scatter(wire, op).then(move |r| {
+            let b = r?;
+            Self::widen(Ok(b), chunk.map(zeros_f32).transpose()?)
+        })
     }
     fn barrier(&self) -> Work<()> {
         self.inner.barrier()

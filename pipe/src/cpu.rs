@@ -3,6 +3,7 @@
 use ndarray::{ArrayD, Axis, IxDyn};
 
 use crate::error::Error;
+use crate::storage;
 use crate::tensor::{Device, Tensor};
 
 /// A dense `f32` array in host memory; the first axis is the batch dimension.
@@ -35,13 +36,35 @@ impl CpuTensor {
     }
 
     /// A tensor of zeros.
+    ///
+    /// # Panics
+    /// If the shape's element count overflows or its storage cannot be allocated;
+    /// [`try_zeros`](CpuTensor::try_zeros) returns those as errors.
     pub fn zeros(shape: &[usize]) -> Self {
-        CpuTensor::new(ArrayD::zeros(IxDyn(shape)))
+        CpuTensor::try_zeros(shape).unwrap_or_else(|e| panic!("{e}"))
     }
 
     /// A tensor of ones.
+    ///
+    /// # Panics
+    /// As [`zeros`](CpuTensor::zeros); [`try_ones`](CpuTensor::try_ones) returns errors.
     pub fn ones(shape: &[usize]) -> Self {
-        CpuTensor::new(ArrayD::ones(IxDyn(shape)))
+        CpuTensor::try_ones(shape).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// A tensor of zeros, or an error: [`Error::ShapeOverflow`] if the product of `shape`
+    /// does not fit in `usize`, [`Error::Alloc`] if its elements exceed `isize::MAX`
+    /// bytes or the allocator refuses them. The zeros come from the allocator's zeroed
+    /// allocation (as ndarray's `zeros`): a large tensor's pages are mapped lazily.
+    pub fn try_zeros(shape: &[usize]) -> Result<Self, Error> {
+        let len = storage::element_count("CpuTensor::zeros", shape)?;
+        CpuTensor::from_shape_vec(shape, storage::zeros("CpuTensor::zeros", len)?)
+    }
+
+    /// A tensor of ones, or an error, as [`try_zeros`](CpuTensor::try_zeros).
+    pub fn try_ones(shape: &[usize]) -> Result<Self, Error> {
+        let len = storage::element_count("CpuTensor::ones", shape)?;
+        CpuTensor::from_shape_vec(shape, storage::filled("CpuTensor::ones", len, 1.0)?)
     }
 
     /// The shape.
@@ -104,7 +127,8 @@ impl Tensor for CpuTensor {
 
     fn split(&self, sizes: &[usize]) -> Result<Vec<Self>, Error> {
         let len = self.batch_len();
-        if self.data.ndim() == 0 || sizes.iter().sum::<usize>() != len {
+        let total = sizes.iter().try_fold(0usize, |t, &s| t.checked_add(s));
+        if self.data.ndim() == 0 || total != Some(len) {
             return Err(Error::SplitSizes {
                 sizes: sizes.to_vec(),
                 len,

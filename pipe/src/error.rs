@@ -238,6 +238,30 @@ pub enum Error {
         /// The shape given.
         got: Vec<usize>,
     },
+    /// A shape whose element count (the product of its dimensions) does not fit in
+    /// `usize`: no tensor or buffer of it can exist.
+    #[error("{op}: shape {shape:?} has more elements than fit in usize")]
+    ShapeOverflow {
+        /// The operation.
+        op: &'static str,
+        /// The shape (for a buffer an operation computes, the factors of its length).
+        shape: Vec<usize>,
+    },
+    /// A tensor or buffer that cannot be allocated: `elements` of `element_bytes` bytes
+    /// each exceed `isize::MAX` bytes (no allocation can hold them), or the allocator
+    /// refused them (out of memory, or an address-space limit).
+    #[error(
+        "{op}: cannot allocate {elements} elements of {element_bytes} bytes each: {}",
+        alloc_reason(*.elements, *.element_bytes)
+    )]
+    Alloc {
+        /// The operation.
+        op: &'static str,
+        /// Elements requested.
+        elements: usize,
+        /// Bytes per element.
+        element_bytes: usize,
+    },
     /// Split sizes that do not add up to the batch length.
     #[error("split sizes {sizes:?} do not add up to the batch length {len}")]
     SplitSizes {
@@ -415,6 +439,14 @@ impl Error {
     /// loss or a callback, or in a worker).
     pub fn poisons(&self) -> bool {
         matches!(self, Error::Panicked { .. } | Error::WorkerPanicked { .. })
+    }
+}
+
+/// Why `elements` of `element_bytes` bytes could not be allocated, for [`Error::Alloc`].
+fn alloc_reason(elements: usize, element_bytes: usize) -> &'static str {
+    match elements.checked_mul(element_bytes) {
+        Some(bytes) if bytes <= isize::MAX as usize => "out of memory",
+        _ => "more than isize::MAX bytes, larger than any allocation",
     }
 }
 

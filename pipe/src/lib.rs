@@ -113,6 +113,7 @@ mod portal;
 mod record;
 mod rng;
 mod schedule;
+mod storage;
 mod tensor;
 mod worker;
 

@@ -7,6 +7,7 @@
 //! micro-batch; [`Item::None`] stays a placeholder.
 
 use crate::error::Error;
+use crate::storage;
 use crate::tensor::{Device, Tensor};
 
 /// One position of a batch tuple.
@@ -172,10 +173,13 @@ impl<T: Tensor> Batch<T> {
     /// Splits along the micro-batches of an earlier [`scatter`](Batch::scatter) (an output
     /// gradient along its forward's micro-batches).
     pub fn split_as(self, plan: &[MicroBatch]) -> Result<Vec<Batch<T>>, Error> {
-        let sizes: Vec<usize> = plan.iter().map(|mb| mb.len).collect();
-        let mut parts: Vec<Vec<Item<T>>> = (0..plan.len())
-            .map(|_| Vec::with_capacity(self.items.len()))
-            .collect();
+        const OP: &str = "Batch::split_as";
+        let mut sizes = storage::with_capacity(OP, plan.len())?;
+        sizes.extend(plan.iter().map(|mb| mb.len));
+        let mut parts: Vec<Vec<Item<T>>> = storage::with_capacity(OP, plan.len())?;
+        for _ in 0..plan.len() {
+            parts.push(storage::with_capacity(OP, self.items.len())?);
+        }
         for item in self.items {
             match item {
                 Item::Tensor(t) => {
@@ -288,14 +292,16 @@ impl MicroBatch {
         let m = chunks.min(len);
         let (base, extra) = (len / m, len % m);
         let mut offset = 0;
-        Ok((0..m)
-            .map(|index| {
-                let len = base + usize::from(index < extra);
-                let mb = MicroBatch { index, offset, len };
-                offset += len;
-                mb
-            })
-            .collect())
+        // `m` can be as large as the batch (a tensor of zero-width samples holds any
+        // number of them): the plan is allocated fallibly.
+        let mut plan = storage::with_capacity("MicroBatch::plan", m)?;
+        plan.extend((0..m).map(|index| {
+            let len = base + usize::from(index < extra);
+            let mb = MicroBatch { index, offset, len };
+            offset += len;
+            mb
+        }));
+        Ok(plan)
     }
 
     /// The global sample indices.

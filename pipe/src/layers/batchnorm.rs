@@ -7,6 +7,7 @@ use crate::cpu::CpuTensor;
 use crate::error::Error;
 use crate::layer::{Context, Layer, Param, ParamMut, Saved};
 use crate::microbatch::Batch;
+use crate::storage;
 use crate::tensor::Tensor;
 
 /// Batch normalisation over `[batch, features, ...]`, one mean and variance per feature,
@@ -110,8 +111,15 @@ impl Layout {
     }
 }
 
-fn row_major(t: &CpuTensor) -> Vec<f32> {
-    t.array().iter().copied().collect()
+fn row_major(t: &CpuTensor, op: &'static str) -> Result<Vec<f32>, Error> {
+    storage::collect(op, t.array().len(), t.array().iter().copied())
+}
+
+/// `len` copies of `value`, allocated fallibly.
+fn filled<T: Clone>(op: &'static str, len: usize, value: T) -> Result<Vec<T>, Error> {
+    let mut v = storage::with_capacity(op, len)?;
+    v.resize(len, value);
+    Ok(v)
 }
 
 fn tensor(shape: &[usize], data: Vec<f32>) -> Result<CpuTensor, Error> {
@@ -128,18 +136,29 @@ impl BatchNorm {
     /// Batch norm with a momentum and an epsilon of your own. PyTorch's `momentum=None`
     /// (the cumulative average over the batches seen, with `num_batches_tracked`) has no
     /// equivalent here.
+    ///
+    /// # Panics
+    /// If the parameters of `features` features cannot be allocated;
+    /// [`try_with`](BatchNorm::try_with) returns that as an error.
     pub fn with(features: usize, momentum: f32, eps: f32) -> Self {
-        BatchNorm {
+        BatchNorm::try_with(features, momentum, eps).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// [`with`](BatchNorm::with), or [`Error::Alloc`] if the parameters and statistics of
+    /// `features` features exceed `isize::MAX` bytes or the allocator refuses them.
+    pub fn try_with(features: usize, momentum: f32, eps: f32) -> Result<Self, Error> {
+        let shape = [features];
+        Ok(BatchNorm {
             momentum,
             eps,
-            weight: CpuTensor::ones(&[features]),
-            bias: CpuTensor::zeros(&[features]),
-            weight_grad: CpuTensor::zeros(&[features]),
-            bias_grad: CpuTensor::zeros(&[features]),
-            running_mean: CpuTensor::zeros(&[features]),
-            running_var: CpuTensor::ones(&[features]),
+            weight: CpuTensor::try_ones(&shape)?,
+            bias: CpuTensor::try_zeros(&shape)?,
+            weight_grad: CpuTensor::try_zeros(&shape)?,
+            bias_grad: CpuTensor::try_zeros(&shape)?,
+            running_mean: CpuTensor::try_zeros(&shape)?,
+            running_var: CpuTensor::try_ones(&shape)?,
             deferred: None,
-        }
+        })
     }
 
     /// Batch norm with PyTorch's defaults and deferred running statistics (torchgpipe's
@@ -181,25 +200,32 @@ impl BatchNorm {
 
     /// Deferred mode: adds one micro-batch's sums, and commits once the mini-batch's last
     /// micro-batch is in.
-    fn track(&mut self, data: &[f32], layout: &Layout, ctx: &Context) {
-        let Some(mut acc) = self.deferred.take() else {
-            return;
+    /// Fails (changing nothing) only if a new mini-batch's sums cannot be allocated.
+    fn track(&mut self, data: &[f32], layout: &Layout, ctx: &Context) -> Result<(), Error> {
+        const OP: &str = "BatchNorm::forward";
+        let Some(acc) = &self.deferred else {
+            return Ok(());
         };
         let index = ctx.micro_batch().index;
-        if acc.step != Some(ctx.step())
+        let fresh = if acc.step != Some(ctx.step())
             || acc.sum.len() != layout.c
             || acc.seen.len() != ctx.micro_batches()
             || acc.seen.get(index).copied().unwrap_or(false)
         {
-            acc = Deferred {
+            Some(Deferred {
                 step: Some(ctx.step()),
-                seen: vec![false; ctx.micro_batches()],
-                sum: vec![0.0; layout.c],
-                sum_squares: vec![0.0; layout.c],
+                seen: filled(OP, ctx.micro_batches(), false)?,
+                sum: filled(OP, layout.c, 0.0)?,
+                sum_squares: filled(OP, layout.c, 0.0)?,
                 count: 0,
                 tracked: 0,
-            };
-        }
+            })
+        } else {
+            None
+        };
+        let Some(mut acc) = fresh.or_else(|| self.deferred.take()) else {
+            return Ok(());
+        };
         layout.each(|ch, k| {
             let v = f64::from(data[k]);
             acc.sum[ch] += v;
@@ -220,6 +246,7 @@ impl BatchNorm {
             acc = Deferred::default();
         }
         self.deferred = Some(acc);
+        Ok(())
     }
 
     /// The running mean.
@@ -245,12 +272,13 @@ impl Layer<CpuTensor> for BatchNorm {
     ) -> Result<(Batch<CpuTensor>, Saved<CpuTensor>), Error> {
         let x = input.into_single()?;
         let layout = Layout::of(&x, self.features(), "BatchNorm::forward")?;
-        let data = row_major(&x);
+        const OP: &str = "BatchNorm::forward";
+        let data = row_major(&x, OP)?;
         let (w, b) = (self.weight.to_vec(), self.bias.to_vec());
         let cnt = layout.count().max(1) as f32;
         if !ctx.is_training() {
             let (rm, rv) = (self.running_mean.to_vec(), self.running_var.to_vec());
-            let mut y = vec![0.0; data.len()];
+            let mut y = storage::zeros(OP, data.len())?;
             layout.each(|ch, k| {
                 y[k] = w[ch] * (data[k] - rm[ch]) / (rv[ch] + self.eps).sqrt() + b[ch];
             });
@@ -267,15 +295,17 @@ impl Layer<CpuTensor> for BatchNorm {
             .map(|v| (1.0 / (v + f64::from(self.eps)).sqrt()) as f32)
             .collect();
         let mean: Vec<f32> = mean64.iter().map(|&m| m as f32).collect();
+        // The outputs exist before the running statistics change: a failed forward
+        // leaves them as they were.
+        let mut x_hat = storage::zeros(OP, data.len())?;
+        let mut y = storage::zeros(OP, data.len())?;
         if ctx.updates_running_stats() {
             if self.deferred.is_some() {
-                self.track(&data, &layout, ctx);
+                self.track(&data, &layout, ctx)?;
             } else {
                 self.update_running(&mean64, &var, layout.count());
             }
         }
-        let mut x_hat = vec![0.0; data.len()];
-        let mut y = vec![0.0; data.len()];
         layout.each(|ch, k| {
             x_hat[k] = (data[k] - mean[ch]) * inv_std[ch];
             y[k] = w[ch] * x_hat[k] + b[ch];
@@ -301,9 +331,10 @@ impl Layer<CpuTensor> for BatchNorm {
             })?;
         same_shape("BatchNorm::backward", x_hat.shape(), dy.shape())?;
         let layout = Layout::of(&dy, self.features(), "BatchNorm::backward")?;
+        const OP: &str = "BatchNorm::backward";
         let (g, xh, inv, w) = (
-            row_major(&dy),
-            row_major(&x_hat),
+            row_major(&dy, OP)?,
+            row_major(&x_hat, OP)?,
             inv_std.to_vec(),
             self.weight.to_vec(),
         );
@@ -314,7 +345,7 @@ impl Layer<CpuTensor> for BatchNorm {
             sum_dy[ch] += g[k];
             sum_dy_xhat[ch] += g[k] * xh[k];
         });
-        let mut dx = vec![0.0; g.len()];
+        let mut dx = storage::zeros(OP, g.len())?;
         layout.each(|ch, k| {
             dx[k] = w[ch] * inv[ch] / cnt * (cnt * g[k] - sum_dy[ch] - xh[k] * sum_dy_xhat[ch]);
         });

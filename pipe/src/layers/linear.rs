@@ -9,6 +9,7 @@ use crate::layer::{Context, Layer, Param, ParamMut, Saved};
 use crate::matmul::{gemm, splits_exactly, transpose, View, ViewMut};
 use crate::microbatch::Batch;
 use crate::rng::Stream;
+use crate::storage;
 use crate::tensor::Tensor;
 
 /// Up to this many rows the forward pass computes `yᵀ = Wᵀ xᵀ`, streaming a transposed
@@ -66,36 +67,57 @@ impl std::fmt::Debug for Linear {
 impl Linear {
     /// A layer initialised uniformly in `±1/sqrt(inputs)` (PyTorch's default range) from
     /// `seed`: the same seed gives the same weights.
+    ///
+    /// # Panics
+    /// If `inputs * outputs` overflows or the weights cannot be allocated;
+    /// [`try_new`](Linear::try_new) returns those as errors.
     pub fn new(inputs: usize, outputs: usize, seed: u64) -> Self {
+        Linear::try_new(inputs, outputs, seed).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// [`new`](Linear::new), or an error: [`Error::ShapeOverflow`] if `inputs * outputs`
+    /// does not fit in `usize`, [`Error::Alloc`] if the weights exceed `isize::MAX` bytes
+    /// or the allocator refuses them.
+    pub fn try_new(inputs: usize, outputs: usize, seed: u64) -> Result<Self, Error> {
+        const OP: &str = "Linear::new";
         let bound = 1.0 / (inputs.max(1) as f32).sqrt();
         let rng = Stream::new(seed, 0, 0);
         let draw = |row: usize, col: usize| {
             (2.0 * rng.sample(row as u64).uniform(col as u64) - 1.0) * bound
         };
-        let weight = Array2::from_shape_fn((inputs, outputs), |(i, o)| draw(i, o));
-        let bias = Array2::from_shape_fn((1, outputs), |(_, o)| draw(inputs, o));
-        Linear::with_zero_grads(weight, bias)
+        let len = storage::element_count(OP, &[inputs, outputs])?;
+        let weight = (0..inputs).flat_map(|i| (0..outputs).map(move |o| (i, o)));
+        let weight = storage::collect(OP, len, weight.map(|(i, o)| draw(i, o)))?;
+        let bias = storage::collect(OP, outputs, (0..outputs).map(|o| draw(inputs, o)))?;
+        Linear::with_zero_grads(
+            matrix_of(inputs, outputs, weight)?,
+            matrix_of(1, outputs, bias)?,
+        )
     }
 
     /// A layer with the given weight `[inputs, outputs]` and bias `[1, outputs]`.
     pub fn from_parts(weight: Array2<f32>, bias: Array2<f32>) -> Result<Self, Error> {
         same_shape("Linear bias", &[1, weight.ncols()], bias.shape())?;
-        Ok(Linear::with_zero_grads(weight, bias))
+        Linear::with_zero_grads(weight, bias)
     }
 
-    fn with_zero_grads(weight: Array2<f32>, bias: Array2<f32>) -> Self {
-        let (wg, bg) = (
-            Array2::zeros(weight.raw_dim()),
-            Array2::zeros(bias.raw_dim()),
-        );
-        Linear {
+    fn with_zero_grads(weight: Array2<f32>, bias: Array2<f32>) -> Result<Self, Error> {
+        let zeros = |a: &Array2<f32>| {
+            matrix_of(
+                a.nrows(),
+                a.ncols(),
+                storage::zeros("Linear gradient", a.len())?,
+            )
+        };
+        let (wg, bg) = (zeros(&weight)?, zeros(&bias)?);
+        Ok(Linear {
             weight: weight.into(),
             bias: bias.into(),
             weight_grad: wg.into(),
             bias_grad: bg.into(),
             weight_t: Vec::new(),
             deferred: Vec::new(),
-        }
+        })
     }
 
     /// The weight, `[inputs, outputs]`.
@@ -121,7 +143,7 @@ impl Linear {
         let (inputs, outputs) = (self.inputs(), self.outputs());
         if self.weight_t.len() != inputs * outputs {
             let w = contiguous(&self.weight, "Linear weight")?;
-            self.weight_t = vec![0.0; inputs * outputs];
+            self.weight_t = storage::zeros("Linear weight transpose", w.len())?;
             transpose(w, inputs, outputs, &mut self.weight_t, inputs);
         }
         Ok(&self.weight_t)
@@ -169,6 +191,16 @@ impl Linear {
     }
 }
 
+/// A `rows x cols` matrix of row-major `data` (which has `rows * cols` elements).
+fn matrix_of(rows: usize, cols: usize, data: Vec<f32>) -> Result<Array2<f32>, Error> {
+    let got = data.len();
+    Array2::from_shape_vec((rows, cols), data).map_err(|_| Error::Shape {
+        op: "Linear",
+        expected: vec![rows, cols],
+        got: vec![got],
+    })
+}
+
 /// The elements of a standard-layout tensor, in order.
 fn contiguous<'t>(t: &'t CpuTensor, op: &'static str) -> Result<&'t [f32], Error> {
     t.array().as_slice().ok_or_else(|| Error::Shape {
@@ -196,7 +228,8 @@ impl Layer<CpuTensor> for Linear {
         let b = contiguous(&self.bias, "Linear bias")?;
         same_shape("Linear bias", &[outputs], &[b.len()])?;
         // y = 1 bᵀ + x W.
-        let mut y = Vec::with_capacity(rows * outputs);
+        let len = storage::element_count("Linear::forward", &[rows, outputs])?;
+        let mut y = storage::with_capacity("Linear::forward", len)?;
         for _ in 0..rows {
             y.extend_from_slice(b);
         }
@@ -250,7 +283,8 @@ impl Layer<CpuTensor> for Linear {
             // dx = dy Wᵀ.
             let w = View::row_major(contiguous(&self.weight, "Linear weight")?, inputs, outputs);
             let dy_view = View::row_major(dys, rows, outputs);
-            let mut dx = vec![0.0f32; rows * inputs];
+            let len = storage::element_count("Linear::backward", &[rows, inputs])?;
+            let mut dx = storage::zeros("Linear::backward", len)?;
             let out = ViewMut::row_major(&mut dx, rows, inputs);
             if rows <= TRANSPOSED_BACKWARD_ROWS {
                 // As dxᵀ = W dyᵀ: the weight streams through broadcasts, dyᵀ is packed.
@@ -296,9 +330,16 @@ impl Layer<CpuTensor> for Linear {
         // One product over every kept row: the same sums (the kernel splits k exactly),
         // with the weight gradient read and written once. Xᵀ is gathered transposed, so
         // that the kernel's broadcasts run along its rows.
-        let rows: usize = deferred.iter().map(|(x, _)| x.shape()[0]).sum();
-        let mut xt = vec![0.0f32; inputs * rows];
-        let mut dys = Vec::with_capacity(rows * outputs);
+        const OP: &str = "Linear::flush_grads";
+        let rows = deferred
+            .iter()
+            .try_fold(0usize, |n, (x, _)| n.checked_add(x.shape()[0]))
+            .ok_or(Error::ShapeOverflow {
+                op: OP,
+                shape: deferred.iter().map(|(x, _)| x.shape()[0]).collect(),
+            })?;
+        let mut xt = storage::zeros(OP, storage::element_count(OP, &[inputs, rows])?)?;
+        let mut dys = storage::with_capacity(OP, storage::element_count(OP, &[rows, outputs])?)?;
         let mut r0 = 0;
         for (x, dy) in &deferred {
             let len = x.shape()[0];
