@@ -3,8 +3,13 @@
 //! continuation fails the group at once, and `Duration::MAX` means "no timeout".
 
 use collectives::{Buffer, Error, ProcessGroup, ReduceOp, ThreadGroup, Work};
+use std::sync::mpsc;
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
+
+/// How long a rank waits for a peer's signal: far beyond any wait these tests order, so
+/// that reaching it means the signal never came.
+const SIGNAL: Duration = Duration::from_secs(60);
 
 /// Regression (issue 8 item 1): a rank that dropped its group (or failed) while its peers
 /// were still reducing into its buffer returned at once and freed the buffer: SIGSEGV on
@@ -51,60 +56,94 @@ fn dropping_a_group_during_an_all_reduce_frees_no_buffer_in_use() {
     }
 }
 
-/// The same with every rank still waiting and one rank's progress thread failing in the
-/// middle through a timeout: nobody crashes, everybody gets an error.
+/// A rank that arrives after its peers timed out waiting for it gets their timeout, at
+/// once, and touches none of their buffers: they posted their addresses, gave up, and
+/// freed them. The order is forced: rank 1 issues its all-reduce only once ranks 0 and 2
+/// have their errors (their buffers dropped), so every rank must fail with the one
+/// timeout that names rank 1. (Were rank 1 counted as arriving, it would complete the
+/// rendezvous with the freed buffers' addresses and reduce into them.) A rank arriving
+/// at the very moment of the timeout is the loom models' case (`cargo xtask loom`).
 #[test]
-fn a_timeout_while_peers_reduce_ends_in_errors_not_crashes() {
-    const LEN: usize = 8 << 20;
-    let groups = ThreadGroup::create(3, Duration::from_millis(200)).unwrap();
-    let results: Vec<collectives::Result<Buffer>> = std::thread::scope(|s| {
-        let handles: Vec<_> = groups
-            .into_iter()
-            .map(|g| {
-                s.spawn(move || {
-                    if g.rank() == 1 {
-                        // Arrives late: the others time out waiting for it (or not).
-                        std::thread::sleep(Duration::from_millis(190));
-                    }
-                    g.all_reduce(Buffer::F32(vec![1.0; LEN]), ReduceOp::Sum)
-                        .wait()
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    let oks = results.iter().filter(|r| r.is_ok()).count();
-    assert!(
-        oks == 0 || oks == 3,
-        "either the operation completed everywhere or failed everywhere: {results:?}"
+fn a_rank_arriving_after_its_peers_timed_out_fails_without_touching_their_buffers() {
+    const LEN: usize = 8 << 20; // 32 MiB of f32 per rank: freed memory is unmapped
+    let timeout = Duration::from_millis(300);
+    let mut groups = ThreadGroup::create(3, timeout).unwrap().into_iter();
+    let (g0, g1, g2) = (
+        groups.next().unwrap(),
+        groups.next().unwrap(),
+        groups.next().unwrap(),
     );
+    let (timed_out, gave_up) = mpsc::channel::<usize>();
+    let results: Vec<collectives::Result<Buffer>> = std::thread::scope(|s| {
+        let waiting = [g0, g2].map(|g| {
+            let timed_out = timed_out.clone();
+            s.spawn(move || {
+                let r = g
+                    .all_reduce(Buffer::F32(vec![1.0; LEN]), ReduceOp::Sum)
+                    .wait();
+                // The work's buffer is gone (freed, or handed back in `r`) by now.
+                let _ = timed_out.send(g.rank());
+                r
+            })
+        });
+        let late = s.spawn(move || {
+            for _ in 0..2 {
+                gave_up
+                    .recv_timeout(SIGNAL)
+                    .expect("ranks 0 and 2 never returned from their all-reduce");
+            }
+            g1.all_reduce(Buffer::F32(vec![1.0; LEN]), ReduceOp::Sum)
+                .wait()
+        });
+        let [r0, r2] = waiting.map(|h| h.join().unwrap());
+        vec![r0, late.join().unwrap(), r2]
+    });
+    let first = match &results[0] {
+        Err(e @ Error::Timeout { missing, .. }) if missing == &[1] => e.clone(),
+        other => panic!("rank 0: expected a timeout naming rank 1, got {other:?}"),
+    };
+    for (rank, r) in results.iter().enumerate() {
+        match r {
+            Err(e) => assert_eq!(e, &first, "rank {rank} got another error"),
+            Ok(_) => panic!("rank {rank} completed an all-reduce its peers had left"),
+        }
+    }
 }
 
 /// Regression (issue 8 item 4): a panicking continuation killed the rank's progress
 /// thread without failing the group, so its peers waited out the whole timeout (30
 /// minutes by default). Now the group fails at once, naming the rank.
+///
+/// Rank 1 joins the first all-reduce only once rank 0 has chained its continuation, so
+/// the continuation is chained to pending work and runs (and panics) on rank 0's
+/// progress thread; chained to finished work, it would run on rank 0's own thread
+/// instead.
 #[test]
 fn a_panicking_continuation_fails_the_group_at_once() {
     let groups = ThreadGroup::create(2, Duration::from_secs(120)).unwrap();
     let started = Instant::now();
+    let (chained_tx, chained_rx) = mpsc::channel::<()>();
+    let chained_rx = std::sync::Mutex::new(chained_rx);
     let results: Vec<collectives::Result<Buffer>> = std::thread::scope(|s| {
         let handles: Vec<_> = groups
             .into_iter()
             .map(|g| {
+                let chained_tx = chained_tx.clone();
+                let chained_rx = &chained_rx;
                 s.spawn(move || {
                     if g.rank() == 1 {
-                        // Joins late, so that rank 0 chains its continuation while the
-                        // all-reduce is still pending and the continuation runs on the
-                        // progress thread (chained to finished work, it would run, and
-                        // panic, on this thread instead: a race a slow run, such as
-                        // under AddressSanitizer, lost).
-                        std::thread::sleep(Duration::from_millis(300));
+                        chained_rx
+                            .lock()
+                            .unwrap()
+                            .recv_timeout(SIGNAL)
+                            .expect("rank 0 never chained its continuation");
                     }
                     let first = g.all_reduce(Buffer::F32(vec![1.0; 4]), ReduceOp::Sum);
                     if g.rank() == 0 {
                         let chained: Work<()> = first.then(|_| -> collectives::Result<()> {
                             panic!("a bug in a continuation")
                         });
+                        chained_tx.send(()).unwrap();
                         assert!(chained.wait().is_err());
                     } else {
                         first.wait().unwrap();
@@ -125,7 +164,9 @@ fn a_panicking_continuation_fails_the_group_at_once() {
     );
     for r in results {
         match r {
-            Err(Error::PeerLost { rank: 0, why }) => assert!(why.contains("panicked"), "{why}"),
+            Err(Error::PeerLost { rank: 0, why }) => {
+                assert!(why.contains("progress thread panicked"), "{why}")
+            }
             other => panic!("expected PeerLost naming rank 0, got {other:?}"),
         }
     }

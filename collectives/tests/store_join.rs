@@ -112,41 +112,73 @@ fn a_world_size_disagreement_fails_every_rank_naming_both() {
     );
 }
 
+/// How many client connections to `127.0.0.1:port` this host has established, from
+/// the kernel's table of TCP sockets (`/proc/net/tcp`): each rank's store holds one
+/// while it lives, rank 0's included.
+#[cfg(target_os = "linux")]
+fn clients_connected_to(port: u16) -> usize {
+    let table = std::fs::read_to_string("/proc/net/tcp").expect("reading /proc/net/tcp");
+    // The kernel prints an address as the hex of its four bytes read in host order.
+    let remote = format!("{:08X}:{port:04X}", u32::from_ne_bytes([127, 0, 0, 1]));
+    table
+        .lines()
+        .skip(1)
+        .filter(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            // `rem_address` is the third field, `st` the fourth; 01 is ESTABLISHED.
+            fields.len() > 3 && fields[2] == remote && fields[3] == "01"
+        })
+        .count()
+}
+
+/// Polls `done` every few milliseconds until it holds; panics naming `what` if
+/// [`PROMPT`] passes first.
+fn poll_until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + PROMPT;
+    while !done() {
+        assert!(Instant::now() < deadline, "{what}: not within {PROMPT:?}");
+        thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// Regression (a flake under AddressSanitizer): rank 0 failed the rendezvous as soon as
+/// rank 1 disagreed, dropped its store, and rank 2, starting a moment later, found no
+/// server and retried until its own timeout. The failed server now serves on, for its
+/// grace period, until every rank has asked to join.
+///
+/// The order is forced, from the kernel's table of connections (Linux): rank 1 starts
+/// once rank 0's store is connected to its server, and rank 2 once rank 1 has its error
+/// and no store is connected any more, so rank 0 has dropped its own (whose connection
+/// closes before its server stops) and only its failed server, still serving, can
+/// answer rank 2.
+#[cfg(target_os = "linux")]
 #[test]
 fn a_rank_that_starts_after_the_failure_is_told_why() {
-    // Regression (a flake under AddressSanitizer): rank 0 failed the rendezvous as soon
-    // as rank 1 disagreed, dropped its store, and rank 2, starting a moment later, found
-    // no server and retried until its own timeout. The failed server now serves on,
-    // for its grace period, until every rank has asked to join.
     let port = free_port();
     let start = Instant::now();
-    let (early, late) = thread::scope(|s| {
-        let early: Vec<_> = [(0, "3"), (1, "2")]
-            .into_iter()
-            .map(|(rank, world_size)| {
-                s.spawn(move || {
-                    let outcome = rank_env(rank, world_size, port).connect_store(T).map(drop);
-                    (outcome, start.elapsed())
-                })
-            })
-            .collect();
-        // Rank 1 is refused at once; rank 2 starts after that.
-        while !early[1].is_finished() {
-            thread::sleep(Duration::from_millis(5));
-        }
-        thread::sleep(Duration::from_millis(300));
-        let late = s.spawn(move || {
-            let outcome = rank_env(2, "3", port).connect_store(T).map(drop);
+    let rank = |rank: usize, world_size: &'static str| {
+        move || {
+            let outcome = rank_env(rank, world_size, port).connect_store(T).map(drop);
             (outcome, start.elapsed())
+        }
+    };
+    let outcomes = thread::scope(|s| {
+        let rank0 = s.spawn(rank(0, "3"));
+        poll_until("rank 0's store connecting to its server", || {
+            clients_connected_to(port) == 1
         });
-        let early: Vec<_> = early
-            .into_iter()
-            .map(|t| t.join().expect("a rank panicked"))
-            .collect();
-        (early, late.join().expect("rank 2 panicked"))
+        let rank1 = s.spawn(rank(1, "2"));
+        poll_until("rank 1 refused", || rank1.is_finished());
+        poll_until("rank 0 dropping its store", || {
+            clients_connected_to(port) == 0
+        });
+        assert!(
+            !rank0.is_finished(),
+            "rank 0's failed server stopped before every rank had asked to join"
+        );
+        let rank2 = s.spawn(rank(2, "3"));
+        [rank0, rank1, rank2].map(|t| t.join().expect("a rank panicked"))
     });
-    let mut outcomes = early;
-    outcomes.push(late);
     every_rank_fails(
         &outcomes,
         &[0, 1],

@@ -226,12 +226,38 @@ fn the_byte_quota_rejects_with_a_typed_error() -> Result<()> {
     Ok(())
 }
 
+/// Polls what `stream` has received, without reading it, until the count has stayed
+/// the same for a while (the sender is stuck: the receive window is closed) or
+/// [`SOON`] passes; the count.
+fn received_stops_growing(stream: &TcpStream, at_most: usize) -> std::io::Result<usize> {
+    const STILL_FOR: u32 = 5;
+    let mut buf = vec![0u8; at_most];
+    let (mut last, mut still) = (0, 0);
+    let deadline = Instant::now() + SOON;
+    while Instant::now() < deadline {
+        // Blocks, up to the read timeout, only while nothing has arrived.
+        let now = stream.peek(&mut buf)?;
+        still = if now == last { still + 1 } else { 0 };
+        last = now;
+        if now > 0 && still >= STILL_FOR {
+            break;
+        }
+        thread::sleep(Duration::from_millis(20));
+    }
+    Ok(last)
+}
+
+/// Regression: dropping the server took 26 s while one client did not read its reply
+/// (the write timeout applied per system call). The server is dropped only once it is
+/// seen stuck in that reply's write (the client holds the reply's first bytes, and no
+/// more arrive), and its reply timeout is far longer than the bound on the drop, so the
+/// drop must cut the connection rather than wait the write out.
 #[test]
 fn dropping_the_server_is_prompt_while_a_client_does_not_read() -> Result<()> {
-    // Regression: dropping the server took 26 s while one client did not read its
-    // reply (the write timeout applied per system call).
+    const REPLY_TIMEOUT: Duration = Duration::from_secs(60);
     let mut limits = StoreLimits::default();
     limits.shutdown_grace = Duration::from_millis(500);
+    limits.reply_timeout = REPLY_TIMEOUT;
     limits.max_bytes = 256 << 20;
     let mut options = StoreOptions::default();
     options.limits = limits;
@@ -254,8 +280,14 @@ fn dropping_the_server_is_prompt_while_a_client_does_not_read() -> Result<()> {
         "{:?}",
         stats(&server)
     );
-    // Give the server time to fill the socket buffers and block in its write.
-    thread::sleep(Duration::from_millis(300));
+    // The hello's reply and part of the value's: the server is inside the value's write,
+    // which cannot finish while the client does not read.
+    let received = received_stops_growing(&stuck, value.len())
+        .map_err(|e| Error::io("peeking at the reply", e))?;
+    assert!(
+        received > 64 && received < value.len(),
+        "the client holds {received} bytes: the server is not stuck in its reply"
+    );
     let start = Instant::now();
     drop(server);
     let took = start.elapsed();

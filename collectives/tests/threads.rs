@@ -5,9 +5,39 @@ use collectives::{
     run_local, run_local_with_timeout, Buffer, Error, ProcessGroup, ReduceOp, ThreadGroup,
 };
 use half::{bf16, f16};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 const SHORT: Duration = Duration::from_secs(1);
+
+/// How long a rank waits for a peer's [`Signals`]: far beyond any wait these tests
+/// order, so that reaching it means the signal never came.
+const SIGNAL: Duration = Duration::from_secs(60);
+
+/// Signals between the threads of a test, counted, each wait bounded: what orders the
+/// ranks' steps where the property needs one order.
+#[derive(Default)]
+struct Signals {
+    count: Mutex<usize>,
+    changed: Condvar,
+}
+
+impl Signals {
+    fn send(&self) {
+        *self.count.lock().unwrap() += 1;
+        self.changed.notify_all();
+    }
+
+    /// Waits until `n` signals have been sent; panics if [`SIGNAL`] passes first.
+    fn wait_for(&self, n: usize, what: &str) {
+        let count = self.count.lock().unwrap();
+        let (count, timeout) = self
+            .changed
+            .wait_timeout_while(count, SIGNAL, |count| *count < n)
+            .unwrap();
+        assert!(!timeout.timed_out(), "{what}: {} of {n} signals", *count);
+    }
+}
 
 /// Rank r's input: distinct, exactly representable values.
 fn input(rank: usize, len: usize) -> Vec<f64> {
@@ -474,28 +504,53 @@ fn max_and_min_propagate_nan_whichever_rank_holds_it() {
     }
 }
 
+/// A continuation that owns the last handle of its group drops it on the group's own
+/// worker thread, where `Drop` must not join the worker (itself): the work still
+/// completes with its result, and nothing panics.
+///
+/// The order is forced: ranks 0 and 1 chain the continuation to their pending all-reduce
+/// and drop their own handle, and only then does rank 2 join the all-reduce, so each
+/// continuation runs on its rank's worker, holding the last handle.
 #[test]
 fn the_last_handle_dropped_inside_its_own_continuation() {
-    // A continuation that owns the last handle of its group drops it on the group's own
-    // worker thread: the work still completes with its result, and nothing panics.
-    let out = run_local_with_timeout(2, Duration::from_secs(5), |g| {
-        let g = std::sync::Arc::new(g);
-        if g.rank() == 1 {
-            std::thread::sleep(Duration::from_millis(100));
+    let handles_dropped = Signals::default();
+    let out = run_local_with_timeout(3, Duration::from_secs(20), |g| {
+        let rank = g.rank();
+        if rank == 2 {
+            handles_dropped.wait_for(2, "ranks 0 and 1 dropping their handles");
+            let sum = g
+                .all_reduce(Buffer::F32(vec![1.0; 4]), ReduceOp::Sum)
+                .wait();
+            return sum.map(|sum| (sum, None));
         }
+        let g = Arc::new(g);
         let keep = g.clone();
         let work = g
             .all_reduce(Buffer::F32(vec![1.0; 4]), ReduceOp::Sum)
             .then(move |r| {
-                let _last = keep;
-                r
+                // Where it runs, and whether `keep` is the last handle.
+                let seen = (
+                    std::thread::current().name().map(String::from),
+                    Arc::strong_count(&keep),
+                );
+                drop(keep);
+                r.map(|sum| (sum, Some(seen)))
             });
         drop(g);
+        handles_dropped.send();
         work.wait()
     })
     .unwrap();
-    for got in out.into_iter().map(ok) {
-        assert_eq!(got, Buffer::F32(vec![2.0; 4]));
+    for (rank, got) in out.into_iter().map(ok).enumerate() {
+        assert_eq!(got.0, Buffer::F32(vec![3.0; 4]), "rank {rank}");
+        if rank < 2 {
+            let worker = format!("collectives-rank-{rank}");
+            assert_eq!(
+                got.1,
+                Some((Some(worker), 1)),
+                "rank {rank}: the continuation should run on the worker with the last handle"
+            );
+        }
     }
 }
 
@@ -576,29 +631,41 @@ fn an_argument_one_rank_rejects_fails_its_peers_at_once() {
     assert_prompt(start);
 }
 
+/// Rank 0 asks for [0, 1], rank 1 for [1, 0]: the second to ask gets a mismatch, and
+/// the first, which got a subgroup, fails at its first operation on it, not by the
+/// timeout. The order is forced: rank 1 asks only once rank 0 has its subgroup and has
+/// started a barrier on it, which rank 1's mismatch must end.
 #[test]
 fn new_group_with_different_lists_fails_every_member_at_once() {
-    // Rank 0 asks for [0, 1], rank 1 for [1, 0]: the second to ask gets a mismatch, and
-    // the first, which got a subgroup, fails at its first operation on it, not by the
-    // timeout.
     let start = Instant::now();
+    let barrier_started = Signals::default();
     let out = run_local_with_timeout(2, Duration::from_secs(20), |g| {
-        if g.rank() == 1 {
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let list: &[usize] = if g.rank() == 0 { &[0, 1] } else { &[1, 0] };
-        match g.new_group(list) {
-            Ok(Some(sub)) => sub.barrier().wait().map(|_| "barrier"),
-            Ok(None) => Ok("outside"),
-            Err(e) => Err(e),
+        if g.rank() == 0 {
+            let sub = match g.new_group(&[0, 1]) {
+                Ok(Some(sub)) => sub,
+                Ok(None) => panic!("rank 0 asks first: expected its subgroup, got none"),
+                Err(e) => panic!("rank 0 asks first: expected its subgroup, got {e}"),
+            };
+            let barrier = sub.barrier();
+            barrier_started.send();
+            barrier.wait()
+        } else {
+            barrier_started.wait_for(1, "rank 0 starting its barrier");
+            match g.new_group(&[1, 0]) {
+                Err(e) => Err(e),
+                Ok(other) => panic!(
+                    "rank 1 asks second: expected a mismatch, got a group: {}",
+                    other.is_some()
+                ),
+            }
         }
     })
     .unwrap();
-    for r in out {
+    for (rank, r) in out.into_iter().enumerate() {
         let r = r.unwrap();
         assert!(
-            matches!(&r, Err(Error::Mismatch(m)) if m.contains("new_group")),
-            "{r:?}"
+            matches!(&r, Err(Error::Mismatch(m)) if m.contains("new_group call 0: rank 1 asked for [1, 0]")),
+            "rank {rank}: {r:?}"
         );
     }
     assert_prompt(start);

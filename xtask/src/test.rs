@@ -1,5 +1,10 @@
 //! `cargo xtask test`: every test that can run on this machine, and a line for each
-//! optional suite that cannot.
+//! optional suite that cannot. The CUDA tests' output is scanned for their `skipped:`
+//! lines (a GPU test that cannot run here passes after printing one), and the summary
+//! says how many there were and why.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Command, Stdio};
 
 use crate::{cargo, on_path, run_status, Failure};
 
@@ -70,9 +75,11 @@ pub fn run(args: &[String]) -> Result<(), Failure> {
         return Err(Failure(format!("`test` takes no arguments, got `{a}`")));
     }
     run_status(cargo(&["test", "--workspace"]))?;
+    // The reason of each GPU test that printed `skipped:` in the CUDA runs below.
+    let mut gpu_skips = Vec::new();
     // The CUDA backend's tests, compiled with the `cuda` feature. Without a GPU they
     // prove that a missing driver is a clean error, and print `skipped: no CUDA driver`.
-    run_status(cargo(&[
+    gpu_skips.extend(run_counting_skips(cargo(&[
         "test",
         "-p",
         "lowrank",
@@ -84,9 +91,9 @@ pub fn run(args: &[String]) -> Result<(), Failure> {
         "--",
         "cuda",
         "--nocapture",
-    ]))?;
+    ]))?);
     // The same for PowerSGD on CUDA buckets and for the NCCL backend.
-    run_status(cargo(&[
+    gpu_skips.extend(run_counting_skips(cargo(&[
         "test",
         "-p",
         "ddp-hooks",
@@ -96,8 +103,8 @@ pub fn run(args: &[String]) -> Result<(), Failure> {
         "cuda",
         "--",
         "--nocapture",
-    ]))?;
-    run_status(cargo(&[
+    ]))?);
+    gpu_skips.extend(run_counting_skips(cargo(&[
         "test",
         "-p",
         "collectives",
@@ -109,7 +116,7 @@ pub fn run(args: &[String]) -> Result<(), Failure> {
         "threads_cuda",
         "--",
         "--nocapture",
-    ]))?;
+    ]))?);
     // The embedding features: the candle adapters (ddp-hooks, pipe) and pipeline × data
     // parallel (ddp-hooks' `pipe` feature).
     run_status(cargo(&[
@@ -152,8 +159,169 @@ pub fn run(args: &[String]) -> Result<(), Failure> {
         );
     }
     println!(
-        "xtask test: all suites passed ({} optional suite(s) skipped)",
-        skipped.len()
+        "xtask test: all suites passed ({} optional suite(s) skipped); {}",
+        skipped.len(),
+        gpu_summary(&gpu_skips)
     );
     Ok(())
+}
+
+/// Runs `cmd` as [`run_status`] does (a failure names it, with its exit status), its
+/// standard output passed through to ours line by line as it comes (standard error is
+/// inherited), and returns the reason of each line that reports a skipped test
+/// ([`skip_reason`]).
+fn run_counting_skips(cmd: Command) -> Result<Vec<String>, Failure> {
+    run_teeing(cmd, &mut std::io::stdout())
+}
+
+/// [`run_counting_skips`], passing the output to `out`.
+fn run_teeing(mut cmd: Command, out: &mut impl Write) -> Result<Vec<String>, Failure> {
+    let shown = format!("{cmd:?}");
+    eprintln!("xtask: running {shown}");
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .spawn()
+        .map_err(|e| Failure(format!("could not start {shown}: {e}")))?;
+    let mut reasons = Vec::new();
+    let mut read_error = None;
+    if let Some(stdout) = child.stdout.take() {
+        let mut reader = BufReader::new(stdout);
+        let mut line = Vec::new();
+        loop {
+            line.clear();
+            match reader.read_until(b'\n', &mut line) {
+                Ok(0) => break,
+                Ok(_) => {
+                    // Shown even if it is not UTF-8; a closed terminal does not stop
+                    // the run, whose output is still read to its end.
+                    let _ = out.write_all(&line).and_then(|()| out.flush());
+                    if let Some(reason) = skip_reason(&String::from_utf8_lossy(&line)) {
+                        reasons.push(reason.to_owned());
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    // Closing the pipe (dropping the reader) ends the child's writes
+                    // rather than leaving it blocked on a full pipe.
+                    read_error = Some(e);
+                    break;
+                }
+            }
+        }
+    }
+    let status = child
+        .wait()
+        .map_err(|e| Failure(format!("could not wait for {shown}: {e}")))?;
+    if !status.success() {
+        return Err(Failure(format!("{shown} failed with {status}")));
+    }
+    if let Some(e) = read_error {
+        return Err(Failure(format!("reading the output of {shown}: {e}")));
+    }
+    Ok(reasons)
+}
+
+/// The reason in a line that reports a skipped test: one that starts with `skipped:`,
+/// or holds it right after libtest's `test NAME ... ` (a result line that another
+/// test's output broke into, as happens with `--nocapture`).
+fn skip_reason(line: &str) -> Option<&str> {
+    let line = line.trim_end();
+    let rest = line.strip_prefix("skipped:").or_else(|| {
+        line.strip_prefix("test ")
+            .and_then(|test| test.split_once(" ... skipped:"))
+            .map(|(_, rest)| rest)
+    })?;
+    Some(rest.trim())
+}
+
+/// The summary of the GPU tests skipped: how many, and why (the reasons without their
+/// details in parentheses, most frequent first, each with its count when they differ),
+/// e.g. `14 GPU test(s) skipped: no CUDA driver`.
+fn gpu_summary(reasons: &[String]) -> String {
+    let mut counts: Vec<(&str, usize)> = Vec::new();
+    for reason in reasons {
+        let short = reason.split(" (").next().unwrap_or(reason).trim();
+        match counts.iter_mut().find(|(r, _)| *r == short) {
+            Some((_, n)) => *n += 1,
+            None => counts.push((short, 1)),
+        }
+    }
+    // Stable: reasons equally frequent keep the order they were first seen in.
+    counts.sort_by_key(|&(_, n)| std::cmp::Reverse(n));
+    let why = match counts.as_slice() {
+        [] => String::new(),
+        [(only, _)] => format!(": {only}"),
+        several => {
+            let parts: Vec<String> = several.iter().map(|(r, n)| format!("{r} ({n})")).collect();
+            format!(": {}", parts.join(", "))
+        }
+    };
+    format!("{} GPU test(s) skipped{why}", reasons.len())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn skip_lines_are_found_alone_or_after_a_broken_result_line() {
+        assert_eq!(
+            skip_reason("skipped: no CUDA driver\n"),
+            Some("no CUDA driver")
+        );
+        assert_eq!(
+            skip_reason("test nccl_all_reduce ... skipped: no NCCL library"),
+            Some("no NCCL library")
+        );
+        assert_eq!(skip_reason("test nccl_all_reduce ... ok"), None);
+        assert_eq!(skip_reason("  skipped: indented, so not a skip line"), None);
+        assert_eq!(skip_reason("running 9 tests"), None);
+    }
+
+    /// The output passes through, the skip lines are counted, and a failing command is
+    /// still a failure naming its status.
+    #[cfg(unix)]
+    #[test]
+    fn a_run_streams_its_output_counts_its_skips_and_keeps_its_status() {
+        let script = |exit: u8| {
+            let mut cmd = Command::new("sh");
+            cmd.args([
+                "-c",
+                &format!(
+                    "echo 'skipped: no CUDA driver'; echo 'test a ... ok'; \
+                     echo 'test b ... skipped: no NCCL library (dlopen)'; exit {exit}"
+                ),
+            ]);
+            cmd
+        };
+        let mut out = Vec::new();
+        let reasons = run_teeing(script(0), &mut out).expect("exit 0 passes");
+        assert_eq!(reasons, ["no CUDA driver", "no NCCL library (dlopen)"]);
+        assert_eq!(
+            String::from_utf8_lossy(&out),
+            "skipped: no CUDA driver\ntest a ... ok\ntest b ... skipped: no NCCL library (dlopen)\n"
+        );
+        let failed = run_teeing(script(3), &mut Vec::new()).expect_err("exit 3 fails");
+        assert!(
+            failed.0.contains("failed with exit status: 3"),
+            "{}",
+            failed.0
+        );
+    }
+
+    #[test]
+    fn the_summary_counts_every_skip_and_groups_the_reasons() {
+        assert_eq!(gpu_summary(&[]), "0 GPU test(s) skipped");
+        let driver = |n| vec!["no CUDA driver (DriverError(CUDA_ERROR_NO_DEVICE))".to_owned(); n];
+        assert_eq!(
+            gpu_summary(&driver(14)),
+            "14 GPU test(s) skipped: no CUDA driver"
+        );
+        let mut mixed = vec!["libnvrtc not found".to_owned()];
+        mixed.extend(driver(2));
+        assert_eq!(
+            gpu_summary(&mixed),
+            "3 GPU test(s) skipped: no CUDA driver (2), libnvrtc not found (1)"
+        );
+    }
 }
