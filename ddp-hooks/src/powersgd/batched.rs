@@ -34,21 +34,20 @@
 //! that trade places are not detected, and a state saved without a recorded layout is
 //! checked for its length only.
 
-use super::progress::{
-    count_nonfinite, in_flight, lock, observe_nonfinite, refill_key, warn_if_flagged, Progress,
-};
-use super::sequence::Sequencer;
-use super::state::{layout_mismatch, same_layout, shapes_of, SavedBucket};
-use super::{PowerSgdConfig, PowerSgdState};
-use crate::{CommBackend, CommHook, CompressionStats, Error, GradBucket, HookState, Result};
+use super::config::PowerSgdConfig;
+use super::core::{comm_hook, zeroed, Core, Lease, Memory};
+use super::plan::{layout_mismatch, same_layout, shapes_of};
+use super::progress::refill_key;
+use super::state::{PowerSgdState, SavedBucket};
+use crate::{CommBackend, CompressionStats, Error, GradBucket, Result};
 use collectives::{ProcessGroup, ReduceOp, Work};
 use lowrank::{Backend, Dims};
-use std::collections::{BTreeMap, BTreeSet};
-use std::sync::{Arc, Mutex};
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 /// One bucket's memory: its error and the factors as the last completed step left them,
 /// and the buffers a step works in.
-struct Memory<B: Backend> {
+struct BatchedMemory<B: Backend> {
     len: usize,
     /// The parameter shapes of the layout the memory was built for; `None` after loading
     /// a state saved without them, until the next step records the layout it meets.
@@ -65,25 +64,39 @@ struct Memory<B: Backend> {
     /// The step's non-finite flag (one element; see the per-layer hook's), kept like
     /// `padded`.
     flag: Option<B::Buffer<f32>>,
-    /// The count of held steps (one element, on the backend).
-    count: B::Buffer<f32>,
 }
 
-struct Inner<B: Backend> {
-    progress: Progress,
-    memory: BTreeMap<usize, Memory<B>>,
-    /// The buckets with a compressed step in flight: taken by `start`, released by the
-    /// step's last continuation whether it succeeded or failed.
-    busy: BTreeSet<usize>,
+impl<B: Backend + 'static> Memory<B> for BatchedMemory<B> {
+    /// Nothing to drop: without warm start `Q` is redrawn into the memory by every step.
+    fn after_failure(&mut self, _config: &PowerSgdConfig) {}
+
+    fn save(&self, be: &B, _index: usize) -> Result<Option<SavedBucket>> {
+        let host = |b: &B::Buffer<f32>| -> Result<Vec<f32>> {
+            let mut v = vec![0.0; B::buffer_len(b)];
+            be.download(B::view(b, ..)?, &mut v)?;
+            Ok(v)
+        };
+        Ok(Some(SavedBucket {
+            len: self.len,
+            layout: self.layout.clone(),
+            error: match &self.error {
+                Some(e) => host(e)?,
+                None => Vec::new(),
+            },
+            p: host(&self.p)?,
+            q: host(&self.q)?,
+        }))
+    }
+
+    fn keep_flag(&mut self, flag: B::Buffer<f32>) {
+        self.flag = Some(flag);
+    }
 }
 
 /// The batched PowerSGD hook. Same configuration and statistics as [`super::PowerSgd`];
 /// `batch_tensors_with_same_shape` and `min_compression_rate` do not apply.
 pub struct BatchedPowerSgd<B: CommBackend> {
-    backend: Arc<B>,
-    group: Arc<dyn ProcessGroup>,
-    inner: Arc<Mutex<Inner<B>>>,
-    sequence: Sequencer,
+    core: Core<B, BatchedMemory<B>>,
 }
 
 /// `side = ceil(sqrt(len))`, exactly, for every `len` (squares in `u128`: a saved state
@@ -101,6 +114,9 @@ fn side_of(len: usize) -> usize {
 }
 
 impl<B: CommBackend> BatchedPowerSgd<B> {
+    /// The name in hook specs and [`CommHook::name`](crate::CommHook::name).
+    const SPEC_NAME: &'static str = "batched_powersgd";
+
     /// A hook with `config` (validated) over `group`.
     pub fn new(
         backend: Arc<B>,
@@ -109,39 +125,25 @@ impl<B: CommBackend> BatchedPowerSgd<B> {
     ) -> Result<Self> {
         config.validate()?;
         Ok(BatchedPowerSgd {
-            backend,
-            group,
-            inner: Arc::new(Mutex::new(Inner {
-                progress: Progress::new(config),
-                memory: BTreeMap::new(),
-                busy: BTreeSet::new(),
-            })),
-            sequence: Sequencer::default(),
+            core: Core::new(backend, group, config),
         })
     }
 
     /// The hyperparameters.
     pub fn config(&self) -> PowerSgdConfig {
-        lock(&self.inner).progress.config.clone()
+        self.core.config()
     }
 
     /// Synchronised steps seen so far.
     pub fn iteration(&self) -> u64 {
-        lock(&self.inner).progress.iter
+        self.core.iteration()
     }
 
     /// The statistics as PyTorch counts them for the batched hook: the bucket length
-    /// before, `2 · side · rank` (the unclamped rank) after.
-    /// Held steps (non-finite values) are counted as by the per-layer hook.
+    /// before, `2 · side · rank` (the unclamped rank) after; held steps (non-finite
+    /// values) are counted as by the per-layer hook.
     pub fn compression_stats(&self) -> CompressionStats {
-        let mut g = lock(&self.inner);
-        let g = &mut *g;
-        let counts = g.memory.values().map(|m| &m.count);
-        let nonfinite = observe_nonfinite(&*self.backend, &mut g.progress, counts);
-        CompressionStats {
-            nonfinite_steps: nonfinite,
-            ..g.progress.compression_stats()
-        }
+        self.core.compression_stats()
     }
 
     /// A hook that continues from `state` (saved by [`BatchedPowerSgd::save`]) over
@@ -166,87 +168,33 @@ impl<B: CommBackend> BatchedPowerSgd<B> {
     /// keeps), checked and uploaded before anything changes, so a failure leaves the hook
     /// as it was.
     fn restore(&self, state: PowerSgdState) -> Result<()> {
-        state.validate()?;
-        let config = self.config();
-        let batch = config.batch_tensors_with_same_shape;
-        let comparable = PowerSgdConfig {
-            batch_tensors_with_same_shape: batch,
-            ..state.config.clone()
-        };
-        if comparable != config {
-            return Err(Error::State(format!(
-                "the state was saved with {:?}, this hook has {config:?}",
-                state.config
-            )));
-        }
-        let be = &*self.backend;
-        let r = config.matrix_approximation_rank;
-        let mut memory = BTreeMap::new();
-        for (&index, saved) in &state.buckets {
-            if let Some(shapes) = &saved.layout {
-                let total = crate::Layout::packed(shapes).map(|l| l.len());
-                if total.as_ref().ok() != Some(&saved.len) {
-                    return Err(Error::State(format!(
-                        "bucket {index} of {} elements: its recorded layout of {} parameters {}",
-                        saved.len,
-                        shapes.len(),
-                        match total {
-                            Ok(t) => format!("holds {t} elements"),
-                            Err(e) => format!("is invalid ({e})"),
-                        }
-                    )));
-                }
+        self.core.restore(state, |be, config, state| {
+            let mut memory = BTreeMap::new();
+            for (&index, saved) in &state.buckets {
+                check_saved(config, index, saved)?;
+                let side = side_of(saved.len);
+                let error = if config.use_error_feedback {
+                    Some(be.upload(&saved.error)?)
+                } else {
+                    None
+                };
+                let padded = be.try_alloc(side.saturating_mul(side))?;
+                memory.insert(
+                    index,
+                    BatchedMemory {
+                        len: saved.len,
+                        layout: saved.layout.clone(),
+                        error,
+                        p: be.upload(&saved.p)?,
+                        q: be.upload(&saved.q)?,
+                        padded: Some(padded),
+                        work: None,
+                        flag: None,
+                    },
+                );
             }
-            let side = side_of(saved.len);
-            let square = side.checked_mul(side);
-            let thin = side.checked_mul(r);
-            let error_len = if config.use_error_feedback {
-                square
-            } else {
-                Some(0)
-            };
-            for (what, has, needs) in [
-                ("error", saved.error.len(), error_len),
-                ("p", saved.p.len(), thin),
-                ("q", saved.q.len(), thin),
-            ] {
-                if Some(has) != needs {
-                    return Err(Error::State(format!(
-                        "bucket {index} of {} elements: the saved {what} holds {has} elements, the batched hook needs {}",
-                        saved.len,
-                        needs.map_or("more than fit in memory".into(), |n| n.to_string())
-                    )));
-                }
-            }
-            let error = if config.use_error_feedback {
-                Some(be.upload(&saved.error)?)
-            } else {
-                None
-            };
-            let padded = be.try_alloc(square.unwrap_or(usize::MAX))?;
-            memory.insert(
-                index,
-                Memory {
-                    len: saved.len,
-                    layout: saved.layout.clone(),
-                    error,
-                    p: be.upload(&saved.p)?,
-                    q: be.upload(&saved.q)?,
-                    padded: Some(padded),
-                    work: None,
-                    flag: None,
-                    count: super::hook::zeroed(be, 1)?,
-                },
-            );
-        }
-        let mut g = lock(&self.inner);
-        if let Some(&index) = g.busy.iter().next() {
-            return Err(in_flight(index));
-        }
-        g.progress = Progress::from_state(&state);
-        g.progress.config.batch_tensors_with_same_shape = batch;
-        g.memory = memory;
-        Ok(())
+            Ok(memory)
+        })
     }
 
     /// The whole state except the process group (same format as [`super::PowerSgd`]'s).
@@ -254,74 +202,36 @@ impl<B: CommBackend> BatchedPowerSgd<B> {
     /// flight is [`Error::Bucket`]; after a failed step (its work has returned the error)
     /// the memories save as they were before that step.
     pub fn save(&self) -> Result<PowerSgdState> {
-        let g = lock(&self.inner);
-        if let Some(&index) = g.busy.iter().next() {
-            return Err(in_flight(index));
-        }
-        let host = |b: &B::Buffer<f32>| -> Result<Vec<f32>> {
-            let mut v = vec![0.0; B::buffer_len(b)];
-            self.backend.download(B::view(b, ..)?, &mut v)?;
-            Ok(v)
-        };
-        let mut buckets = BTreeMap::new();
-        for (&i, m) in &g.memory {
-            let error = match &m.error {
-                Some(e) => host(e)?,
-                None => Vec::new(),
-            };
-            buckets.insert(
-                i,
-                SavedBucket {
-                    len: m.len,
-                    layout: m.layout.clone(),
-                    error,
-                    p: host(&m.p)?,
-                    q: host(&m.q)?,
-                },
-            );
-        }
-        let mut state = g.progress.to_state(buckets);
-        let counts = g.memory.values().map(|m| &m.count);
-        state.nonfinite_steps = count_nonfinite(&*self.backend, &g.progress, counts)?;
-        state.validate()?;
-        Ok(state)
+        self.core.save()
     }
 
-    /// Starts one bucket's reduction; errors here mean nothing was communicated.
+    /// Starts one bucket's reduction; errors here mean nothing was communicated (and the
+    /// bucket's memory is as it was: the lease puts it back).
     ///
     /// A bucket with memory whose length, or at the same length whose parameter shapes,
     /// differ from those the memory was built for is [`Error::Bucket`] (the shapes only
-    /// with error feedback or warm start: without both, nothing kept depends on them). The statistics
-    /// are counted once everything that can fail before the collectives has succeeded,
-    /// so a refused step counts nothing.
+    /// with error feedback or warm start: without both, nothing kept depends on them). The
+    /// statistics are counted once everything that can fail before the collectives has
+    /// succeeded, so a refused step counts nothing.
     ///
     /// The step works on its own padded matrix, `P` and `Q` (the memory's `Q` is copied,
     /// then orthogonalised); the bucket's memories change only in the step's last
-    /// continuation, once both collectives have succeeded, and that continuation releases
-    /// the bucket either way (see the module's documentation).
+    /// continuation, once both collectives have succeeded, and that continuation ends the
+    /// lease either way (see the module's documentation).
     fn start(&self, bucket: GradBucket<B>) -> Result<Work<B::Buffer<f32>>> {
-        let (be, group) = (self.backend.clone(), self.group.clone());
+        let bucket = match self.core.vanilla(bucket) {
+            Ok(work) => return Ok(work),
+            Err(bucket) => bucket,
+        };
         let (index, is_last) = (bucket.index(), bucket.is_last());
         let layout = bucket.layout().clone();
         let x = bucket.into_buffer();
         let len = B::buffer_len(&x);
-        let mut guard = lock(&self.inner);
-        let g = &mut *guard;
-        let cfg = g.progress.config.clone();
-        if g.progress.vanilla() {
-            g.progress.maybe_increase_iter(is_last);
-            return Ok(self.sequence.next(move |issued| {
-                let work = be.all_reduce(&*group, x, ReduceOp::Avg);
-                issued.complete(Ok(()));
-                work
-            }));
-        }
-        if g.busy.contains(&index) {
-            return Err(in_flight(index));
-        }
+        let (mut lease, cfg, iter) = self.core.lease(index, is_last)?;
+        let be = self.core.backend.clone();
         let (side, r) = (side_of(len), cfg.matrix_approximation_rank);
         let dims = Dims::new(1, side, side, r)?;
-        if let Some(m) = g.memory.get_mut(&index) {
+        if let Some(m) = lease.memory_mut() {
             if m.len != len {
                 return Err(Error::Bucket {
                     index,
@@ -347,26 +257,27 @@ impl<B: CommBackend> BatchedPowerSgd<B> {
                 _ => m.layout = Some(shapes_of(&layout)),
             }
         }
-        let randomize = !cfg.warm_start || !g.memory.contains_key(&index);
-        if let std::collections::btree_map::Entry::Vacant(slot) = g.memory.entry(index) {
-            let error = if cfg.use_error_feedback {
-                Some(super::hook::zeroed(&*be, side * side)?)
-            } else {
-                None
-            };
-            slot.insert(Memory {
-                len,
-                layout: Some(shapes_of(&layout)),
-                error,
-                p: be.alloc(side * r)?,
-                q: be.alloc(side * r)?,
-                padded: Some(be.alloc(side * side)?),
-                work: None,
-                flag: None,
-                count: super::hook::zeroed(&*be, 1)?,
-            });
-        }
-        let m = g.memory.get_mut(&index).ok_or_else(|| in_flight(index))?;
+        let randomize = !cfg.warm_start || lease.memory().is_none();
+        let m = match lease.memory_mut() {
+            Some(m) => m,
+            None => {
+                let error = if cfg.use_error_feedback {
+                    Some(zeroed(&*be, side * side)?)
+                } else {
+                    None
+                };
+                lease.set_memory(BatchedMemory {
+                    len,
+                    layout: Some(shapes_of(&layout)),
+                    error,
+                    p: be.alloc(side * r)?,
+                    q: be.alloc(side * r)?,
+                    padded: Some(be.alloc(side * side)?),
+                    work: None,
+                    flag: None,
+                })
+            }
+        };
         let mut xp = match m.padded.take() {
             Some(b) if B::buffer_len(&b) == side * side => b,
             _ => be.try_alloc(side * side)?,
@@ -385,13 +296,15 @@ impl<B: CommBackend> BatchedPowerSgd<B> {
         be.copy(B::view(&x, ..)?, B::view_mut(&mut xp, ..len)?)?;
         be.zero(B::view_mut(&mut xp, len..)?)?;
         if randomize {
-            // Into the memory: a failed step leaves the drawn `Q` there.
-            be.fill_normal(&mut g.progress.rng, B::view_mut(&mut m.q, ..)?)?;
+            // Into the memory (a failed step leaves the drawn `Q` there), under the
+            // hook's lock, in the order the buckets start.
+            let mut rng = self.core.lock();
+            be.fill_normal(&mut rng.progress.rng, B::view_mut(&mut m.q, ..)?)?;
         }
         be.copy(B::view(&m.q, ..)?, B::view_mut(&mut q, ..)?)?;
         // PyTorch orthogonalises Q here without epsilon. A zero column would stay zero
         // under warm start: refilled inside the orthogonalisation (see `refill_key`).
-        let key = refill_key(cfg.random_seed, index, g.progress.iter);
+        let key = refill_key(cfg.random_seed, index, iter);
         be.orthogonalize_refill(1, side, r, B::view_mut(&mut q, ..)?, 0.0, key)?;
         match &m.error {
             Some(e) => be.add_mq(
@@ -409,19 +322,36 @@ impl<B: CommBackend> BatchedPowerSgd<B> {
             )?,
         }
         // Counted only now that nothing before the collectives can fail (PyTorch counts
-        // before communicating; a refused step counts nothing).
-        g.progress
-            .record(len as u64, (2 * side * r) as u64, is_last);
-        // Nothing below returns early: the step's last continuation releases the bucket.
-        g.busy.insert(index);
-        drop(guard);
-        let (be1, group1, inner) = (be.clone(), group.clone(), self.inner.clone());
-        // Collectives in one order on every rank (see `sequence.rs`).
-        Ok(self.sequence.next(move |issued| {
+        // before communicating; a refused step counts nothing). Nothing below returns
+        // early: from here a failure is a failed step.
+        lease.issue(len as u64, (2 * side * r) as u64);
+        let held: Held<B> = Arc::new(Mutex::new(Some(lease)));
+        let step = Step { p, q, xp, flag };
+        Ok(self.issue(index, len, dims, step, x, held))
+    }
+
+    /// The bucket's two collectives, in the order they run, issued in one order on every
+    /// rank (see `sequence.rs`): `P` (summed), then `Q = Xᵀ P̂` and its mean, then
+    /// decompression. The last continuation runs whether the step succeeded or not, and
+    /// ends the lease either way before the caller sees the result.
+    fn issue(
+        &self,
+        index: usize,
+        len: usize,
+        dims: Dims,
+        step: Step<B>,
+        x: B::Buffer<f32>,
+        held: Held<B>,
+    ) -> Work<B::Buffer<f32>> {
+        let (be, group) = (self.core.backend.clone(), self.core.group.clone());
+        let (side, r) = (dims.n(), dims.r());
+        self.core.sequence.next(move |issued| {
+            let Step { p, q, xp, flag } = step;
+            let be1 = be.clone();
             let chain = be.all_reduce(&*group, p, ReduceOp::Sum).and_then(move |p| {
                 // `Q = Xᵀ P̂` into the step's `q` (its orthogonalised input is no longer
                 // needed); the memory is not touched.
-                let step = |mut p: B::Buffer<f32>, mut q: B::Buffer<f32>| -> Result<_> {
+                let product = |mut p: B::Buffer<f32>, mut q: B::Buffer<f32>| -> Result<_> {
                     be1.orthogonalize(1, side, r, B::view_mut(&mut p, ..)?, 0.0)?;
                     be1.mtp(
                         dims,
@@ -431,45 +361,85 @@ impl<B: CommBackend> BatchedPowerSgd<B> {
                     )?;
                     Ok((p, q))
                 };
-                let work = match step(p, q) {
+                let work = match product(p, q) {
                     Ok((p, q)) => be1
-                        .all_reduce(&*group1, q, ReduceOp::Avg)
-                        .then(move |q| Ok((p, q?, xp))),
+                        .all_reduce(&*group, q, ReduceOp::Avg)
+                        .then(move |q| Ok(Step { p, q: q?, xp, flag })),
                     Err(e) => Work::ready(Err(e.into())),
                 };
                 issued.complete(Ok(()));
                 work
             });
-            // The step's last continuation: it runs whether the step succeeded or not,
-            // and releases the bucket either way before the caller sees the result.
             chain.then(move |r| {
-                let done = match r {
-                    Ok((p, q, xp)) => {
-                        let bufs = Step { p, q, xp, flag };
-                        decompress(&*be, &inner, index, is_last, len, dims, bufs, x)
-                            .map_err(Into::into)
+                let Some(lease) = hold(&held).take() else {
+                    return Err(Error::Bucket {
+                        index,
+                        why: "the batched PowerSGD step lost its memory lease".into(),
                     }
-                    Err(e) => Err(e),
+                    .into());
                 };
-                if done.is_err() {
-                    // The memories are as before the step (`decompress` changes them
-                    // only once its kernels have succeeded); the step's buffers are
-                    // lost and reallocated by the next step. Every rank sees the
-                    // collective fail and does the same.
-                    lock(&inner).busy.remove(&index);
-                    tracing::warn!(
-                        bucket = index,
-                        "a batched PowerSGD step failed; the bucket keeps its memories from before the step"
-                    );
+                match r {
+                    Ok(step) => decompress(&*be, lease, len, dims, step, x).map_err(Into::into),
+                    // The lease puts the memories back as they were.
+                    Err(e) => Err(e),
                 }
-                done
             })
-        }))
+        })
     }
 }
 
-/// A step's own buffers at decompression: the reduced factors, the padded matrix and the
-/// non-finite flag.
+/// The step's lease, held by its last continuation (dropped with it if a collective
+/// fails before it runs: the lease then puts the memory back).
+type Held<B> = Arc<Mutex<Option<Lease<B, BatchedMemory<B>>>>>;
+
+fn hold<B: Backend + 'static>(
+    held: &Held<B>,
+) -> MutexGuard<'_, Option<Lease<B, BatchedMemory<B>>>> {
+    held.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A saved bucket fits the batched hook under `config`: its recorded layout adds up to
+/// its length, and its memories have the padded matrix's sizes; else [`Error::State`].
+fn check_saved(config: &PowerSgdConfig, index: usize, saved: &SavedBucket) -> Result<()> {
+    if let Some(shapes) = &saved.layout {
+        let total = crate::Layout::packed(shapes).map(|l| l.len());
+        if total.as_ref().ok() != Some(&saved.len) {
+            return Err(Error::State(format!(
+                "bucket {index} of {} elements: its recorded layout of {} parameters {}",
+                saved.len,
+                shapes.len(),
+                match total {
+                    Ok(t) => format!("holds {t} elements"),
+                    Err(e) => format!("is invalid ({e})"),
+                }
+            )));
+        }
+    }
+    let side = side_of(saved.len);
+    let square = side.checked_mul(side);
+    let thin = side.checked_mul(config.matrix_approximation_rank);
+    let error_len = if config.use_error_feedback {
+        square
+    } else {
+        Some(0)
+    };
+    for (what, has, needs) in [
+        ("error", saved.error.len(), error_len),
+        ("p", saved.p.len(), thin),
+        ("q", saved.q.len(), thin),
+    ] {
+        if Some(has) != needs {
+            return Err(Error::State(format!(
+                "bucket {index} of {} elements: the saved {what} holds {has} elements, the batched hook needs {}",
+                saved.len,
+                needs.map_or("more than fit in memory".into(), |n| n.to_string())
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// A step's own buffers: the factors, the padded matrix and the non-finite flag.
 struct Step<B: Backend> {
     p: B::Buffer<f32>,
     q: B::Buffer<f32>,
@@ -480,15 +450,12 @@ struct Step<B: Backend> {
 /// `M̂ = P̂ Qᵀ` into the padded matrix with the error update, the bucket's part copied
 /// into `x`; then the step's factors copied into the memory (the step's buffers stay its
 /// working buffers), all three memories left as they were when the reduced factors hold
-/// a NaN or an infinity (on the device, from the flag), the padded matrix kept, the
-/// bucket released and the iteration counted. The error is the only memory written
-/// before the last kernel.
-#[allow(clippy::too_many_arguments)]
+/// a NaN or an infinity (on the device, from the flag), the padded matrix kept, and the
+/// lease ended (the bucket released, the iteration counted). The error is the only
+/// memory written before the last kernel.
 fn decompress<B: CommBackend>(
     be: &B,
-    inner: &Mutex<Inner<B>>,
-    index: usize,
-    is_last: bool,
+    mut lease: Lease<B, BatchedMemory<B>>,
     len: usize,
     dims: Dims,
     step: Step<B>,
@@ -503,16 +470,14 @@ fn decompress<B: CommBackend>(
     // The same reduced values on every rank: every rank holds the same steps.
     be.flag_nonfinite(B::view(&p, ..)?, B::view_mut(&mut flag, ..)?)?;
     be.flag_nonfinite(B::view(&q, ..)?, B::view_mut(&mut flag, ..)?)?;
-    let mut guard = lock(inner);
-    let g = &mut *guard;
-    let ef = g.progress.config.use_error_feedback;
-    // `start` made the memory, and nothing removes it while the step is in flight.
-    let m = g.memory.get_mut(&index).ok_or_else(|| Error::Bucket {
+    let index = lease.index();
+    // `start` made the memory, and nothing takes it while the step holds the lease.
+    let m = lease.memory_mut().ok_or_else(|| Error::Bucket {
         index,
         why: "the batched PowerSGD memory of this bucket is missing".into(),
     })?;
     match m.error.as_mut() {
-        Some(e) if ef => be.pqt_error_unflagged(
+        Some(e) => be.pqt_error_unflagged(
             dims,
             B::view(&p, ..)?,
             B::view(&q, ..)?,
@@ -520,7 +485,7 @@ fn decompress<B: CommBackend>(
             B::view_mut(e, ..)?,
             B::view(&flag, ..)?,
         )?,
-        _ => be.pqt(
+        None => be.pqt(
             dims,
             B::view(&p, ..)?,
             B::view(&q, ..)?,
@@ -538,58 +503,13 @@ fn decompress<B: CommBackend>(
         B::view_mut(&mut m.q, ..)?,
         B::view(&flag, ..)?,
     )?;
-    be.add(B::view_mut(&mut m.count, ..)?, B::view(&flag, ..)?)?;
-    if B::HOST_RESIDENT {
-        warn_if_flagged(be, &flag, index, g.progress.iter)?;
-    }
     m.work = Some((p, q));
-    m.flag = Some(flag);
     m.padded = Some(xp);
-    g.busy.remove(&index);
-    g.progress.maybe_increase_iter(is_last);
+    lease.finish(be, flag)?;
     Ok(x)
 }
 
-impl<B: CommBackend> CommHook<B> for BatchedPowerSgd<B> {
-    fn name(&self) -> String {
-        let g = lock(&self.inner);
-        let c = &g.progress.config;
-        format!(
-            "batched_powersgd:rank={},start_iter={}",
-            c.matrix_approximation_rank, c.start_powersgd_iter
-        )
-    }
-
-    fn run(&mut self, bucket: GradBucket<B>) -> Work<B::Buffer<f32>> {
-        match self.start(bucket) {
-            Ok(w) => w,
-            Err(e) => Work::ready(Err(e.into())),
-        }
-    }
-
-    /// [`HookState::BatchedPowerSgd`] holding [`BatchedPowerSgd::save`]'s state.
-    fn save_state(&self) -> Result<HookState> {
-        Ok(HookState::BatchedPowerSgd(Box::new(self.save()?)))
-    }
-
-    /// Loads a [`HookState::BatchedPowerSgd`] saved with the same configuration (except
-    /// perhaps `batch_tensors_with_same_shape`, which does not apply: the hook keeps its
-    /// own).
-    fn load_state(&self, state: HookState) -> Result<()> {
-        match state {
-            HookState::BatchedPowerSgd(s) => self.restore(*s),
-            other => Err(other.mismatch("a batched PowerSGD hook")),
-        }
-    }
-
-    fn compression_stats(&self) -> Option<CompressionStats> {
-        Some(BatchedPowerSgd::compression_stats(self))
-    }
-
-    fn iteration(&self) -> Option<u64> {
-        Some(BatchedPowerSgd::iteration(self))
-    }
-}
+comm_hook!(BatchedPowerSgd, BatchedPowerSgd, "a batched PowerSGD hook");
 
 #[cfg(test)]
 mod tests {

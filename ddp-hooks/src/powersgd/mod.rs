@@ -42,11 +42,14 @@
 
 mod batched;
 mod config;
+mod core;
 mod hook;
+mod memory;
 mod plan;
 mod progress;
 mod sequence;
 mod state;
+mod step;
 
 pub use batched::BatchedPowerSgd;
 pub use config::PowerSgdConfig;

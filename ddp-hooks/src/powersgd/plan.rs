@@ -16,7 +16,7 @@
 //! [`Plan::stack_len`] elements (PyTorch's `torch.stack`), and copied back once
 //! decompressed.
 
-use crate::bucket::Layout;
+use crate::bucket::{shape_str, Layout};
 use std::collections::HashMap;
 use std::ops::Range;
 
@@ -299,6 +299,124 @@ impl Plan {
         }
         Ok(dst)
     }
+}
+
+impl Plan {
+    /// The compressed matrices, in bucket order: what the memories' layout depends on.
+    pub fn matrices(&self) -> Vec<(usize, usize, usize)> {
+        self.compressed.iter().map(|m| (m.n, m.m, m.r)).collect()
+    }
+
+    /// The compressed matrices for an error message (at most 8 shown).
+    pub fn matrices_str(&self) -> String {
+        let mut parts: Vec<String> = self
+            .compressed
+            .iter()
+            .take(8)
+            .map(|m| format!("{}x{} (rank {})", m.n, m.m, m.r))
+            .collect();
+        if self.compressed.len() > 8 {
+            parts.push("…".into());
+        }
+        format!("[{}]", parts.join(", "))
+    }
+}
+
+/// A bucket with memory whose length changed, or whose layout no longer fits its memory,
+/// is [`Error::Bucket`] (PyTorch fails with an opaque shape error, or, at the same
+/// sizes, none at all): a changed length names both lengths; memory sizes that differ
+/// name the memory and both sizes; and at the same sizes, parameter shapes that differ
+/// from those the memory was built for (`recorded`, [`SavedBucket::layout`]) name both
+/// layouts and the first parameter that differs. Same-shape parameters that trade places
+/// are not detected; a bucket loaded without a recorded layout is checked for its sizes
+/// only (its step then records the layout).
+///
+/// `sizes` holds each memory's name, its length if the bucket has it, and the length the
+/// plan needs; `len` is the bucket length the memories were made for. A bucket without
+/// any of them takes any plan.
+///
+/// [`SavedBucket::layout`]: super::SavedBucket::layout
+pub(crate) fn check_memory(
+    index: usize,
+    len: usize,
+    sizes: &[(&str, Option<usize>, usize)],
+    recorded: Option<&[Vec<usize>]>,
+    plan: &Plan,
+    layout: &Layout,
+) -> crate::Result<()> {
+    let error = |why: String| {
+        Err(crate::Error::Bucket {
+            index,
+            why: format!("{why}: the PowerSGD state cannot be applied"),
+        })
+    };
+    if sizes.iter().all(|(_, has, _)| has.is_none()) {
+        return Ok(());
+    }
+    if len != plan.len {
+        return error(format!(
+            "the bucket length changed (was {len} elements, now {})",
+            plan.len
+        ));
+    }
+    for &(what, has, needs) in sizes {
+        if let Some(has) = has.filter(|&h| h != needs) {
+            return error(format!(
+                "the layout changed at the same length ({} elements): the {what} holds {has} elements, the new layout needs {needs}",
+                plan.len
+            ));
+        }
+    }
+    if let Some(shapes) = recorded {
+        if !same_layout(shapes, layout) {
+            return error(layout_mismatch(shapes, layout));
+        }
+    }
+    Ok(())
+}
+
+/// Whether `layout`'s parameters have the shapes `shapes`, in order.
+pub(crate) fn same_layout(shapes: &[Vec<usize>], layout: &Layout) -> bool {
+    shapes.len() == layout.params().len()
+        && shapes
+            .iter()
+            .zip(layout.params())
+            .all(|(s, p)| *s == p.shape)
+}
+
+/// The parameter shapes of `layout`, as [`SavedBucket::layout`] records them.
+pub(crate) fn shapes_of(layout: &Layout) -> Vec<Vec<usize>> {
+    layout.params().iter().map(|p| p.shape.clone()).collect()
+}
+
+/// Why the memory of a bucket built for parameters of `then` shapes cannot be applied to
+/// `now`'s: both layouts (at most 8 shapes each) and the first parameter that differs.
+pub(crate) fn layout_mismatch(then: &[Vec<usize>], now: &Layout) -> String {
+    let now = shapes_of(now);
+    let list = |shapes: &[Vec<usize>]| {
+        let mut parts: Vec<String> = shapes.iter().take(8).map(|s| shape_str(s)).collect();
+        if shapes.len() > 8 {
+            parts.push("…".into());
+        }
+        format!("{} parameters [{}]", shapes.len(), parts.join(", "))
+    };
+    let first = then
+        .iter()
+        .zip(&now)
+        .position(|(a, b)| a != b)
+        .map(|k| {
+            format!(
+                "; parameter {k} was {}, is now {}",
+                shape_str(&then[k]),
+                shape_str(&now[k])
+            )
+        })
+        .unwrap_or_default();
+    format!(
+        "the bucket layout changed at the same length: its PowerSGD memory was built for {}, the bucket now has {}{first}",
+        list(then),
+        list(&now)
+    )
 }
 
 #[cfg(test)]

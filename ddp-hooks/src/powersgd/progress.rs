@@ -1,8 +1,8 @@
 //! What both PowerSGD hooks track besides their buckets' memory: the configuration, the
 //! iteration count, the compression statistics and the random stream.
 
-use super::state::SavedBucket;
-use super::{PowerSgdConfig, PowerSgdState};
+use super::config::PowerSgdConfig;
+use super::state::{PowerSgdState, SavedBucket};
 use crate::{CompressionStats, Error, Result};
 use lowrank::{Backend, NormalRng};
 use std::collections::BTreeMap;

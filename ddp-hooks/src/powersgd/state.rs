@@ -1,7 +1,7 @@
 //! The saved form of a PowerSGD hook: everything but the process group.
 
-use super::PowerSgdConfig;
-use crate::bucket::{shape_str, Layout};
+use super::config::PowerSgdConfig;
+use super::plan::Plan;
 use crate::{Error, Result};
 use lowrank::NormalRng;
 use serde::{Deserialize, Serialize};
@@ -125,46 +125,45 @@ impl PowerSgdState {
     }
 }
 
-/// Whether `layout`'s parameters have the shapes `shapes`, in order.
-pub(super) fn same_layout(shapes: &[Vec<usize>], layout: &Layout) -> bool {
-    shapes.len() == layout.params().len()
-        && shapes
-            .iter()
-            .zip(layout.params())
-            .all(|(s, p)| *s == p.shape)
-}
-
-/// The parameter shapes of `layout`, as [`SavedBucket::layout`] records them.
-pub(super) fn shapes_of(layout: &Layout) -> Vec<Vec<usize>> {
-    layout.params().iter().map(|p| p.shape.clone()).collect()
-}
-
-/// Why the memory of a bucket built for parameters of `then` shapes cannot be applied to
-/// `now`'s: both layouts (at most 8 shapes each) and the first parameter that differs.
-pub(super) fn layout_mismatch(then: &[Vec<usize>], now: &Layout) -> String {
-    let now = shapes_of(now);
-    let list = |shapes: &[Vec<usize>]| {
-        let mut parts: Vec<String> = shapes.iter().take(8).map(|s| shape_str(s)).collect();
-        if shapes.len() > 8 {
-            parts.push("…".into());
-        }
-        format!("{} parameters [{}]", shapes.len(), parts.join(", "))
+/// A saved bucket's recorded layout must give its saved length and memory sizes under
+/// `config` (the plan the memories were built with), else [`Error::State`]: a state
+/// whose layout does not describe its memories is corrupt.
+pub(super) fn check_saved_layout(
+    config: &PowerSgdConfig,
+    index: usize,
+    saved: &SavedBucket,
+    shapes: &[Vec<usize>],
+) -> Result<()> {
+    let bad = |why: String| {
+        Error::State(format!(
+            "bucket {index}: the recorded layout of {} parameters {why}",
+            shapes.len()
+        ))
     };
-    let first = then
-        .iter()
-        .zip(&now)
-        .position(|(a, b)| a != b)
-        .map(|k| {
-            format!(
-                "; parameter {k} was {}, is now {}",
-                shape_str(&then[k]),
-                shape_str(&now[k])
-            )
-        })
-        .unwrap_or_default();
-    format!(
-        "the bucket layout changed at the same length: its PowerSGD memory was built for {}, the bucket now has {}{first}",
-        list(then),
-        list(&now)
+    let layout = crate::Layout::packed(shapes).map_err(|e| bad(format!("is invalid ({e})")))?;
+    let plan = Plan::new(
+        &layout,
+        config.matrix_approximation_rank,
+        config.min_compression_rate,
+        false,
     )
+    .map_err(|e| bad(format!("has no PowerSGD plan ({e})")))?;
+    if plan.len != saved.len {
+        return Err(bad(format!(
+            "holds {} elements, the saved bucket {}",
+            plan.len, saved.len
+        )));
+    }
+    for (what, has, needs) in [
+        ("error", saved.error.len(), plan.e_len),
+        ("p", saved.p.len(), plan.p_len),
+        ("q", saved.q.len(), plan.q_len),
+    ] {
+        if has != 0 && has != needs {
+            return Err(bad(format!(
+                "needs {needs} elements of {what}, the state holds {has}"
+            )));
+        }
+    }
+    Ok(())
 }
