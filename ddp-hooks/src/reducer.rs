@@ -77,11 +77,13 @@
 //! as they stay in `.grad` in PyTorch.
 
 mod assign;
+mod rebuild;
+mod unused;
 
 use crate::bucket::{element_count, shape_str};
 use crate::{CommBackend, CommHook, Error, GradBucket, Layout, Result};
 use assign::Caps;
-use collectives::{Buffer, ProcessGroup, Work};
+use collectives::{ProcessGroup, Work};
 use lowrank::Backend;
 use std::sync::Arc;
 
@@ -228,7 +230,7 @@ impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
             .collect::<Result<Vec<usize>>>()?;
         let reverse: Vec<usize> = (0..shapes.len()).rev().collect();
         let groups = assign::by_size(&reverse, &lens, Caps::new(&config));
-        let (buckets, places) = build::<B>(&backend, shapes, groups)?;
+        let (buckets, places) = rebuild::build::<B>(&backend, shapes, groups)?;
         tracing::debug!(buckets = buckets.len(), "reducer buckets assigned");
         Ok(Reducer {
             backend,
@@ -276,33 +278,6 @@ impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
         self.buckets.len()
     }
 
-    /// Parameter indices (forward order) of each bucket, in bucket order.
-    pub fn bucket_params(&self) -> Vec<Vec<usize>> {
-        self.buckets.iter().map(|b| b.params.clone()).collect()
-    }
-
-    /// Replaces the buckets by `buckets` (parameter indices, in launch order, as
-    /// [`bucket_params`](Self::bucket_params) returns them), keeping every gradient, and
-    /// cancels the automatic rebuild. For resuming a hook whose saved state is keyed by
-    /// bucket index: save the assignment with the hook's state, restore both. Every rank
-    /// must call it with the same buckets. Called during a step, or with buckets that are
-    /// not a partition of the parameters into non-empty buckets, it is
-    /// [`Error::Config`]; storage that cannot be allocated is [`Error::Alloc`]. Either
-    /// way nothing changes.
-    pub fn set_bucket_params(&mut self, buckets: Vec<Vec<usize>>) -> Result<()> {
-        if self.step_sync.is_some() {
-            return Err(Error::Config(
-                "set_bucket_params during a step: call it before the first mark or after finish()"
-                    .into(),
-            ));
-        }
-        assign::check_partition(&buckets, self.lens.len())
-            .map_err(|why| Error::Config(format!("set_bucket_params: {why}")))?;
-        self.apply(buckets)?;
-        self.rebuild_pending = false;
-        Ok(())
-    }
-
     /// The hook.
     pub fn hook(&self) -> &H {
         &self.hook
@@ -311,21 +286,6 @@ impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
     /// Hook calls so far (one per bucket per synchronised step).
     pub fn hook_calls(&self) -> u64 {
         self.hook_calls
-    }
-
-    /// The parameters that no rank used in the last step (declared unused or left
-    /// unmarked on every rank, and holding no accumulated gradients), in increasing
-    /// order, when that step was synchronised, [`ReducerConfig::find_unused_parameters`]
-    /// is on and the reducer has a process group ([`with_process_group`]): like DDP's
-    /// `local_used_map`, one all-reduce of a map of the used parameters at the end of
-    /// each such step finds them. Their gradient slots are zero. DDP leaves their `.grad`
-    /// untouched (`None` after `zero_grad(set_to_none=True)`), so that the optimizer
-    /// skips them, weight decay and momentum included: skip these likewise. `None`
-    /// otherwise.
-    ///
-    /// [`with_process_group`]: Self::with_process_group
-    pub fn globally_unused(&self) -> Option<&[usize]> {
-        self.globally_unused.as_deref()
     }
 
     fn place(&self, param: usize) -> Result<Place> {
@@ -381,57 +341,6 @@ impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
         }
     }
 
-    /// Declares that `param` gets no gradient in this step (DDP's unused parameter),
-    /// whatever [`ReducerConfig::find_unused_parameters`] says. In a synchronised step
-    /// its slot is zeroed, unless gradients accumulated in unsynchronised steps since the
-    /// last synchronised one are there (those are reduced as they are), and it counts as
-    /// ready, so its bucket can launch before `finish`. In an unsynchronised step it
-    /// only counts as marked. Its slot must not have been written in this step: a
-    /// parameter whose slot [`Reducer::grad_mut`] handed out in this step is
-    /// [`Error::WrittenUnused`], and nothing changes (zeroing it would silently drop the
-    /// gradient). Marking a parameter twice in a step (ready or unused) is an error.
-    pub fn mark_unused(&mut self, param: usize) -> Result<()> {
-        self.place(param)?;
-        if self.is_ready[param] {
-            return Err(twice(param));
-        }
-        if self.written[param] {
-            return Err(Error::WrittenUnused {
-                param,
-                shape: crate::bucket::shape_str(&self.shapes[param]),
-            });
-        }
-        self.mark_unused_unchecked(param)
-    }
-
-    /// [`Reducer::mark_unused`] for a slot this crate wrote in part and gives up on (a
-    /// copy into it failed): it is zeroed like any unused parameter's.
-    #[cfg(feature = "pipe")]
-    pub(crate) fn discard(&mut self, param: usize) -> Result<()> {
-        self.place(param)?;
-        if self.is_ready[param] {
-            return Err(twice(param));
-        }
-        self.mark_unused_unchecked(param)
-    }
-
-    /// `mark_unused` once the checks passed.
-    fn mark_unused_unchecked(&mut self, param: usize) -> Result<()> {
-        // Zero before the mark: once marked, the bucket may be in flight.
-        let zeroed = if self.step_sync.unwrap_or(self.sync) {
-            self.zero_unless_accumulated(param)
-        } else {
-            Ok(())
-        };
-        let launched = if self.mark(param)? {
-            self.unused[param] = true;
-            self.launch_ready()
-        } else {
-            Ok(())
-        };
-        zeroed.and(launched)
-    }
-
     /// Counts `param` as marked in this step; returns the step's setting.
     fn mark(&mut self, param: usize) -> Result<bool> {
         let p = self.place(param)?;
@@ -445,35 +354,6 @@ impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
             self.ready_order.push(param);
         }
         Ok(sync)
-    }
-
-    /// Whether this step's order will rebuild the buckets.
-    fn recording(&self) -> bool {
-        self.rebuild_pending && self.group.is_some()
-    }
-
-    /// Zeroes `param`'s slot, unless it holds gradients accumulated in unsynchronised
-    /// steps since the last synchronised one.
-    fn zero_unless_accumulated(&mut self, param: usize) -> Result<()> {
-        if self.accumulated[param] {
-            return Ok(());
-        }
-        self.zero_slot(param)
-    }
-
-    /// Zeroes `param`'s slot.
-    fn zero_slot(&mut self, param: usize) -> Result<()> {
-        let p = self.place(param)?;
-        if p.len == 0 {
-            return Ok(());
-        }
-        let storage = self.buckets[p.bucket]
-            .storage
-            .as_mut()
-            .ok_or_else(|| in_flight(p.bucket))?;
-        self.backend
-            .zero(B::view_mut(storage, p.offset..p.offset + p.len)?)?;
-        Ok(())
     }
 
     fn launch_ready(&mut self) -> Result<()> {
@@ -656,103 +536,6 @@ impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
         first_error.map_or(Ok(()), Err)
     }
 
-    /// DDP's used-parameter map (nothing without a process group): one all-reduce of
-    /// this rank's map (1 where the parameter was marked ready in this step or holds
-    /// accumulated gradients) finds the parameters no rank used; their slots are zeroed,
-    /// since a hook's result there is no gradient (PowerSGD's error feedback can make it
-    /// nonzero), and [`Reducer::globally_unused`] lists them.
-    fn find_globally_unused(&mut self) -> Result<()> {
-        let Some(group) = self.group.clone() else {
-            return Ok(());
-        };
-        let used: Vec<f32> = (0..self.unused.len())
-            .map(|p| f32::from(u8::from(!self.unused[p] || self.accumulated[p])))
-            .collect();
-        let total: Vec<f32> = group
-            .all_reduce(Buffer::from(used), collectives::ReduceOp::Sum)
-            .wait()?
-            .try_into()?;
-        if total.len() != self.unused.len() {
-            return Err(Error::Config(format!(
-                "the used-parameter map came back with {} entries for {} parameters",
-                total.len(),
-                self.unused.len()
-            )));
-        }
-        let unused: Vec<usize> = (0..total.len()).filter(|&p| total[p] == 0.0).collect();
-        for &p in &unused {
-            self.zero_slot(p)?;
-        }
-        self.globally_unused = Some(unused);
-        Ok(())
-    }
-
-    /// Rebuilds the buckets in the order of the step that just finished, as rank 0 saw
-    /// it. The broadcast comes first, so this rank takes part even if applying fails.
-    fn rebuild(&mut self) -> Result<()> {
-        let Some(group) = self.group.clone() else {
-            return Ok(());
-        };
-        let n = self.lens.len();
-        if n == 0 {
-            return Ok(());
-        }
-        // `finish` marked every parameter, so the order is complete; parameters missing
-        // from it all the same go last, in the current bucket order.
-        let mut seen = vec![false; n];
-        let mut order: Vec<usize> = Vec::with_capacity(n);
-        let marked = std::mem::take(&mut self.ready_order);
-        let current = self.buckets.iter().flat_map(|b| b.params.iter());
-        for &p in marked.iter().chain(current) {
-            if !std::mem::replace(&mut seen[p], true) {
-                order.push(p);
-            }
-        }
-        let proposal = assign::by_size(&order, &self.lens, Caps::new(&self.config));
-        let wire = Buffer::from(assign::encode(&proposal));
-        let wire: Vec<f64> = group.broadcast(wire, 0).wait()?.try_into()?;
-        let buckets = assign::decode(&wire, n).map_err(|why| {
-            Error::Config(format!(
-                "bucket rebuild: rank 0 sent an assignment that does not fit this rank's {n} parameters: {why}"
-            ))
-        })?;
-        self.apply(buckets)?;
-        tracing::info!(
-            buckets = self.buckets.len(),
-            "reducer buckets rebuilt in gradient-ready order"
-        );
-        Ok(())
-    }
-
-    /// Moves every gradient into freshly allocated `buckets` (a checked partition).
-    /// Changes nothing on error.
-    fn apply(&mut self, groups: Vec<Vec<usize>>) -> Result<()> {
-        if self.buckets.iter().map(|b| &b.params).eq(groups.iter()) {
-            return Ok(());
-        }
-        let (mut buckets, places) = build::<B>(&self.backend, &self.shapes, groups)?;
-        for (old, new) in self.places.iter().zip(&places) {
-            if old.len == 0 {
-                continue;
-            }
-            let from = self.buckets[old.bucket]
-                .storage
-                .as_ref()
-                .ok_or_else(|| in_flight(old.bucket))?;
-            let to = buckets[new.bucket]
-                .storage
-                .as_mut()
-                .ok_or_else(|| in_flight(new.bucket))?;
-            self.backend.copy(
-                B::view(from, old.offset..old.offset + old.len)?,
-                B::view_mut(to, new.offset..new.offset + new.len)?,
-            )?;
-        }
-        self.buckets = buckets;
-        self.places = places;
-        Ok(())
-    }
-
     /// Sets every gradient to zero (and forgets which parameters accumulated any).
     pub fn zero_grad(&mut self) -> Result<()> {
         self.accumulated.iter_mut().for_each(|a| *a = false);
@@ -767,65 +550,14 @@ impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
     }
 }
 
-/// Buckets holding `groups` of parameters (in launch order) of the given shapes, with
-/// zeroed storage, and each parameter's place. Every layout is checked before the first
-/// allocation, so a shape that cannot exist fails without allocating anything.
-#[allow(clippy::type_complexity)]
-fn build<B: CommBackend>(
-    backend: &B,
-    shapes: &[Vec<usize>],
-    groups: Vec<Vec<usize>>,
-) -> Result<(Vec<Bucket<B>>, Vec<Place>)> {
-    let layouts = groups
-        .iter()
-        .enumerate()
-        .map(|(b, params)| {
-            let bucket_shapes: Vec<Vec<usize>> =
-                params.iter().map(|&p| shapes[p].clone()).collect();
-            Layout::packed(&bucket_shapes).map_err(|e| match e {
-                Error::Overflow(what) => Error::Overflow(format!("bucket {b}: {what}")),
-                other => other,
-            })
-        })
-        .collect::<Result<Vec<Layout>>>()?;
-    let mut places = vec![
-        Place {
-            bucket: 0,
-            offset: 0,
-            len: 0
-        };
-        shapes.len()
-    ];
-    let mut buckets = Vec::with_capacity(groups.len());
-    for (b, (params, layout)) in groups.into_iter().zip(layouts).enumerate() {
-        let layout = Arc::new(layout);
-        for (slot, &p) in layout.params().iter().zip(&params) {
-            places[p] = Place {
-                bucket: b,
-                offset: slot.offset,
-                len: slot.len,
-            };
-        }
-        let storage = Some(backend.try_alloc::<f32>(layout.len())?);
-        buckets.push(Bucket {
-            storage,
-            layout,
-            params,
-            ready: 0,
-            pending: None,
-        });
-    }
-    Ok((buckets, places))
-}
-
-fn in_flight(bucket: usize) -> Error {
+pub(super) fn in_flight(bucket: usize) -> Error {
     Error::Bucket {
         index: bucket,
         why: "its reduction is in flight; call finish() first".into(),
     }
 }
 
-fn twice(param: usize) -> Error {
+pub(super) fn twice(param: usize) -> Error {
     Error::Config(format!("parameter {param} was marked twice in one step"))
 }
 
