@@ -35,6 +35,8 @@ commands:
                             N thread ranks (default 4) train the teacher-student MLP through the
                             ddp-hooks reducer with the hook SPEC (default allreduce; e.g.
                             powersgd:rank=2,start_iter=10, fp16+powersgd:rank=4,start_iter=10);
+                            (--steps, --accumulate, --batch and any other flag go to the
+                            training example as given, which checks them);
                             --compare: allreduce vs PowerSGD ranks 1, 2, 4 as a table;
                             --resume-at K: save at step K, restart from the files, check the end
                             is identical; --backend mpi: the same under mpirun -np N, checked

@@ -48,18 +48,21 @@ enum Backend {
     Mpi,
 }
 
-/// What `cargo xtask train` was asked to do.
+/// What `cargo xtask train` was asked to do: its own flags, and the example's, which it
+/// passes through as given (the example parses and checks them: one parser per flag).
 pub struct Options {
+    /// `--ranks N`: `mpirun -np N` needs it, and the examples get it.
     ranks: usize,
-    steps: usize,
+    /// `--hook SPEC`: the run's label, and what `--compare` replaces.
     hook: String,
-    accumulate: usize,
-    batch: Option<usize>,
     compare: bool,
     resume_at: Option<usize>,
     backend: Backend,
     /// `--pipe N`: each rank's model as an N-partition pipe (the `train_pipe` example).
     pipe: Option<usize>,
+    /// Every other argument, for the example (`--steps`, `--accumulate`, `--batch`, and
+    /// `train_pipe`'s `--chunks`, `--schedule`, ...).
+    example_args: Vec<String>,
 }
 
 impl Options {
@@ -93,53 +96,55 @@ impl From<std::io::Error> for TrainError {
     }
 }
 
-/// Parses the flags of `train`; the error is for the usage message.
+/// Parses the flags of `train` (lexopt): xtask's own, and the example's, kept as given
+/// for it; the error is for the usage message. A bad value of an example's flag is the
+/// example's to report (it exits with status 2, which is a usage error here too).
 pub fn parse(args: &[String]) -> Result<Options, String> {
     let mut o = Options {
         ranks: 4,
-        steps: 1000,
         hook: "allreduce".into(),
-        accumulate: 1,
-        batch: None,
         compare: false,
         resume_at: None,
         backend: Backend::Threads,
         pipe: None,
+        example_args: Vec::new(),
     };
     let mut hook_given = false;
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        let mut value = || {
-            it.next()
-                .cloned()
-                .ok_or_else(|| format!("`{a}` needs a value"))
-        };
-        let number = |v: String| -> Result<usize, String> {
-            v.parse::<usize>()
-                .ok()
-                .filter(|&n| n > 0)
-                .ok_or_else(|| format!("`{a} {v}`: expected a positive integer"))
-        };
-        match a.as_str() {
-            "--ranks" => o.ranks = number(value()?)?,
-            "--steps" => o.steps = number(value()?)?,
-            "--accumulate" => o.accumulate = number(value()?)?,
-            "--batch" => o.batch = Some(number(value()?)?),
-            "--resume-at" => o.resume_at = Some(number(value()?)?),
-            "--pipe" => o.pipe = Some(number(value()?)?),
-            "--hook" => {
-                o.hook = value()?;
+    let mut p = lexopt::Parser::from_args(args.iter().cloned());
+    while let Some(arg) = p.next().map_err(|e| e.to_string())? {
+        use lexopt::Arg::{Long, Short, Value};
+        match arg {
+            Long("ranks") => o.ranks = positive(&mut p, "--ranks")?,
+            Long("resume-at") => o.resume_at = Some(positive(&mut p, "--resume-at")?),
+            Long("pipe") => o.pipe = Some(positive(&mut p, "--pipe")?),
+            Long("hook") => {
+                o.hook = text(&mut p)?;
                 hook_given = true;
             }
-            "--compare" => o.compare = true,
-            "--backend" => {
-                o.backend = match value()?.as_str() {
+            Long("compare") => o.compare = true,
+            Long("backend") => {
+                o.backend = match text(&mut p)?.as_str() {
                     "threads" => Backend::Threads,
                     "mpi" => Backend::Mpi,
                     other => return Err(format!("unknown backend `{other}`; known: threads, mpi")),
                 }
             }
-            other => return Err(format!("unknown train argument `{other}`")),
+            Long("json" | "save-at" | "checkpoint" | "resume") => {
+                return Err(format!(
+                    "{}: xtask sets it itself (see --resume-at)",
+                    arg_text(&arg)
+                ))
+            }
+            // The example's: passed through in order, values and all.
+            Long(name) => {
+                let flag = format!("--{name}");
+                match p.optional_value() {
+                    Some(v) => o.example_args.push(format!("{flag}={}", os(v)?)),
+                    None => o.example_args.push(flag),
+                }
+            }
+            Short(c) => o.example_args.push(format!("-{c}")),
+            Value(v) => o.example_args.push(os(v)?),
         }
     }
     if o.compare && hook_given {
@@ -157,15 +162,36 @@ pub fn parse(args: &[String]) -> Result<Options, String> {
                 .into(),
         );
     }
-    if let Some(k) = o.resume_at {
-        if k >= o.steps {
-            return Err(format!(
-                "--resume-at {k}: must be below --steps {}",
-                o.steps
-            ));
-        }
-    }
     Ok(o)
+}
+
+/// An argument as UTF-8 text.
+fn os(v: std::ffi::OsString) -> Result<String, String> {
+    v.into_string()
+        .map_err(|v| format!("{}: not valid UTF-8", v.to_string_lossy()))
+}
+
+/// A flag as the user wrote it, for a message.
+fn arg_text(arg: &lexopt::Arg<'_>) -> String {
+    match arg {
+        lexopt::Arg::Long(n) => format!("--{n}"),
+        lexopt::Arg::Short(c) => format!("-{c}"),
+        lexopt::Arg::Value(v) => v.to_string_lossy().into_owned(),
+    }
+}
+
+/// The next value, as UTF-8 text.
+fn text(p: &mut lexopt::Parser) -> Result<String, String> {
+    p.value().map_err(|e| e.to_string()).and_then(os)
+}
+
+/// The next value, a positive integer (`name` for the message).
+fn positive(p: &mut lexopt::Parser, name: &str) -> Result<usize, String> {
+    let v = text(p)?;
+    v.parse::<usize>()
+        .ok()
+        .filter(|&n| n > 0)
+        .ok_or_else(|| format!("{name} {v}: expected a positive integer"))
 }
 
 /// Runs what `o` asks for.
@@ -198,14 +224,17 @@ pub fn mpi_check() -> Result<(), Failure> {
     let run = |ranks: usize, steps: usize, accumulate: usize| {
         let o = Options {
             ranks,
-            steps,
             hook: "powersgd:rank=2,start_iter=10".into(),
-            accumulate,
-            batch: None,
             compare: false,
             resume_at: None,
             backend: Backend::Mpi,
             pipe: None,
+            example_args: vec![
+                "--steps".into(),
+                steps.to_string(),
+                "--accumulate".into(),
+                accumulate.to_string(),
+            ],
         };
         let (threads, mpi) = mpi_pair(&o, false, &[(DETERMINISTIC_ENV, "1")])?;
         mpi_verdict(&threads, &mpi, Match::BitIdentical)
@@ -243,26 +272,17 @@ fn build_example(name: &str, features: &[&str], release: bool) -> Result<PathBuf
         .ok_or_else(|| Failure(format!("{cmd:?} named no executable for `{name}`")))
 }
 
-/// The example's arguments for one run of `hook`.
+/// The example's arguments for one run of `hook`: xtask's (`--json`, the hook, the
+/// ranks, the pipe), then the user's as given.
 fn run_args(o: &Options, hook: &str, with_ranks: bool) -> Vec<String> {
-    let mut a = vec![
-        "--json".to_string(),
-        "--steps".into(),
-        o.steps.to_string(),
-        "--hook".into(),
-        hook.to_string(),
-        "--accumulate".into(),
-        o.accumulate.to_string(),
-    ];
+    let mut a = vec!["--json".to_string(), "--hook".into(), hook.to_string()];
     if with_ranks {
         a.extend(["--ranks".into(), o.ranks.to_string()]);
     }
     if let Some(p) = o.pipe {
         a.extend(["--pipe".into(), p.to_string()]);
     }
-    if let Some(b) = o.batch {
-        a.extend(["--batch".into(), b.to_string()]);
-    }
+    a.extend(o.example_args.iter().cloned());
     a
 }
 
@@ -372,7 +392,7 @@ fn compare(o: &Options) -> Result<(), TrainError> {
     let base = num(&results[0], "final_loss");
     println!(
         "{} ranks, {} steps, accumulate {} (teacher-student MLP, held-out loss)",
-        o.ranks, o.steps, o.accumulate
+        o.ranks, results[0]["steps"], results[0]["accumulate"]
     );
     println!(
         "{:<30} {:>11} {:>13} {:>16} {:>12} {:>12}",
@@ -515,15 +535,12 @@ mod tests {
     fn bad_flags_are_errors_that_say_why() {
         for (args, says) in [
             (&["--ranks", "0"][..], "expected a positive integer"),
-            (&["--steps"][..], "needs a value"),
+            (&["--ranks", "abc"][..], "expected a positive integer"),
+            (&["--hook"][..], "missing argument"),
             (&["--backend", "nccl"][..], "unknown backend `nccl`"),
             (&["--compare", "--hook", "fp16"][..], "drop --hook"),
             (&["--compare", "--resume-at", "5"][..], "one at a time"),
-            (
-                &["--steps", "10", "--resume-at", "10"][..],
-                "must be below --steps 10",
-            ),
-            (&["--frobnicate"][..], "unknown train argument"),
+            (&["--json"][..], "xtask sets it itself"),
         ] {
             let e = parse_err(args);
             assert!(e.contains(says), "{args:?}: {e}");
@@ -535,10 +552,46 @@ mod tests {
         let Ok(o) = parse(&[]) else {
             panic!("no arguments is fine")
         };
-        assert_eq!(
-            (o.ranks, o.steps, o.hook.as_str(), o.accumulate),
-            (4, 1000, "allreduce", 1)
-        );
+        assert_eq!((o.ranks, o.hook.as_str()), (4, "allreduce"));
         assert_eq!(o.backend, Backend::Threads);
+        assert!(o.example_args.is_empty());
+    }
+
+    /// The example's flags reach it as given, in order (its parser checks them).
+    #[test]
+    fn example_flags_pass_through() {
+        let a: Vec<String> = [
+            "--steps",
+            "10",
+            "--ranks",
+            "2",
+            "--chunks=8",
+            "--accumulate",
+            "4",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let o = parse(&a).ok().expect("valid");
+        assert_eq!(o.ranks, 2);
+        assert_eq!(
+            o.example_args,
+            ["--steps", "10", "--chunks=8", "--accumulate", "4"]
+        );
+        assert_eq!(
+            run_args(&o, "fp16", true),
+            [
+                "--json",
+                "--hook",
+                "fp16",
+                "--ranks",
+                "2",
+                "--steps",
+                "10",
+                "--chunks=8",
+                "--accumulate",
+                "4"
+            ]
+        );
     }
 }

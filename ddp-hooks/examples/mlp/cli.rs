@@ -44,31 +44,21 @@ pub fn parse(args: &[String], default_ranks: usize) -> Result<Cli, String> {
     let mut compare = false;
     let mut json = false;
     let (mut save_at, mut checkpoint, mut resume) = (None, None, None);
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        let mut value = |name: &str| {
-            it.next()
-                .cloned()
-                .ok_or_else(|| format!("{name} needs a value"))
-        };
-        let number = |name: &str, v: String| -> Result<usize, String> {
-            v.parse::<usize>()
-                .ok()
-                .filter(|&n| n > 0)
-                .ok_or_else(|| format!("{name} {v}: expected a positive integer"))
-        };
-        match a.as_str() {
-            "--ranks" => config.ranks = number(a, value(a)?)?,
-            "--steps" => config.steps = number(a, value(a)?)?,
-            "--accumulate" => config.accumulate = number(a, value(a)?)?,
-            "--batch" => config.batch = number(a, value(a)?)?,
-            "--hook" => hook = Some(value(a)?),
-            "--compare" => compare = true,
-            "--save-at" => save_at = Some(number(a, value(a)?)?),
-            "--checkpoint" => checkpoint = Some(PathBuf::from(value(a)?)),
-            "--resume" => resume = Some(PathBuf::from(value(a)?)),
-            "--json" => json = true,
-            other => return Err(format!("unknown argument `{other}`")),
+    let mut p = lexopt::Parser::from_args(args.iter().cloned());
+    while let Some(arg) = p.next().map_err(|e| e.to_string())? {
+        use lexopt::Arg::Long;
+        match arg {
+            Long("ranks") => config.ranks = positive(&mut p, "--ranks")?,
+            Long("steps") => config.steps = positive(&mut p, "--steps")?,
+            Long("accumulate") => config.accumulate = positive(&mut p, "--accumulate")?,
+            Long("batch") => config.batch = positive(&mut p, "--batch")?,
+            Long("hook") => hook = Some(text(&mut p)?),
+            Long("compare") => compare = true,
+            Long("save-at") => save_at = Some(positive(&mut p, "--save-at")?),
+            Long("checkpoint") => checkpoint = Some(PathBuf::from(text(&mut p)?)),
+            Long("resume") => resume = Some(PathBuf::from(text(&mut p)?)),
+            Long("json") => json = true,
+            other => return Err(other.unexpected().to_string()),
         }
     }
     let hooks = match (compare, hook) {
@@ -115,6 +105,23 @@ pub fn parse(args: &[String], default_ranks: usize) -> Result<Cli, String> {
         hooks,
         json,
     })
+}
+
+/// The next value, as UTF-8 text.
+fn text(p: &mut lexopt::Parser) -> Result<String, String> {
+    use lexopt::ValueExt;
+    p.value()
+        .and_then(|v| v.string())
+        .map_err(|e| e.to_string())
+}
+
+/// The next value, a positive integer (`name` for the message).
+fn positive(p: &mut lexopt::Parser, name: &str) -> Result<usize, String> {
+    let v = text(p)?;
+    v.parse::<usize>()
+        .ok()
+        .filter(|&n| n > 0)
+        .ok_or_else(|| format!("{name} {v}: expected a positive integer"))
 }
 
 /// Parses a hook spec; the error is the registry's.
