@@ -572,7 +572,9 @@ mod tests {
         .iter()
         .map(|s| s.to_string())
         .collect();
-        let o = parse(&a).ok().expect("valid");
+        let Ok(o) = parse(&a) else {
+            panic!("valid arguments")
+        };
         assert_eq!(o.ranks, 2);
         assert_eq!(
             o.example_args,
