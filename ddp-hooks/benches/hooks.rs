@@ -23,7 +23,7 @@
 //! `batch_tensors_with_same_shape` on one preset (`--preset NAME`, default `bert-base`),
 //! r = 1, 2, 4, on 2 ranks of one CPU thread each, for each SIMD instruction set of this
 //! CPU (`--isa avx2` or `--isa avx512` for one, also for the `hooks` suite, where it caps
-//! the thread backend's 16-bit loops too: `COLLECTIVES_CPU_CAPABILITY`; `--no-bias` drops the preset's 1-D
+//! the thread backend's 16-bit loops too: `LOWRANK_CPU_CAPABILITY`; `--no-bias` drops the preset's 1-D
 //! parameters), the two settings alternated step by step
 //! so that load drifts touch both alike; the hook time per step (median, slowest rank),
 //! its ratio to the memory bound as in the `hooks` suite, and the time of the first

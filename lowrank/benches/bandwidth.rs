@@ -15,7 +15,8 @@
 //! `--reps N`, `--isa avx512|avx2|portable` (the kernels of that instruction set, e.g. the
 //! AVX2 kernels on an AVX-512 machine; the reference stays the machine's best read),
 //! `--op mq|mtp` and `--rank 1|2|4|8` (only those rows, to compare two builds quickly).
-//! Driven by `cargo xtask bench lowrank`.
+//! An unknown flag, a missing value or one that does not parse (`--reps abc`) is an
+//! error, exit status 2. Driven by `cargo xtask bench lowrank`.
 //!
 //! `--roofline` (with `--isa`, `--op`, `--rank`; default rank 8): instead of the table, the
 //! in-core limits of each one-thread row, to explain a row below the read bandwidth:
@@ -48,57 +49,66 @@ struct Args {
     roofline: bool,
 }
 
+/// The arguments, or exit status 2 with a message for an unknown flag, a missing value or
+/// one that does not parse.
 fn args() -> Args {
-    let argv: Vec<String> = std::env::args().skip(1).collect();
-    let quick = argv.iter().any(|a| a == "--quick");
-    let reps = argv
-        .iter()
-        .position(|a| a == "--reps")
-        .and_then(|i| argv.get(i + 1))
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(if quick { 5 } else { 7 })
-        .max(5);
-    let isa =
-        argv.iter()
-            .position(|a| a == "--isa")
-            .map(|i| match argv.get(i + 1).map(String::as_str) {
-                Some("avx512") => Isa::Avx512,
-                Some("avx2") => Isa::Avx2,
-                Some("portable") => Isa::Portable,
-                other => {
-                    eprintln!("--isa takes avx512, avx2 or portable, got {other:?}");
-                    std::process::exit(2)
-                }
-            });
-    let value = |flag: &str| {
-        argv.iter()
-            .position(|a| a == flag)
-            .map(|i| argv.get(i + 1).map(String::as_str).unwrap_or(""))
-    };
-    let op = value("--op").map(|v| match v {
-        "mq" => Op::Mq,
-        "mtp" => Op::Mtp,
-        other => {
-            eprintln!("--op takes mq or mtp, got {other:?}");
-            std::process::exit(2)
+    parse_args().unwrap_or_else(|e| {
+        eprintln!("bandwidth: {e}");
+        std::process::exit(2)
+    })
+}
+
+fn parse_args() -> Result<Args, lexopt::Error> {
+    use lexopt::prelude::*;
+    let (mut quick, mut json, mut roofline) = (false, false, false);
+    let (mut reps, mut isa, mut op, mut rank) = (None, None, None, None);
+    let mut parser = lexopt::Parser::from_env();
+    while let Some(arg) = parser.next()? {
+        match arg {
+            Long("quick") => quick = true,
+            Long("json") => json = true,
+            Long("roofline") => roofline = true,
+            // `cargo bench` passes `--bench` to a bench without the test harness.
+            Long("bench") => {}
+            Long("reps") => reps = Some(parser.value()?.parse::<usize>()?),
+            Long("isa") => {
+                isa = Some(match parser.value()?.string()?.as_str() {
+                    "avx512" => Isa::Avx512,
+                    "avx2" => Isa::Avx2,
+                    "portable" => Isa::Portable,
+                    other => {
+                        return Err(
+                            format!("--isa takes avx512, avx2 or portable, got {other:?}").into(),
+                        )
+                    }
+                })
+            }
+            Long("op") => {
+                op = Some(match parser.value()?.string()?.as_str() {
+                    "mq" => Op::Mq,
+                    "mtp" => Op::Mtp,
+                    other => return Err(format!("--op takes mq or mtp, got {other:?}").into()),
+                })
+            }
+            Long("rank") => {
+                let v = parser.value()?.string()?;
+                rank = Some(match v.parse() {
+                    Ok(r @ (1 | 2 | 4 | 8)) => r,
+                    _ => return Err(format!("--rank takes 1, 2, 4 or 8, got {v:?}").into()),
+                })
+            }
+            _ => return Err(arg.unexpected()),
         }
-    });
-    let rank = value("--rank").map(|v| match v.parse() {
-        Ok(r @ (1 | 2 | 4 | 8)) => r,
-        _ => {
-            eprintln!("--rank takes 1, 2, 4 or 8, got {v:?}");
-            std::process::exit(2)
-        }
-    });
-    Args {
+    }
+    Ok(Args {
         quick,
-        json: argv.iter().any(|a| a == "--json"),
-        reps,
+        json,
+        reps: reps.unwrap_or(if quick { 5 } else { 7 }).max(5),
         isa,
         op,
         rank,
-        roofline: argv.iter().any(|a| a == "--roofline"),
-    }
+        roofline,
+    })
 }
 
 /// Streams a buffer larger than every cache through the cores, evicting `M`.

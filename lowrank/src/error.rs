@@ -2,7 +2,7 @@
 
 /// Everything that can go wrong in `lowrank`. Bad input is always reported here, never by
 /// a panic.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// The rank of the thin factors is outside `1..=MAX_RANK`.

@@ -7,7 +7,8 @@
 //! one JSON object per line); `--quick` keeps a suite's run under a minute and the report
 //! under 90 seconds, not counting compilation. `--isa avx512|avx2|portable` runs the
 //! report, `lowrank`'s bandwidth table and the `hooks` suite on that instruction set's
-//! kernels (and the thread backend's 16-bit loops), as a CPU without a wider one would.
+//! kernels (and the thread backend's 16-bit loops, through `LOWRANK_CPU_CAPABILITY`), as
+//! a CPU without a wider one would.
 
 mod report;
 mod svg;

@@ -17,7 +17,7 @@
 //! share one GPU in tests, where NCCL refuses more than one rank per device.
 
 mod reduce;
-mod wire;
+mod rounding;
 mod world;
 
 use crate::sync::Arc;
@@ -268,7 +268,7 @@ impl ProcessGroup for ThreadGroup {
         self.submit(move |world, rank| {
             let mut bufs = all_reduce_in_place(world, rank, Kind::AllReduce(op), vec![buf], op)?;
             bufs.pop()
-                .ok_or_else(|| Error::Backend("all_reduce lost its buffer".into()))
+                .ok_or_else(|| Error::Internal("all_reduce lost its buffer".into()))
         })
     }
 

@@ -161,15 +161,15 @@ unsafe fn reduce_wire_typed<T: Reducible<Acc = f32>>(
     op: ReduceOp,
 ) {
     let round: fn(&mut [f32]) = if T::BITS_BF16 {
-        super::wire::round_to_bf16
+        super::rounding::round_to_bf16
     } else {
-        super::wire::round_to_f16
+        super::rounding::round_to_f16
     };
     if let [a, b] = *addrs {
         // SAFETY: both buffers cover `range`, nobody else touches it, and they are
         // distinct (every rank posts its own buffer).
         return unsafe {
-            super::wire::two_ranks(
+            super::rounding::two_ranks(
                 T::BITS_BF16,
                 (a as *mut f32).add(range.start),
                 (b as *mut f32).add(range.start),

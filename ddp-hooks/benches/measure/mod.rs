@@ -22,8 +22,8 @@ pub static ISA: std::sync::OnceLock<lowrank::Isa> = std::sync::OnceLock::new();
 
 /// Makes the measured backends use the kernels of the instruction set `name` (`avx512`,
 /// `avx2`, `portable`) and caps the thread backend's 16-bit loops at the same one
-/// (`COLLECTIVES_CPU_CAPABILITY`, read once, at the first 16-bit reduction). Call it at
-/// the start of `main`, before any other thread runs.
+/// (`LOWRANK_CPU_CAPABILITY`, read once, at the first 16-bit reduction or
+/// `CpuBackend::new`). Call it at the start of `main`, before any other thread runs.
 pub fn select_isa(name: &str) -> Result<(), String> {
     let Some(isa) = lowrank::Isa::supported()
         .into_iter()
@@ -34,12 +34,7 @@ pub fn select_isa(name: &str) -> Result<(), String> {
         ));
     };
     let _ = ISA.set(isa);
-    let cap = if isa == lowrank::Isa::Portable {
-        "default"
-    } else {
-        isa.name()
-    };
-    std::env::set_var("COLLECTIVES_CPU_CAPABILITY", cap);
+    std::env::set_var("LOWRANK_CPU_CAPABILITY", isa.name());
     Ok(())
 }
 

@@ -36,37 +36,52 @@ pub enum Isa {
 }
 
 impl Isa {
-    /// The best instruction set this CPU supports.
+    /// The instruction set [`CpuBackend::new`] uses: the best this CPU supports, capped
+    /// by `LOWRANK_CPU_CAPABILITY` (`avx512`, `avx2`, `default` or `portable`; read once,
+    /// like PyTorch's `ATEN_CPU_CAPABILITY`: see [`cpucap::level`]). An unknown value is
+    /// ignored, with a warning.
     pub fn detect() -> Isa {
-        [Isa::Avx512, Isa::Avx2]
-            .into_iter()
-            .find(|isa| isa.is_supported())
-            .unwrap_or(Isa::Portable)
-    }
-
-    /// Whether this CPU can run kernels compiled for `self`.
-    pub fn is_supported(self) -> bool {
-        match self {
-            Isa::Portable => true,
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"),
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => {
-                is_x86_feature_detected!("avx512f")
-                    && is_x86_feature_detected!("avx2")
-                    && is_x86_feature_detected!("fma")
+        static WARNED: std::sync::Once = std::sync::Once::new();
+        WARNED.call_once(|| {
+            for warning in cpucap::take_warnings() {
+                tracing::warn!("{warning}");
             }
-            #[cfg(not(target_arch = "x86_64"))]
-            _ => false,
-        }
+        });
+        Isa::from_level(cpucap::level())
     }
 
-    /// Every instruction set this CPU supports, best first.
+    /// Whether this CPU can run kernels compiled for `self` (whatever
+    /// `LOWRANK_CPU_CAPABILITY` says): AVX2 needs AVX2 and FMA, AVX-512 AVX-512F as well
+    /// ([`cpucap::Level`]'s sets, which include these).
+    pub fn is_supported(self) -> bool {
+        self.level().is_supported()
+    }
+
+    /// Every instruction set this CPU supports, best first (whatever
+    /// `LOWRANK_CPU_CAPABILITY` says).
     pub fn supported() -> Vec<Isa> {
         [Isa::Avx512, Isa::Avx2, Isa::Portable]
             .into_iter()
             .filter(|isa| isa.is_supported())
             .collect()
+    }
+
+    /// The CPU features these kernels need.
+    fn level(self) -> cpucap::Level {
+        match self {
+            Isa::Avx512 => cpucap::Level::Avx512,
+            Isa::Avx2 => cpucap::Level::Avx2,
+            Isa::Portable => cpucap::Level::Portable,
+        }
+    }
+
+    /// The kernels that need at most `level`'s features.
+    fn from_level(level: cpucap::Level) -> Isa {
+        match level {
+            cpucap::Level::Avx512 => Isa::Avx512,
+            cpucap::Level::Avx2 => Isa::Avx2,
+            cpucap::Level::Portable => Isa::Portable,
+        }
     }
 
     /// Lower-case name (`"avx512"`, `"avx2"`, `"portable"`).
@@ -119,8 +134,9 @@ impl Default for CpuBackend {
 }
 
 impl CpuBackend {
-    /// The best instruction set of this CPU; large operations are cut into one piece per
-    /// available core.
+    /// The best instruction set of this CPU ([`Isa::detect`]: capped by
+    /// `LOWRANK_CPU_CAPABILITY`); large operations are cut into one piece per available
+    /// core.
     pub fn new() -> Self {
         CpuBackend {
             threads: std::thread::available_parallelism().map_or(1, |n| n.get()),

@@ -2,7 +2,7 @@
 //! AVX-512, AVX2+FMA and a portable fallback.
 //!
 //! Every method is `#[inline(always)]`: the generic kernels are inlined into a
-//! `#[target_feature]` entry point per instruction set (see `kernels.rs`), where the
+//! `#[target_feature]` entry point per instruction set (see `kernels/mod.rs`), where the
 //! intrinsics are compiled with the features they need.
 
 /// One SIMD register of `f32` lanes and the operations the kernels use.

@@ -2,7 +2,7 @@
 //!
 //! With the feature: `device.rs` (the type, construction, launch helpers), `ops.rs` (the
 //! [`crate::Backend`] implementation), `blas.rs` (the products on cuBLAS) and `kernels.rs`
-//! (the CUDA C source compiled by NVRTC, and the kernel handles).
+//! (the CUDA C source, `kernels.cu`, compiled by NVRTC, and the kernel handles).
 
 #[cfg(feature = "cuda")]
 mod blas;

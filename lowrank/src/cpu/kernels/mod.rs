@@ -1,0 +1,150 @@
+//! The CPU kernels, written once over [`Simd`](super::simd::Simd) and instantiated per
+//! instruction set.
+//!
+//! Skinny products stream `M` from memory once and keep everything else (the thin
+//! factors, the accumulators) in registers or in L1/L2, so their speed is the memory
+//! read bandwidth. Rows are processed in blocks so that each load of a factor vector is
+//! shared by several rows; loads run a fixed distance behind software prefetches.
+//!
+//! All functions here are `unsafe`: they take raw pointers that the safe layer
+//! (`mod.rs`) has checked against the shape, and they are only reached through the entry
+//! points below, after runtime detection of the instruction set.
+//!
+//! One module per kernel family: [`mq`] (`P = M Q`), [`mtp`] (`Q = Mᵀ P`), [`pqt`]
+//! (`M = P Qᵀ`), [`gram_schmidt`] (with its [`vector`] helpers).
+
+mod gram_schmidt;
+mod mq;
+mod mtp;
+mod pqt;
+mod vector;
+
+use gram_schmidt::gram_schmidt;
+use mq::mq_rows;
+use mtp::mtp_cols;
+use pqt::pqt_rows;
+use std::ops::Range;
+
+/// How far ahead of the loads (in `f32` elements) the software prefetch runs. Prefetch
+/// addresses are computed with `wrapping_add`: near the end of a buffer they point past
+/// it, and `add` beyond one past the end is undefined behaviour even when never read.
+const PREFETCH: usize = 512;
+
+/// One matrix of a batch and its factors, as raw pointers checked by the caller.
+///
+/// `m` is `n x cols` row-major; `e` (optional, may be null) has the same shape; `p` is
+/// `r` columns of `n` (column-major `n x r`); `q` is `r` columns of `cols`.
+#[derive(Clone, Copy)]
+pub(crate) struct Mat {
+    pub m: *mut f32,
+    pub e: *mut f32,
+    pub p: *mut f32,
+    pub q: *mut f32,
+    pub n: usize,
+    pub cols: usize,
+    pub r: usize,
+}
+
+impl Mat {
+    /// The pointers of matrix 0 of a batch of shape `d`.
+    pub(crate) fn base(d: &crate::Dims, m: *mut f32, e: *mut f32, p: *mut f32, q: *mut f32) -> Mat {
+        Mat {
+            m,
+            e,
+            p,
+            q,
+            n: d.n(),
+            cols: d.m(),
+            r: d.r(),
+        }
+    }
+
+    /// The pointers of matrix `b` (offsets computed with wrapping arithmetic; they are
+    /// only dereferenced for `b < batch`).
+    pub(crate) fn at(&self, d: &crate::Dims, b: usize) -> Mat {
+        let mo = b * d.matrix_len();
+        Mat {
+            m: self.m.wrapping_add(mo),
+            e: if self.e.is_null() {
+                self.e
+            } else {
+                self.e.wrapping_add(mo)
+            },
+            p: self.p.wrapping_add(b * d.n() * d.r()),
+            q: self.q.wrapping_add(b * d.m() * d.r()),
+            ..*self
+        }
+    }
+}
+
+// SAFETY: a `Mat` is a bundle of pointers into buffers that the safe layer keeps alive
+// and borrowed (shared or exclusive as each operation needs) for the duration of the
+// parallel call; tasks write disjoint parts.
+unsafe impl Send for Mat {}
+// SAFETY: as above.
+unsafe impl Sync for Mat {}
+
+// ---------------------------------------------------------------------------------------
+// Entry points, one set per instruction set.
+
+macro_rules! isa_entries {
+    ($(#[$attr:meta])* $module:ident, $simd:ty) => {
+        pub(crate) mod $module {
+            use super::*;
+            $(#[$attr])*
+            pub(crate) unsafe fn mq(a: &Mat, rows: Range<usize>, fuse_add: bool) {
+                // SAFETY: forwarded caller guarantees.
+                unsafe {
+                    if fuse_add {
+                        mq_rows::<$simd, true>(a, rows)
+                    } else {
+                        mq_rows::<$simd, false>(a, rows)
+                    }
+                }
+            }
+            $(#[$attr])*
+            pub(crate) unsafe fn mtp(a: &Mat, cols: Range<usize>) {
+                // SAFETY: forwarded caller guarantees.
+                unsafe { mtp_cols::<$simd>(a, cols) }
+            }
+            $(#[$attr])*
+            pub(crate) unsafe fn pqt(a: &Mat, rows: Range<usize>, fuse_error: bool) {
+                // SAFETY: forwarded caller guarantees.
+                unsafe {
+                    if fuse_error {
+                        pqt_rows::<$simd, true>(a, rows)
+                    } else {
+                        pqt_rows::<$simd, false>(a, rows)
+                    }
+                }
+            }
+            $(#[$attr])*
+            pub(crate) unsafe fn orthogonalize(x: *mut f32, n: usize, r: usize, eps: f32) {
+                // SAFETY: forwarded caller guarantees.
+                unsafe { gram_schmidt::<$simd>(x, n, r, eps) }
+            }
+        }
+    };
+}
+
+isa_entries!(portable, super::super::simd::Portable);
+#[cfg(target_arch = "x86_64")]
+isa_entries!(
+    #[target_feature(enable = "avx2,fma")]
+    avx2,
+    super::super::simd::Avx2
+);
+#[cfg(target_arch = "x86_64")]
+isa_entries!(
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    avx512,
+    super::super::simd::Avx512
+);
+
+/// A raw pointer that may cross threads; the code sharing it guarantees disjoint access.
+#[derive(Clone, Copy)]
+pub(crate) struct SendPtr(pub *mut f32);
+// SAFETY: users of `SendPtr` only touch disjoint ranges from different threads.
+unsafe impl Send for SendPtr {}
+// SAFETY: as above.
+unsafe impl Sync for SendPtr {}
