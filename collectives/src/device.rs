@@ -101,7 +101,10 @@ macro_rules! conversions {
 conversions!(f32 => F32, f64 => F64, f16 => F16, bf16 => BF16);
 
 fn cuda(what: &'static str) -> impl Fn(DriverError) -> Error {
-    move |e| Error::Backend(format!("CUDA error while {what}: {e:?}"))
+    move |e| Error::Cuda {
+        op: what.into(),
+        message: format!("{e:?}"),
+    }
 }
 
 /// Copies a device slice to the host, waiting for its stream.

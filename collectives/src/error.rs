@@ -59,9 +59,90 @@ pub enum Error {
     /// The rendezvous store's peer broke the protocol.
     #[error("store protocol error: {0}")]
     Protocol(String),
-    /// An error from the NCCL or CUDA layer.
+    /// A backend failure with nothing more specific to say: what a process group outside
+    /// this crate (a wrapper, a test's injected failure) reports. This crate's own backends
+    /// report the typed variants below ([`Error::Nccl`], [`Error::Mpi`], [`Error::Cuda`],
+    /// [`Error::Aborted`], ...).
     #[error("{0}")]
     Backend(String),
+    /// An NCCL call failed, or NCCL reported an error on a communicator
+    /// (`ncclCommGetAsyncError`).
+    #[error("{op} failed: {message}")]
+    Nccl {
+        /// The call, with what it was doing (`"ncclAllReduce"`, `"all_reduce: async error"`).
+        op: String,
+        /// NCCL's result code (`ncclResult_t`).
+        code: i32,
+        /// The code's name, NCCL's text for it and NCCL's last error message.
+        message: String,
+    },
+    /// An MPI call failed.
+    #[error("{op} failed: MPI error {code}: {message}")]
+    Mpi {
+        /// The call (`"MPI_Iallreduce"`, ...).
+        op: String,
+        /// MPI's error code.
+        code: i32,
+        /// MPI's text for it (`MPI_Error_string`).
+        message: String,
+    },
+    /// A CUDA driver call failed (a copy, an event, a stream, a context).
+    #[error("{op}: CUDA error {message}")]
+    Cuda {
+        /// What was being done.
+        op: String,
+        /// The driver's error, printed.
+        message: String,
+    },
+    /// A library the backend needs cannot be used: missing (the CUDA driver, NCCL, with
+    /// how to provide it), or too old.
+    #[error("{0}")]
+    Unavailable(String),
+    /// The communicator was aborted (`NcclGroup::abort`): this and every later operation
+    /// of the group fails.
+    #[error("{}the NCCL communicator{} was aborted (NcclGroup::abort)",
+        .op.as_ref().map(|o| format!("{o}: ")).unwrap_or_default(),
+        .rank.map(|r| format!(" of rank {r}")).unwrap_or_default())]
+    Aborted {
+        /// The operation that found the abort, where known.
+        op: Option<String>,
+        /// The aborted rank, where known.
+        rank: Option<usize>,
+    },
+    /// The communicator is unusable after an earlier failure: MPI cannot cancel a
+    /// collective, so later ones would pair with the abandoned one.
+    #[error(
+        "the MPI communicator is unusable after an earlier failure ({cause}); MPI cannot \
+         cancel a collective, so later ones would pair with the abandoned one"
+    )]
+    Unusable {
+        /// The failure that broke it.
+        cause: Box<Error>,
+    },
+    /// The backend's progress thread or communicator is gone (stopped, ended before it
+    /// was ready), so the operation could not run.
+    #[error("{what}")]
+    Gone {
+        /// What is gone, and where it was found missing.
+        what: String,
+    },
+    /// A panic inside the backend (a job or continuation on a progress thread, a stage
+    /// of an MPI collective, a binding), contained and reported.
+    #[error("{what} panicked{}", .message.as_ref().map(|m| format!(": {m}")).unwrap_or_default())]
+    Panicked {
+        /// What panicked, naming the rank where known.
+        what: String,
+        /// The panic's message, where known.
+        message: Option<String>,
+    },
+    /// The operation's completer was dropped before completing it (its job was dropped
+    /// or panicked).
+    #[error("the operation was abandoned before completing")]
+    Abandoned,
+    /// A broken internal invariant of a backend (a buffer of the wrong type, a lost
+    /// stage): a bug, reported rather than a panic.
+    #[error("internal: {0}")]
+    Internal(String),
     /// The rendezvous store has no room for a request or its value: it would pass the
     /// server's limit on the bytes it holds (`StoreLimits::max_bytes`).
     #[error("the store cannot take {needed} more bytes: it holds {held} of its limit of {limit}")]
@@ -194,3 +275,54 @@ impl Error {
 
 /// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The typed backend variants print what the strings they replaced printed.
+    #[test]
+    fn backend_variants_print_their_context() {
+        let aborted = Error::Aborted {
+            op: None,
+            rank: Some(1),
+        };
+        assert_eq!(
+            aborted.to_string(),
+            "the NCCL communicator of rank 1 was aborted (NcclGroup::abort)"
+        );
+        let in_op = Error::Aborted {
+            op: Some("all_reduce".into()),
+            rank: None,
+        };
+        assert_eq!(
+            in_op.to_string(),
+            "all_reduce: the NCCL communicator was aborted (NcclGroup::abort)"
+        );
+        let mpi = Error::Mpi {
+            op: "MPI_Iallreduce".into(),
+            code: 15,
+            message: "MPI_ERR_TRUNCATE".into(),
+        };
+        assert_eq!(
+            mpi.to_string(),
+            "MPI_Iallreduce failed: MPI error 15: MPI_ERR_TRUNCATE"
+        );
+        let unusable = Error::Unusable {
+            cause: Box::new(Error::Abandoned),
+        };
+        assert!(unusable.to_string().starts_with(
+            "the MPI communicator is unusable after an earlier failure (the operation was abandoned before completing)"
+        ));
+        let panicked = Error::Panicked {
+            what: "a stage of all_reduce".into(),
+            message: None,
+        };
+        assert_eq!(panicked.to_string(), "a stage of all_reduce panicked");
+        assert_eq!(
+            Error::Internal("a chunk lies outside its buffer".into()).to_string(),
+            "internal: a chunk lies outside its buffer"
+        );
+        assert_eq!(unusable.clone(), unusable);
+    }
+}

@@ -90,9 +90,12 @@ pub trait ProcessGroup: Send + Sync {
         false
     }
     /// For a group that carries `f32` buffers narrowed to a 16-bit format over another
-    /// group (`ddp-hooks`' `HalfWire`): the format and that inner group, so a caller
+    /// group ([`HalfWire`](crate::HalfWire)): the format and that inner group, so a caller
     /// holding device buffers can narrow and widen them on the device and hand the inner
-    /// group 16-bit device buffers. `None` (the default) for every other group.
+    /// group 16-bit device buffers (this crate has no device kernels to cast with; the
+    /// CUDA bridge of `ddp-hooks` has). `None` (the default) for every other group; a
+    /// wrapper that charges or records operations ([`Linked`](crate::link::Linked))
+    /// answers `None` too, so that nothing bypasses it.
     fn narrowed(&self) -> Option<Narrowed<'_>> {
         None
     }

@@ -37,10 +37,12 @@ mod buffer;
 pub mod device;
 pub mod env;
 mod error;
+mod forward;
 mod group;
 pub mod link;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+pub mod narrow;
 #[cfg(feature = "cuda")]
 pub mod nccl;
 pub mod store;
@@ -53,5 +55,6 @@ pub use buffer::{Buffer, DType, ReduceOp};
 pub use device::DeviceBuffer;
 pub use error::{Error, HookError, Result};
 pub use group::{Narrowed, ProcessGroup, DEFAULT_TIMEOUT};
+pub use narrow::{HalfWire, WireFormat};
 pub use threads::{run_local, run_local_with_timeout, ThreadGroup};
 pub use work::{Completer, Work};

@@ -216,147 +216,87 @@ fn bytes(b: &Buffer) -> usize {
     b.len() * b.dtype().size()
 }
 
-impl<G: ProcessGroup> ProcessGroup for Linked<G> {
-    fn rank(&self) -> usize {
-        self.inner.rank()
-    }
-    fn size(&self) -> usize {
-        self.inner.size()
-    }
-    fn backend(&self) -> &'static str {
-        self.inner.backend()
-    }
-    fn timeout(&self) -> Duration {
-        self.inner.timeout()
-    }
-    fn all_reduce(&self, buf: Buffer, op: ReduceOp) -> Work<Buffer> {
-        let rec = LinkOp::AllReduce(bytes(&buf));
-        self.charge(self.inner.all_reduce(buf, op), rec)
-    }
-    fn all_reduce_wire(&self, buf: Buffer, wire: DType, op: ReduceOp) -> Work<Buffer> {
-        // Charged at the wire's size: that is what a network would carry.
-        let rec = LinkOp::AllReduce(buf.len() * wire.size());
-        self.charge(self.inner.all_reduce_wire(buf, wire, op), rec)
-    }
-    fn all_reduce_coalesced(&self, bufs: Vec<Buffer>, op: ReduceOp) -> Work<Vec<Buffer>> {
-        let rec = LinkOp::AllReduce(bufs.iter().map(bytes).sum());
-        self.charge(self.inner.all_reduce_coalesced(bufs, op), rec)
-    }
-    #[cfg(feature = "cuda")]
-    fn all_reduce_device(
-        &self,
-        buf: crate::DeviceBuffer,
-        op: ReduceOp,
-    ) -> Work<crate::DeviceBuffer> {
-        let rec = LinkOp::AllReduce(buf.len() * buf.dtype().size());
-        self.charge(self.inner.all_reduce_device(buf, op), rec)
-    }
-    #[cfg(feature = "cuda")]
-    fn broadcast_device(&self, buf: crate::DeviceBuffer, root: usize) -> Work<crate::DeviceBuffer> {
-        let rec = LinkOp::Broadcast(buf.len() * buf.dtype().size());
-        self.charge(self.inner.broadcast_device(buf, root), rec)
-    }
-    fn device_native(&self) -> bool {
-        self.inner.device_native()
-    }
-    fn broadcast(&self, buf: Buffer, root: usize) -> Work<Buffer> {
-        let rec = LinkOp::Broadcast(bytes(&buf));
-        self.charge(self.inner.broadcast(buf, root), rec)
-    }
-    fn all_gather(&self, buf: Buffer) -> Work<Vec<Buffer>> {
-        let rec = LinkOp::AllGather(bytes(&buf));
-        self.charge(self.inner.all_gather(buf), rec)
-    }
-    fn reduce_scatter(&self, buf: Buffer, op: ReduceOp) -> Work<Buffer> {
-        let rec = LinkOp::ReduceScatter(bytes(&buf));
-        self.charge(self.inner.reduce_scatter(buf, op), rec)
-    }
-    fn barrier(&self) -> Work<()> {
-        self.charge(self.inner.barrier(), LinkOp::Barrier)
-    }
-    fn new_group(&self, ranks: &[usize]) -> Result<Option<Box<dyn ProcessGroup>>> {
-        // Subgroups inherit the link; their charges are accounted separately.
-        Ok(self.inner.new_group(ranks)?.map(|g| {
-            Box::new(Linked {
-                inner: g,
-                link: self.link,
-                charge: self.charge,
-                charged_ns: Arc::new(AtomicU64::new(0)),
-                log: Arc::default(),
-            }) as Box<dyn ProcessGroup>
-        }))
-    }
-}
-
-/// A boxed or shared group is a group: every operation goes to the group inside (so a
-/// `Linked` can wrap one group shared by several hooks, each with its own log).
-macro_rules! forward_group {
-    ($ty:ty) => {
-        impl ProcessGroup for $ty {
-            fn rank(&self) -> usize {
-                (**self).rank()
-            }
-            fn size(&self) -> usize {
-                (**self).size()
-            }
-            fn backend(&self) -> &'static str {
-                (**self).backend()
-            }
-            fn timeout(&self) -> Duration {
-                (**self).timeout()
-            }
-            fn all_reduce(&self, buf: Buffer, op: ReduceOp) -> Work<Buffer> {
-                (**self).all_reduce(buf, op)
-            }
-            fn all_reduce_wire(&self, buf: Buffer, wire: DType, op: ReduceOp) -> Work<Buffer> {
-                (**self).all_reduce_wire(buf, wire, op)
-            }
-            fn all_reduce_coalesced(&self, bufs: Vec<Buffer>, op: ReduceOp) -> Work<Vec<Buffer>> {
-                (**self).all_reduce_coalesced(bufs, op)
-            }
-            #[cfg(feature = "cuda")]
-            fn all_reduce_device(
-                &self,
-                buf: crate::DeviceBuffer,
-                op: ReduceOp,
-            ) -> Work<crate::DeviceBuffer> {
-                (**self).all_reduce_device(buf, op)
-            }
-            #[cfg(feature = "cuda")]
-            fn broadcast_device(
-                &self,
-                buf: crate::DeviceBuffer,
-                root: usize,
-            ) -> Work<crate::DeviceBuffer> {
-                (**self).broadcast_device(buf, root)
-            }
-            fn device_native(&self) -> bool {
-                (**self).device_native()
-            }
-            fn narrowed(&self) -> Option<crate::Narrowed<'_>> {
-                (**self).narrowed()
-            }
-            fn broadcast(&self, buf: Buffer, root: usize) -> Work<Buffer> {
-                (**self).broadcast(buf, root)
-            }
-            fn all_gather(&self, buf: Buffer) -> Work<Vec<Buffer>> {
-                (**self).all_gather(buf)
-            }
-            fn reduce_scatter(&self, buf: Buffer, op: ReduceOp) -> Work<Buffer> {
-                (**self).reduce_scatter(buf, op)
-            }
-            fn barrier(&self) -> Work<()> {
-                (**self).barrier()
-            }
-            fn new_group(&self, ranks: &[usize]) -> Result<Option<Box<dyn ProcessGroup>>> {
-                (**self).new_group(ranks)
-            }
+crate::forward_group! {
+    impl[G: ProcessGroup] ProcessGroup for Linked<G> {
+        inner: |s| &s.inner;
+        fn all_reduce(&self, buf: Buffer, op: ReduceOp) -> Work<Buffer> {
+            let rec = LinkOp::AllReduce(bytes(&buf));
+            self.charge(self.inner.all_reduce(buf, op), rec)
         }
-    };
+        fn all_reduce_wire(&self, buf: Buffer, wire: DType, op: ReduceOp) -> Work<Buffer> {
+            // Charged at the wire's size: that is what a network would carry.
+            let rec = LinkOp::AllReduce(buf.len() * wire.size());
+            self.charge(self.inner.all_reduce_wire(buf, wire, op), rec)
+        }
+        fn all_reduce_coalesced(&self, bufs: Vec<Buffer>, op: ReduceOp) -> Work<Vec<Buffer>> {
+            let rec = LinkOp::AllReduce(bufs.iter().map(bytes).sum());
+            self.charge(self.inner.all_reduce_coalesced(bufs, op), rec)
+        }
+        #[cfg(feature = "cuda")]
+        fn all_reduce_device(
+            &self,
+            buf: crate::DeviceBuffer,
+            op: ReduceOp,
+        ) -> Work<crate::DeviceBuffer> {
+            let rec = LinkOp::AllReduce(buf.len() * buf.dtype().size());
+            self.charge(self.inner.all_reduce_device(buf, op), rec)
+        }
+        #[cfg(feature = "cuda")]
+        fn broadcast_device(
+            &self,
+            buf: crate::DeviceBuffer,
+            root: usize,
+        ) -> Work<crate::DeviceBuffer> {
+            let rec = LinkOp::Broadcast(buf.len() * buf.dtype().size());
+            self.charge(self.inner.broadcast_device(buf, root), rec)
+        }
+        /// `None`: a caller that narrowed on the device would hand the inner group's
+        /// inner group the buffer, past this group's charge and log.
+        fn narrowed(&self) -> Option<crate::Narrowed<'_>> {
+            None
+        }
+        fn broadcast(&self, buf: Buffer, root: usize) -> Work<Buffer> {
+            let rec = LinkOp::Broadcast(bytes(&buf));
+            self.charge(self.inner.broadcast(buf, root), rec)
+        }
+        fn all_gather(&self, buf: Buffer) -> Work<Vec<Buffer>> {
+            let rec = LinkOp::AllGather(bytes(&buf));
+            self.charge(self.inner.all_gather(buf), rec)
+        }
+        fn reduce_scatter(&self, buf: Buffer, op: ReduceOp) -> Work<Buffer> {
+            let rec = LinkOp::ReduceScatter(bytes(&buf));
+            self.charge(self.inner.reduce_scatter(buf, op), rec)
+        }
+        fn barrier(&self) -> Work<()> {
+            self.charge(self.inner.barrier(), LinkOp::Barrier)
+        }
+        fn new_group(&self, ranks: &[usize]) -> Result<Option<Box<dyn ProcessGroup>>> {
+            // Subgroups inherit the link; their charges are accounted separately.
+            Ok(self.inner.new_group(ranks)?.map(|g| {
+                Box::new(Linked {
+                    inner: g,
+                    link: self.link,
+                    charge: self.charge,
+                    charged_ns: Arc::new(AtomicU64::new(0)),
+                    log: Arc::default(),
+                }) as Box<dyn ProcessGroup>
+            }))
+        }
+    }
 }
 
-forward_group!(Box<dyn ProcessGroup>);
-forward_group!(Arc<dyn ProcessGroup>);
+// A boxed or shared group is a group: every operation goes to the group inside (so a
+// `Linked` can wrap one group shared by several hooks, each with its own log).
+crate::forward_group! {
+    impl ProcessGroup for Box<dyn ProcessGroup> {
+        inner: |s| &**s;
+    }
+}
+crate::forward_group! {
+    impl ProcessGroup for Arc<dyn ProcessGroup> {
+        inner: |s| &**s;
+    }
+}
 
 #[cfg(test)]
 mod tests {

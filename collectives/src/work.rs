@@ -282,7 +282,7 @@ impl<T> Drop for Completer<T> {
         if let Some(shared) = self.shared.take() {
             let mut st = shared.lock();
             if let State::Pending(cont) = std::mem::replace(&mut *st, State::Taken) {
-                let err = Error::Backend("the operation was abandoned before completing".into());
+                let err = Error::Abandoned;
                 match cont {
                     // Dropped while its thread unwinds (the job panicked): a continuation
                     // that panicked in turn would abort the process, so it is dropped
@@ -343,7 +343,7 @@ mod tests {
             panic!("the job panics before completing");
         }));
         assert!(job.is_err());
-        assert!(matches!(chained.wait(), Err(Error::Backend(_))));
+        assert!(matches!(chained.wait(), Err(Error::Abandoned)));
     }
 
     #[test]
@@ -367,7 +367,7 @@ mod tests {
     fn dropped_completer_fails_the_work() {
         let (w, c) = Work::<u32>::pending();
         drop(c);
-        assert!(matches!(w.wait(), Err(Error::Backend(_))));
+        assert!(matches!(w.wait(), Err(Error::Abandoned)));
     }
 }
 

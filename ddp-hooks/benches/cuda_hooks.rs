@@ -40,7 +40,7 @@ mod measure;
 mod models;
 
 use collectives::nccl::{NcclGroup, NcclId};
-use collectives::{Buffer, DType, Narrowed, ProcessGroup, ReduceOp, Work};
+use collectives::{ProcessGroup, ReduceOp, Work};
 use cudarc::driver::CudaSlice;
 use ddp_hooks::{CommHook, Layout, Noop, PowerSgd, PowerSgdConfig, Reducer, ReducerConfig};
 use lowrank::{Backend, CudaBackend};
@@ -110,48 +110,30 @@ enum BenchError {
 /// cannot take device buffers. Everything else is forwarded.
 struct Staged(Arc<NcclGroup>);
 
-impl ProcessGroup for Staged {
-    fn rank(&self) -> usize {
-        self.0.rank()
-    }
-    fn size(&self) -> usize {
-        self.0.size()
-    }
-    fn backend(&self) -> &'static str {
-        "nccl-staged"
-    }
-    fn timeout(&self) -> Duration {
-        ProcessGroup::timeout(&*self.0)
-    }
-    fn all_reduce(&self, buf: Buffer, op: ReduceOp) -> Work<Buffer> {
-        self.0.all_reduce(buf, op)
-    }
-    fn all_reduce_wire(&self, buf: Buffer, wire: DType, op: ReduceOp) -> Work<Buffer> {
-        self.0.all_reduce_wire(buf, wire, op)
-    }
-    fn device_native(&self) -> bool {
-        false
-    }
-    fn narrowed(&self) -> Option<Narrowed<'_>> {
-        self.0.narrowed()
-    }
-    fn all_reduce_coalesced(&self, bufs: Vec<Buffer>, op: ReduceOp) -> Work<Vec<Buffer>> {
-        self.0.all_reduce_coalesced(bufs, op)
-    }
-    fn broadcast(&self, buf: Buffer, root: usize) -> Work<Buffer> {
-        self.0.broadcast(buf, root)
-    }
-    fn all_gather(&self, buf: Buffer) -> Work<Vec<Buffer>> {
-        self.0.all_gather(buf)
-    }
-    fn reduce_scatter(&self, buf: Buffer, op: ReduceOp) -> Work<Buffer> {
-        self.0.reduce_scatter(buf, op)
-    }
-    fn barrier(&self) -> Work<()> {
-        self.0.barrier()
-    }
-    fn new_group(&self, ranks: &[usize]) -> collectives::Result<Option<Box<dyn ProcessGroup>>> {
-        self.0.new_group(ranks)
+collectives::forward_group! {
+    impl ProcessGroup for Staged {
+        inner: |s| &*s.0;
+        fn backend(&self) -> &'static str {
+            "nccl-staged"
+        }
+        fn device_native(&self) -> bool {
+            false
+        }
+        // Staged through host memory, as the trait's defaults do: not NCCL's device path.
+        fn all_reduce_device(
+            &self,
+            buf: collectives::device::DeviceBuffer,
+            op: ReduceOp,
+        ) -> Work<collectives::device::DeviceBuffer> {
+            collectives::device::staged(buf, |b| self.0.all_reduce(b, op))
+        }
+        fn broadcast_device(
+            &self,
+            buf: collectives::device::DeviceBuffer,
+            root: usize,
+        ) -> Work<collectives::device::DeviceBuffer> {
+            collectives::device::staged(buf, |b| self.0.broadcast(b, root))
+        }
     }
 }
 

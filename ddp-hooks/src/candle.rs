@@ -14,7 +14,7 @@
 //! use ddp_hooks::{candle::CandleDdp, HookSpec};
 //! use std::sync::Arc;
 //!
-//! let means = run_local(2, |group| -> Result<Vec<f32>, ddp_hooks::candle::Error> {
+//! let means = run_local(2, |group| -> Result<Vec<f32>, ddp_hooks::candle::CandleError> {
 //!     let rank = group.rank() as f32;
 //!     let w = Var::new(&[1.0f32, 2.0, 3.0], &Device::Cpu)?;
 //!     let mut ddp = CandleDdp::from_spec(&[w.clone()], &HookSpec::AllReduce, Arc::new(group))?;
@@ -45,7 +45,7 @@
 //! candle's backward leaves a variable that did not contribute to the loss out of the
 //! `GradStore`. `sync` treats it as DDP treats an unused parameter: it is not marked, and
 //! [`Reducer::finish`] decides. With [`ReducerConfig::find_unused_parameters`] off (the
-//! default) `sync` returns [`Error::Reducer`] holding
+//! default) `sync` returns [`CandleError::Reducer`] holding
 //! [`crate::Error::UnmarkedParameters`], which names every such variable by its index;
 //! with it on, the variable counts as a zero gradient on this rank and receives the mean
 //! like every other, unless no rank has a gradient for it: then it stays out of the
@@ -56,7 +56,7 @@
 //! # Errors
 //!
 //! A gradient of the wrong dtype, device or shape is reduced as a zero on this rank, so the
-//! peers complete the step, and `sync` returns [`Error::Gradients`] naming each one. On any
+//! peers complete the step, and `sync` returns [`CandleError::Gradients`] naming each one. On any
 //! error `sync` leaves the `GradStore` as it was.
 
 use crate::{CommHook, HookSpec, Reducer, ReducerConfig};
@@ -72,7 +72,7 @@ use std::sync::Arc;
 /// `PartialEq`, which the crate's error is.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
-pub enum Error {
+pub enum CandleError {
     /// The reducer's or a hook's error.
     #[error(transparent)]
     Reducer(#[from] crate::Error),
@@ -133,7 +133,7 @@ fn list(problems: &[(usize, Problem)]) -> String {
 }
 
 /// This module's result.
-pub type Result<T> = std::result::Result<T, Error>;
+pub type Result<T> = std::result::Result<T, CandleError>;
 
 /// A candle model's variables and the reducer that averages their gradients. See the
 /// [module docs](self).
@@ -167,7 +167,7 @@ impl CandleDdp {
 
 impl<H: CommHook<CpuBackend>> CandleDdp<H> {
     /// A reducer for `vars` (forward order, the same on every rank) and `hook`. Each var
-    /// must be `f32` in host memory ([`Error::Var`] otherwise).
+    /// must be `f32` in host memory ([`CandleError::Var`] otherwise).
     pub fn new(
         vars: &[Var],
         backend: Arc<CpuBackend>,
@@ -176,7 +176,7 @@ impl<H: CommHook<CpuBackend>> CandleDdp<H> {
     ) -> Result<Self> {
         for (i, var) in vars.iter().enumerate() {
             if let Some(problem) = unfit(var) {
-                return Err(Error::Var { var: i, problem });
+                return Err(CandleError::Var { var: i, problem });
             }
         }
         let shapes: Vec<Vec<usize>> = vars.iter().map(|v| v.dims().to_vec()).collect();
@@ -225,7 +225,7 @@ impl<H: CommHook<CpuBackend>> CandleDdp<H> {
             let marked = match self.check(p, grad) {
                 Some(problem) => {
                     problems.push((p, problem));
-                    self.reducer.mark_unused(p).map_err(Error::from)
+                    self.reducer.mark_unused(p).map_err(CandleError::from)
                 }
                 None => self.stage(p, grad),
             };
@@ -243,7 +243,7 @@ impl<H: CommHook<CpuBackend>> CandleDdp<H> {
         finished?;
         if !problems.is_empty() {
             problems.reverse();
-            return Err(Error::Gradients(problems));
+            return Err(CandleError::Gradients(problems));
         }
         // A variable no rank has a gradient for stays out of the store, as it came.
         let mut unused = vec![false; self.vars.len()];
@@ -280,7 +280,7 @@ impl<H: CommHook<CpuBackend>> CandleDdp<H> {
         {
             let (storage, layout) = grad.storage_and_layout();
             let Storage::Cpu(cpu) = &*storage else {
-                return Err(Error::Gradients(vec![(
+                return Err(CandleError::Gradients(vec![(
                     p,
                     Problem::Device(grad.device().location()),
                 )]));

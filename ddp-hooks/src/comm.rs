@@ -1,7 +1,9 @@
 //! The bridge between `lowrank` buffers and `collectives` process groups.
 
 use crate::{Error, Result};
-use collectives::{Buffer, DType, ProcessGroup, ReduceOp, Work};
+#[cfg(feature = "cuda")]
+use collectives::DType;
+use collectives::{Buffer, ProcessGroup, ReduceOp, Work};
 use half::{bf16, f16};
 use lowrank::{Backend, CpuBackend, Element};
 
@@ -56,22 +58,6 @@ pub trait CommBackend: Backend + 'static {
         op: ReduceOp,
     ) -> Work<Self::Buffer<T>>;
 
-    /// All-reduces the `f32` buffer `buf` as if sent in the `wire` format: the CPU backend
-    /// through [`ProcessGroup::all_reduce_wire`] (fused rounding on the thread backend),
-    /// the CUDA backend by casting on the device and reducing a 16-bit device buffer.
-    /// The default hands `buf` back (`Err`), and the caller casts it itself with the
-    /// backend's `cast` (what a backend outside this crate gets).
-    fn all_reduce_wire(
-        &self,
-        pg: &dyn ProcessGroup,
-        buf: Self::Buffer<f32>,
-        wire: DType,
-        op: ReduceOp,
-    ) -> std::result::Result<Work<Self::Buffer<f32>>, Self::Buffer<f32>> {
-        let _ = (pg, wire, op);
-        Err(buf)
-    }
-
     /// A zeroed buffer of `len` elements whose allocation failure is an error, never an
     /// abort: [`Error::Overflow`] if `len` elements exceed `isize::MAX` bytes,
     /// [`Error::Alloc`] if the allocator refuses them. The default checks the size before
@@ -101,18 +87,6 @@ impl CommBackend for CpuBackend {
         pg.all_reduce(T::wrap(buf), op).then(|r| T::unwrap(r?))
     }
 
-    fn all_reduce_wire(
-        &self,
-        pg: &dyn ProcessGroup,
-        buf: Vec<f32>,
-        wire: DType,
-        op: ReduceOp,
-    ) -> std::result::Result<Work<Vec<f32>>, Vec<f32>> {
-        Ok(pg
-            .all_reduce_wire(Buffer::F32(buf), wire, op)
-            .then(|r| f32::unwrap(r?)))
-    }
-
     /// As the default (the CPU backend's `alloc` is fallible), with the zeros written now:
     /// a bucket's storage is often read before it is written (gradients accumulated into
     /// it), and a lazily mapped page read first is the shared zero page, whose copy on the
@@ -131,9 +105,10 @@ impl CommBackend for lowrank::CudaBackend {
     /// decides how to reduce it: NCCL in place on the device with no host copy or host
     /// wait; the thread and MPI backends by staging it through host memory in
     /// `collectives::device`. A group that narrows `f32` to 16 bits on the wire
-    /// ([`ProcessGroup::narrowed`]: the `fp16+`/`bf16+` wrappers) gets the buffer cast on
-    /// the device, so only 16 bits an element go to its inner group, and the result is
-    /// widened on the device.
+    /// ([`ProcessGroup::narrowed`]: [`HalfWire`](crate::HalfWire), under the `fp16`/`bf16`
+    /// hooks and the `fp16+`/`bf16+` wrappers) gets the buffer cast on the device, so only
+    /// 16 bits an element go to its inner group, and the result is widened on the device
+    /// (`wire_reduce`).
     fn all_reduce<T: CommElement>(
         &self,
         pg: &dyn ProcessGroup,
@@ -147,24 +122,11 @@ impl CommBackend for lowrank::CudaBackend {
             (buf, _) => pg.all_reduce_device(buf, op).then(|r| T::from_device(r?)),
         }
     }
-
-    /// Always takes the buffer: cast to `wire` on the device, reduced over `pg` as a
-    /// 16-bit device buffer, widened back on the device (the `fp16`/`bf16` hooks, and the
-    /// path `all_reduce` takes for a narrowing group).
-    fn all_reduce_wire(
-        &self,
-        pg: &dyn ProcessGroup,
-        buf: cudarc::driver::CudaSlice<f32>,
-        wire: DType,
-        op: ReduceOp,
-    ) -> std::result::Result<Work<cudarc::driver::CudaSlice<f32>>, cudarc::driver::CudaSlice<f32>>
-    {
-        Ok(wire_reduce(self, pg, buf, wire, op))
-    }
 }
 
 /// `buf` reduced over `pg` as if sent in the `wire` format (`F32`, `F16`, `BF16`), cast
-/// on the device: the one device-side narrowing path of the CUDA bridge.
+/// on the device: the one device-side narrowing path of the CUDA bridge, taken for every
+/// narrowing group (the `fp16`/`bf16` hooks and wrappers).
 #[cfg(feature = "cuda")]
 fn wire_reduce(
     be: &lowrank::CudaBackend,
@@ -198,22 +160,27 @@ fn device_wire<H: CommElement>(
     mut buf: cudarc::driver::CudaSlice<f32>,
     op: ReduceOp,
 ) -> Work<cudarc::driver::CudaSlice<f32>> {
-    let kernel = |e: lowrank::Error| collectives::Error::Backend(format!("CUDA cast: {e}"));
+    let kernel = |e: lowrank::Error| collectives::Error::Cuda {
+        op: "CUDA cast".into(),
+        message: e.to_string(),
+    };
     let foreign = **buf.stream() != **be.stream();
     if foreign {
         if let Err(e) = be.stream().join(buf.stream()) {
-            return Work::ready(Err(collectives::Error::Backend(format!(
-                "ordering the cast after the buffer's stream: {e:?}"
-            ))));
+            return Work::ready(Err(collectives::Error::Cuda {
+                op: "ordering the cast after the buffer's stream".into(),
+                message: format!("{e:?}"),
+            }));
         }
     }
     // Back in the buffer's stream order: its later work (and its free) after the casts.
     let rejoin = move |buf: &cudarc::driver::CudaSlice<f32>, be: &lowrank::CudaBackend| {
         if foreign {
             if let Err(e) = buf.stream().join(be.stream()) {
-                return Err(collectives::Error::Backend(format!(
-                    "ordering the buffer's stream after the cast: {e:?}"
-                )));
+                return Err(collectives::Error::Cuda {
+                    op: "ordering the buffer's stream after the cast".into(),
+                    message: format!("{e:?}"),
+                });
             }
         }
         Ok(())

@@ -94,7 +94,12 @@ pub enum Error {
     /// [`Error::from_comm`]).
     #[error(transparent)]
     Comm(collectives::Error),
-    /// An error of the kernel layer.
+    /// An error of the kernel layer, kept typed (its allocation failures become
+    /// [`Error::Overflow`] or [`Error::Alloc`] instead).
+    #[error("lowrank: {0}")]
+    Lowrank(#[source] lowrank::Error),
+    /// A broken invariant of a hook's use of the kernel layer (a PowerSGD step that lost
+    /// its bucket memory): a bug, reported rather than a panic.
     #[error("lowrank: {0}")]
     Kernel(String),
     /// Parameters neither marked ready nor declared unused before `finish()` in a
@@ -143,14 +148,14 @@ fn index_ranges(indices: &[usize]) -> String {
 impl From<lowrank::Error> for Error {
     /// A buffer the kernel layer cannot allocate stays typed: more than `isize::MAX`
     /// bytes is [`Error::Overflow`], memory the allocator refused [`Error::Alloc`]; any
-    /// other kernel error is [`Error::Kernel`].
+    /// other kernel error is [`Error::Lowrank`], holding it.
     fn from(e: lowrank::Error) -> Self {
         match e {
             lowrank::Error::Alloc {
                 elements,
                 element_bytes,
             } => Error::buffer(elements, element_bytes),
-            other => Error::Kernel(other.to_string()),
+            other => Error::Lowrank(other),
         }
     }
 }
@@ -233,3 +238,40 @@ impl From<Error> for collectives::Error {
 
 /// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A kernel error stays typed; allocation failures keep their own variants.
+    #[test]
+    fn kernel_errors_stay_typed() {
+        assert_eq!(
+            Error::from(lowrank::Error::InvalidRank(0)),
+            Error::Lowrank(lowrank::Error::InvalidRank(0))
+        );
+        assert_eq!(
+            Error::from(lowrank::Error::Alloc {
+                elements: 4,
+                element_bytes: 4
+            }),
+            Error::Alloc {
+                elements: 4,
+                element_bytes: 4
+            }
+        );
+        assert!(matches!(
+            Error::from(lowrank::Error::Alloc {
+                elements: usize::MAX,
+                element_bytes: 4
+            }),
+            Error::Overflow(_)
+        ));
+        let e = Error::from(lowrank::Error::InvalidThreads);
+        assert_eq!(
+            e.to_string(),
+            "lowrank: the thread count must be at least 1"
+        );
+        assert!(std::error::Error::source(&e).is_some());
+    }
+}

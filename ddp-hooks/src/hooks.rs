@@ -2,13 +2,12 @@
 //! Also what every hook reports through the trait: its saved state ([`HookState`]), its
 //! compression statistics ([`CompressionStats`]) and its iteration.
 
-use crate::{CommBackend, CommElement, Error, GradBucket, PowerSgdState, Result};
+use crate::{CommBackend, Error, GradBucket, PowerSgdState, Result};
 use collectives::{ProcessGroup, ReduceOp, Work};
-use half::{bf16, f16};
 use lowrank::Backend;
 use serde::{Deserialize, Serialize};
 use std::marker::PhantomData;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 /// A DDP communication hook: called once per bucket per synchronised step, it returns
 /// at once a work that completes with the bucket's reduced gradients (the mean over the
@@ -196,48 +195,32 @@ impl<B: CommBackend> CommHook<B> for AllReduce<B> {
     }
 }
 
-/// A 16-bit format for [`Compress`].
-pub trait HalfFormat: CommElement {
-    /// The registry's name of the hook (`"fp16"`, `"bf16"`).
-    const HOOK: &'static str;
-    /// The format as a collectives element type.
-    const DTYPE: collectives::DType;
-}
-
-impl HalfFormat for f16 {
-    const HOOK: &'static str = "fp16";
-    const DTYPE: collectives::DType = collectives::DType::F16;
-}
-
-impl HalfFormat for bf16 {
-    const HOOK: &'static str = "bf16";
-    const DTYPE: collectives::DType = collectives::DType::BF16;
-}
+/// A 16-bit format for [`Compress`]: `collectives`' [`WireFormat`](collectives::WireFormat)
+/// ([`f16`](half::f16), [`bf16`](half::bf16)), under the name this crate gave it first.
+pub use collectives::WireFormat as HalfFormat;
 
 /// Sends the bucket in a 16-bit format and averages it (PyTorch's `fp16_compress_hook`
 /// and `bf16_compress_hook`): half the bytes, within that format's precision. The thread
 /// backend accumulates the sum in `f32` and rounds once, so it never overflows where
 /// PyTorch pre-divides to avoid that.
 ///
-/// Through [`CommBackend::all_reduce_wire`]: host buffers go to the group's
-/// [`ProcessGroup::all_reduce_wire`] (a network backend narrows, sends 16 bits and
-/// widens; the thread backend fuses the rounding into its reduction pass: same bits, no
-/// cast passes); CUDA buffers are cast on the device. A backend without its own path is
-/// cast here with its `cast`, into a 16-bit buffer kept between calls.
-pub struct Compress<B: Backend, H: HalfFormat> {
-    backend: Arc<B>,
-    group: Arc<dyn ProcessGroup>,
-    /// The 16-bit buffer of the last call, reused so steady state allocates nothing.
-    spare: Arc<Mutex<Option<B::Buffer<H>>>>,
+/// It is [`AllReduce`] over a [`HalfWire`](collectives::HalfWire) group (the one 16-bit
+/// path): host buffers go to the group's [`ProcessGroup::all_reduce_wire`] (a network
+/// backend narrows, sends 16 bits and widens; the thread backend fuses the rounding into
+/// its reduction pass: same bits, no cast passes); the CUDA bridge casts device buffers
+/// on the device and hands the group 16-bit device buffers
+/// ([`ProcessGroup::narrowed`]).
+pub struct Compress<B, H> {
+    inner: AllReduce<B>,
+    _format: PhantomData<fn() -> H>,
 }
 
 impl<B: CommBackend, H: HalfFormat> Compress<B, H> {
     /// The hook over `group`.
     pub fn new(backend: Arc<B>, group: Arc<dyn ProcessGroup>) -> Self {
         Compress {
-            backend,
-            group,
-            spare: Arc::default(),
+            inner: AllReduce::new(backend, Arc::new(collectives::HalfWire::<H>::new(group))),
+            _format: PhantomData,
         }
     }
 }
@@ -248,38 +231,7 @@ impl<B: CommBackend, H: HalfFormat> CommHook<B> for Compress<B, H> {
     }
 
     fn run(&mut self, bucket: GradBucket<B>) -> Work<B::Buffer<f32>> {
-        let be = self.backend.clone();
-        let mut full =
-            match be.all_reduce_wire(&*self.group, bucket.into_buffer(), H::DTYPE, ReduceOp::Avg) {
-                Ok(work) => return work,
-                Err(full) => full,
-            };
-        let len = B::buffer_len(&full);
-        let spare = self.spare.lock().unwrap_or_else(|p| p.into_inner()).take();
-        let half = match spare {
-            Some(h) if B::buffer_len(&h) == len => Ok(h),
-            _ => be.alloc::<H>(len),
-        };
-        let half = half.and_then(|mut h| {
-            be.cast::<f32, H>(B::view(&full, ..)?, B::view_mut(&mut h, ..)?)?;
-            Ok(h)
-        });
-        let half = match half {
-            Ok(h) => h,
-            Err(e) => return Work::ready(Err(Error::from(e).into())),
-        };
-        let keep = self.spare.clone();
-        be.clone()
-            .all_reduce(&*self.group, half, ReduceOp::Avg)
-            .then(move |r| {
-                let h = r?;
-                let mut widen = || be.cast::<H, f32>(B::view(&h, ..)?, B::view_mut(&mut full, ..)?);
-                widen().map_err(Error::from)?;
-                // Kept for the next call (a device backend orders its reuse after the
-                // cast just queued, on the same stream).
-                *keep.lock().unwrap_or_else(|p| p.into_inner()) = Some(h);
-                Ok(full)
-            })
+        self.inner.run(bucket)
     }
 
     fn save_state(&self) -> Result<HookState> {

@@ -4,7 +4,7 @@
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use collectives::{run_local, ProcessGroup, ThreadGroup};
-use ddp_hooks::candle::{CandleDdp, Error, Problem};
+use ddp_hooks::candle::{CandleDdp, CandleError, Problem};
 use ddp_hooks::{AllReduce, HookSpec, ReducerConfig};
 use lowrank::CpuBackend;
 use std::sync::Arc;
@@ -145,7 +145,9 @@ fn a_var_without_a_gradient_is_named_by_default_zero_with_find_unused_and_absent
     })
     .unwrap();
     match results[0].as_ref().unwrap() {
-        Err(Error::Reducer(ddp_hooks::Error::UnmarkedParameters { params, total, .. })) => {
+        Err(CandleError::Reducer(ddp_hooks::Error::UnmarkedParameters {
+            params, total, ..
+        })) => {
             assert_eq!((params.as_slice(), *total), (&[1][..], 3));
         }
         other => panic!("rank 0: expected UnmarkedParameters, got {other:?}"),
@@ -203,7 +205,7 @@ fn wrong_dtypes_and_shapes_are_typed_errors_and_the_peers_complete() {
         hook,
         ReducerConfig::default(),
     ) {
-        Err(Error::Var {
+        Err(CandleError::Var {
             var: 1,
             problem: Problem::DType(DType::F64),
         }) => {}
@@ -231,7 +233,7 @@ fn wrong_dtypes_and_shapes_are_typed_errors_and_the_peers_complete() {
     .unwrap();
     let (rank0, _) = results[0].as_ref().unwrap();
     match rank0 {
-        Err(e @ Error::Gradients(problems)) => {
+        Err(e @ CandleError::Gradients(problems)) => {
             assert_eq!(
                 problems,
                 &vec![

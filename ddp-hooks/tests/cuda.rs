@@ -183,9 +183,7 @@ fn cuda_powersgd_matches_cpu() {
 
 mod device_path {
     use collectives::nccl::{NcclGroup, NcclId};
-    use collectives::{
-        run_local, Buffer, DType, DeviceBuffer, Narrowed, ProcessGroup, ReduceOp, Work,
-    };
+    use collectives::{run_local, Buffer, DType, DeviceBuffer, ProcessGroup, ReduceOp, Work};
     use lowrank::CpuBackend;
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
@@ -213,65 +211,41 @@ mod device_path {
         device_reductions: Arc<AtomicUsize>,
     }
 
-    impl ProcessGroup for Recording {
-        fn rank(&self) -> usize {
-            self.inner.rank()
-        }
-        fn size(&self) -> usize {
-            self.inner.size()
-        }
-        fn backend(&self) -> &'static str {
-            self.inner.backend()
-        }
-        fn timeout(&self) -> Duration {
-            self.inner.timeout()
-        }
-        fn all_reduce(&self, buf: Buffer, op: ReduceOp) -> Work<Buffer> {
-            self.host_reductions.fetch_add(1, Ordering::Relaxed);
-            self.inner.all_reduce(buf, op)
-        }
-        fn all_reduce_wire(&self, buf: Buffer, wire: DType, op: ReduceOp) -> Work<Buffer> {
-            self.host_reductions.fetch_add(1, Ordering::Relaxed);
-            self.inner.all_reduce_wire(buf, wire, op)
-        }
-        fn all_reduce_coalesced(&self, bufs: Vec<Buffer>, op: ReduceOp) -> Work<Vec<Buffer>> {
-            self.host_reductions.fetch_add(1, Ordering::Relaxed);
-            self.inner.all_reduce_coalesced(bufs, op)
-        }
-        fn broadcast(&self, buf: Buffer, root: usize) -> Work<Buffer> {
-            // The reducer's one broadcast (rank 0's bucket order, `f64` indices) is not
-            // gradient data; a floating-point gradient type would be.
-            if buf.dtype() != DType::F64 {
+    collectives::forward_group! {
+        impl ProcessGroup for Recording {
+            inner: |s| &s.inner;
+            fn all_reduce(&self, buf: Buffer, op: ReduceOp) -> Work<Buffer> {
                 self.host_reductions.fetch_add(1, Ordering::Relaxed);
+                self.inner.all_reduce(buf, op)
             }
-            self.inner.broadcast(buf, root)
-        }
-        fn all_gather(&self, buf: Buffer) -> Work<Vec<Buffer>> {
-            self.inner.all_gather(buf)
-        }
-        fn reduce_scatter(&self, buf: Buffer, op: ReduceOp) -> Work<Buffer> {
-            self.host_reductions.fetch_add(1, Ordering::Relaxed);
-            self.inner.reduce_scatter(buf, op)
-        }
-        fn barrier(&self) -> Work<()> {
-            self.inner.barrier()
-        }
-        fn all_reduce_device(&self, buf: DeviceBuffer, op: ReduceOp) -> Work<DeviceBuffer> {
-            self.device_reductions.fetch_add(1, Ordering::Relaxed);
-            self.inner.all_reduce_device(buf, op)
-        }
-        fn broadcast_device(&self, buf: DeviceBuffer, root: usize) -> Work<DeviceBuffer> {
-            self.device_reductions.fetch_add(1, Ordering::Relaxed);
-            self.inner.broadcast_device(buf, root)
-        }
-        fn device_native(&self) -> bool {
-            self.inner.device_native()
-        }
-        fn narrowed(&self) -> Option<Narrowed<'_>> {
-            self.inner.narrowed()
-        }
-        fn new_group(&self, ranks: &[usize]) -> collectives::Result<Option<Box<dyn ProcessGroup>>> {
-            self.inner.new_group(ranks)
+            fn all_reduce_wire(&self, buf: Buffer, wire: DType, op: ReduceOp) -> Work<Buffer> {
+                self.host_reductions.fetch_add(1, Ordering::Relaxed);
+                self.inner.all_reduce_wire(buf, wire, op)
+            }
+            fn all_reduce_coalesced(&self, bufs: Vec<Buffer>, op: ReduceOp) -> Work<Vec<Buffer>> {
+                self.host_reductions.fetch_add(1, Ordering::Relaxed);
+                self.inner.all_reduce_coalesced(bufs, op)
+            }
+            fn broadcast(&self, buf: Buffer, root: usize) -> Work<Buffer> {
+                // The reducer's one broadcast (rank 0's bucket order, `f64` indices) is not
+                // gradient data; a floating-point gradient type would be.
+                if buf.dtype() != DType::F64 {
+                    self.host_reductions.fetch_add(1, Ordering::Relaxed);
+                }
+                self.inner.broadcast(buf, root)
+            }
+            fn reduce_scatter(&self, buf: Buffer, op: ReduceOp) -> Work<Buffer> {
+                self.host_reductions.fetch_add(1, Ordering::Relaxed);
+                self.inner.reduce_scatter(buf, op)
+            }
+            fn all_reduce_device(&self, buf: DeviceBuffer, op: ReduceOp) -> Work<DeviceBuffer> {
+                self.device_reductions.fetch_add(1, Ordering::Relaxed);
+                self.inner.all_reduce_device(buf, op)
+            }
+            fn broadcast_device(&self, buf: DeviceBuffer, root: usize) -> Work<DeviceBuffer> {
+                self.device_reductions.fetch_add(1, Ordering::Relaxed);
+                self.inner.broadcast_device(buf, root)
+            }
         }
     }
 

@@ -15,7 +15,6 @@ use ddp_hooks::{
 use lowrank::{CpuBackend, NormalRng};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
 const RANKS: usize = 2;
 const STEPS: usize = 7;
@@ -31,45 +30,18 @@ struct FailOnce {
     fail_at: Option<usize>,
 }
 
-impl ProcessGroup for FailOnce {
-    fn rank(&self) -> usize {
-        self.inner.rank()
-    }
-    fn size(&self) -> usize {
-        self.inner.size()
-    }
-    fn backend(&self) -> &'static str {
-        self.inner.backend()
-    }
-    fn timeout(&self) -> Duration {
-        self.inner.timeout()
-    }
-    fn all_reduce(&self, buf: Buffer, op: ReduceOp) -> Work<Buffer> {
-        let call = self.calls.fetch_add(1, Ordering::SeqCst);
-        if Some(call) == self.fail_at {
-            return Work::ready(Err(collectives::Error::Backend(format!(
-                "{INJECTED} (call {call})"
-            ))));
+collectives::forward_group! {
+    impl ProcessGroup for FailOnce {
+        inner: |s| &s.inner;
+        fn all_reduce(&self, buf: Buffer, op: ReduceOp) -> Work<Buffer> {
+            let call = self.calls.fetch_add(1, Ordering::SeqCst);
+            if Some(call) == self.fail_at {
+                return Work::ready(Err(collectives::Error::Backend(format!(
+                    "{INJECTED} (call {call})"
+                ))));
+            }
+            self.inner.all_reduce(buf, op)
         }
-        self.inner.all_reduce(buf, op)
-    }
-    fn all_reduce_coalesced(&self, bufs: Vec<Buffer>, op: ReduceOp) -> Work<Vec<Buffer>> {
-        self.inner.all_reduce_coalesced(bufs, op)
-    }
-    fn broadcast(&self, buf: Buffer, root: usize) -> Work<Buffer> {
-        self.inner.broadcast(buf, root)
-    }
-    fn all_gather(&self, buf: Buffer) -> Work<Vec<Buffer>> {
-        self.inner.all_gather(buf)
-    }
-    fn reduce_scatter(&self, buf: Buffer, op: ReduceOp) -> Work<Buffer> {
-        self.inner.reduce_scatter(buf, op)
-    }
-    fn barrier(&self) -> Work<()> {
-        self.inner.barrier()
-    }
-    fn new_group(&self, ranks: &[usize]) -> collectives::Result<Option<Box<dyn ProcessGroup>>> {
-        self.inner.new_group(ranks)
     }
 }
 

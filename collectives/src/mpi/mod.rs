@@ -43,7 +43,7 @@
 //! instead of blocking in MPI. MPI cannot cancel a collective, so the abandoned one stays
 //! in flight: its buffers are kept until it completes (freed then, or never), and its
 //! communicator is unusable from then on (every later operation on it fails at once with
-//! [`Error::Backend`]; other communicators are unaffected). If abandoned operations are
+//! [`Error::Unusable`]; other communicators are unaffected). If abandoned operations are
 //! still pending when the last handle is dropped, MPI is not finalised, since finalising
 //! would wait for peers that may never come; `mpirun` then reports the process.
 //!
@@ -102,6 +102,7 @@
 //! before communicating (split it, or reduce it with `all_reduce_coalesced` in pieces).
 
 mod debug;
+mod job;
 mod ops;
 mod ordered;
 mod progress;
@@ -111,7 +112,8 @@ use crate::{
     Buffer, Completer, DType, Error, ProcessGroup, ReduceOp, Result, Work, DEFAULT_TIMEOUT,
 };
 use debug::{Desc, Kind};
-use progress::{Action, CommId, Job, Op, Runtime, Start, WORLD};
+use job::{Action, Job, Op, Start};
+use progress::{CommId, Runtime, WORLD};
 use std::sync::Arc;
 use std::time::Duration;
 

@@ -6,7 +6,7 @@
 //! accumulates them) or on `f64`. `Avg` is MPI's sum divided by the group size. Moves
 //! (broadcast, all-gather) send halves as their 16-bit patterns, unchanged.
 
-use super::progress::{collective, Start};
+use super::job::{collective, Start};
 use super::raw::{self, Request};
 use crate::buffer::Reducible;
 use crate::{Buffer, Completer, DType, Error, ReduceOp, Result};
@@ -102,7 +102,7 @@ fn mpi_op(op: ReduceOp) -> MPI_Op {
 }
 
 fn internal() -> Error {
-    Error::Backend("internal: send and receive buffers of different types".into())
+    Error::Internal("send and receive buffers of different types".into())
 }
 
 /// `all_reduce`: one `MPI_Iallreduce` from the (widened) buffer into a new one.

@@ -20,7 +20,7 @@
 //! take one latency instead of two: an `MPI_Iallgather` of the whole buffer, then every
 //! rank reduces every element, in the same order, so with the same bits.
 
-use super::progress::{collective, staged, Stage, Start};
+use super::job::{collective, staged, Stage, Start};
 use super::raw::{self, Request};
 use crate::buffer::Reducible;
 use crate::{Buffer, Completer, DType, Error, ReduceOp, Result};
@@ -265,7 +265,7 @@ impl Exchange {
     fn reduce(&mut self, op: ReduceOp) -> Result<()> {
         let (rank, n, m, at) = (self.rank, self.size, self.mine(), self.own_start());
         let own = at..at + m;
-        let short = || Error::Backend("internal: a chunk lies outside its buffer".into());
+        let short = || Error::Internal("a chunk lies outside its buffer".into());
         match (&mut self.recv, &self.data) {
             (Buffer::F32(v), Buffer::F32(d)) => {
                 reduce_chunk(v, d.get(own).ok_or_else(short)?, rank, n, m, op)
@@ -365,7 +365,7 @@ fn reduce_chunk<T: Reducible>(
 }
 
 fn mixed() -> Error {
-    Error::Backend("internal: send and receive buffers of different types".into())
+    Error::Internal("send and receive buffers of different types".into())
 }
 
 /// `all_reduce`, deterministic: one all-gather for a small buffer; else one exchange, in
@@ -380,7 +380,7 @@ pub(super) fn all_reduce(
     all_reduce_parts(vec![buf], op, rank, size, done, |mut flats| {
         flats
             .pop()
-            .ok_or_else(|| Error::Backend("internal: all_reduce lost its buffer".into()))
+            .ok_or_else(|| Error::Internal("all_reduce lost its buffer".into()))
     })
 }
 
@@ -428,9 +428,7 @@ pub(super) fn all_reduce_coalesced(
                 let i = flats
                     .iter()
                     .position(|f| f.dtype() == dtype)
-                    .ok_or_else(|| {
-                        Error::Backend("internal: a coalesced type went missing".into())
-                    })?;
+                    .ok_or_else(|| Error::Internal("a coalesced type went missing".into()))?;
                 let at = offsets[i];
                 offsets[i] += len;
                 cut(&mut flats[i], at, len)
@@ -480,7 +478,7 @@ fn all_reduce_parts<T: Send + 'static>(
 /// Elements `at..at + len` of a flat buffer, as a buffer of their own.
 fn cut(flat: &mut Buffer, at: usize, len: usize) -> Result<Buffer> {
     let range = at..at + len;
-    let short = || Error::Backend("internal: a coalesced flat buffer came back short".into());
+    let short = || Error::Internal("a coalesced flat buffer came back short".into());
     Ok(match flat {
         Buffer::F32(v) => Buffer::F32(v.get(range).ok_or_else(short)?.to_vec()),
         Buffer::F16(v) => Buffer::F16(v.get(range).ok_or_else(short)?.to_vec()),

@@ -11,7 +11,7 @@
 //! passed and every earlier operation of that communicator has been started, so both
 //! communicators see their collectives in the same order on every rank, as MPI requires.
 //!
-//! An operation may run in stages ([`staged`]): each stage starts its requests once every
+//! An operation may run in stages ([`staged`](super::job::staged)): each stage starts its requests once every
 //! request of the stage before has completed, after local work on the buffers (the
 //! deterministic all-reduce reduces its chunk between an all-to-all and an all-gather).
 //! While such an operation has stages left to start, it *holds* its communicator: no
@@ -19,9 +19,10 @@
 //! stages and the operations around them in one order, whichever completes first
 //! locally.
 
-use super::debug::{self, Desc, WORDS};
+use super::debug::{self, WORDS};
+use super::job::{Action, Job, Joined, Op, Running};
 use super::raw::{self, Request};
-use crate::{Completer, Error, Result};
+use crate::{Error, Result};
 use mpi::environment::Universe;
 use mpi::topology::{Color, Communicator, SimpleCommunicator};
 use mpi::Threading;
@@ -43,196 +44,6 @@ const GRAVEYARD_POLL: Duration = Duration::from_millis(10);
 
 /// The longest shutdown waits for abandoned operations to complete.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
-
-/// Starts a collective on a communicator and returns what it left in flight; given an
-/// error instead, fails the operation's work without communicating.
-pub(super) type Start = Box<dyn FnOnce(Result<&SimpleCommunicator>) -> Option<Running> + Send>;
-
-/// What a group handle asks of the progress thread.
-pub(super) enum Job {
-    /// Run an operation.
-    Op(Op),
-    /// A group handle was dropped: free its communicator once its operations are started.
-    Free(CommId),
-}
-
-/// One operation, as issued.
-pub(super) struct Op {
-    /// The communicator.
-    pub comm: CommId,
-    /// What every rank must issue at this position.
-    pub desc: Desc,
-    /// Whether to compare descriptors across ranks first (debug mode).
-    pub check: bool,
-    /// The bound on the whole operation, from the moment the progress thread takes it.
-    pub timeout: Duration,
-    /// What to do.
-    pub action: Action,
-}
-
-/// The work of an [`Op`].
-pub(super) enum Action {
-    /// A non-blocking collective.
-    Collective(Start),
-    /// Split the communicator: the ranks listed (in that order) get a new one. Always
-    /// preceded by a descriptor check, so the blocking `MPI_Comm_split` starts only once
-    /// every rank has agreed to it.
-    Split {
-        ranks: Vec<usize>,
-        done: Completer<Option<Joined>>,
-    },
-}
-
-/// This rank's place in a new communicator.
-pub(super) struct Joined {
-    pub comm: CommId,
-    pub rank: usize,
-    pub size: usize,
-}
-
-impl Action {
-    fn fail(self, e: Error) {
-        match self {
-            Action::Collective(start) => drop(start(Err(e))),
-            Action::Split { done, .. } => done.complete(Err(e)),
-        }
-    }
-}
-
-/// Completes an operation's work from its buffers (or an error).
-type Finish = Box<dyn FnOnce(Result<Box<dyn Any>>)>;
-
-/// A later stage of a staged collective, on its buffers (type-erased).
-type Step = Box<dyn FnOnce(&SimpleCommunicator, &mut dyn Any, &mut Vec<Request>) -> Result<()>>;
-
-/// One stage of a collective on buffers `B`: local work on them, then the requests it
-/// starts (pushed as each starts).
-pub(super) type Stage<B> =
-    Box<dyn FnOnce(&SimpleCommunicator, &mut B, &mut Vec<Request>) -> Result<()> + Send>;
-
-/// A collective whose MPI requests are in flight, with the buffers they use.
-pub(super) struct Running {
-    requests: Vec<Request>,
-    /// The stages still to start, each once every request before it has completed.
-    steps: VecDeque<Step>,
-    /// An error from starting it after some requests had started.
-    error: Option<Error>,
-    /// The buffers MPI reads and writes: kept apart from `finish` so that they can outlive
-    /// the work when the operation is abandoned.
-    bufs: Box<dyn Any>,
-    /// Completes the work from the buffers, or with the error.
-    finish: Finish,
-    what: String,
-}
-
-/// A collective on prepared buffers: `start` issues its requests (pushing each as soon
-/// as it has started), `finish` turns the buffers into the work's value once MPI is done
-/// with them. The buffers stay alive until every request has completed, or forever.
-pub(super) fn collective<B, T>(
-    done: Completer<T>,
-    bufs: B,
-    start: impl FnOnce(&SimpleCommunicator, &mut B, &mut Vec<Request>) -> Result<()> + Send + 'static,
-    finish: impl FnOnce(B) -> Result<T> + Send + 'static,
-) -> Start
-where
-    B: Send + 'static,
-    T: Send + 'static,
-{
-    staged(done, bufs, vec![Box::new(start)], finish)
-}
-
-/// A collective in stages on prepared buffers: each stage runs once every request of the
-/// stages before has completed (at once if they started none), and `finish` turns the
-/// buffers into the work's value after the last. One deadline bounds them all. A stage
-/// that fails after an earlier one started requests leaves this rank out of step with
-/// its peers (they go on to the next stage), so its communicator is then broken, as after
-/// a timeout: the peers' operation times out, and every later one fails at once.
-pub(super) fn staged<B, T>(
-    done: Completer<T>,
-    bufs: B,
-    stages: Vec<Stage<B>>,
-    finish: impl FnOnce(B) -> Result<T> + Send + 'static,
-) -> Start
-where
-    B: Send + 'static,
-    T: Send + 'static,
-{
-    Box::new(move |comm| {
-        let comm = match comm {
-            Ok(comm) => comm,
-            Err(e) => {
-                done.complete(Err(e));
-                return None;
-            }
-        };
-        let mut bufs = bufs;
-        let mut requests = Vec::new();
-        let mut stages = VecDeque::from(stages);
-        let mut error = None;
-        // The first stages that start no requests (nothing to send: one rank) run now.
-        while requests.is_empty() {
-            let Some(stage) = stages.pop_front() else {
-                break;
-            };
-            // A stage that panics after starting a request must not unwind past `bufs`
-            // and `requests`: MPI would go on writing into freed memory. Caught here, the
-            // panic is an error and both stay in the `Running` below until MPI is done
-            // with them, as a later stage's panic is (see `Engine::poll`).
-            let ran = catch_unwind(AssertUnwindSafe(|| stage(comm, &mut bufs, &mut requests)))
-                .unwrap_or_else(|_| {
-                    Err(Error::Backend(
-                        "a stage of an MPI collective panicked".into(),
-                    ))
-                });
-            if let Err(e) = ran {
-                // The stages left stay with the `Running` (if requests started): when
-                // those complete, stages left unstarted break the communicator, since
-                // the peers go on to them.
-                error = Some(e);
-                break;
-            }
-        }
-        if requests.is_empty() {
-            done.complete(match error {
-                Some(e) => Err(e),
-                None => finish(bufs),
-            });
-            return None;
-        }
-        let steps = stages
-            .into_iter()
-            .map(|stage| {
-                Box::new(
-                    move |comm: &SimpleCommunicator,
-                          bufs: &mut dyn Any,
-                          requests: &mut Vec<Request>| {
-                        let bufs = bufs.downcast_mut::<B>().ok_or_else(|| {
-                            Error::Backend("internal: a stage lost its buffers".into())
-                        })?;
-                        stage(comm, bufs, requests)
-                    },
-                ) as Step
-            })
-            .collect();
-        Some(Running {
-            requests,
-            steps,
-            error,
-            bufs: Box::new(bufs),
-            finish: Box::new(move |r: Result<Box<dyn Any>>| {
-                let value = r.and_then(|b| {
-                    b.downcast::<B>()
-                        .map_err(|_| {
-                            Error::Backend("internal: an operation lost its buffers".into())
-                        })
-                        .and_then(|b| finish(*b))
-                });
-                done.complete(value);
-            }),
-            what: String::new(),
-        })
-    })
-}
 
 /// The handle side of the progress thread, shared by every group of the process.
 pub(super) struct Runtime {
@@ -284,8 +95,9 @@ impl Runtime {
             None => Some(job),
         };
         if let Some(Job::Op(op)) = unsent {
-            op.action
-                .fail(Error::Backend("the MPI progress thread has stopped".into()));
+            op.action.fail(Error::Gone {
+                what: "the MPI progress thread has stopped".into(),
+            });
         }
     }
 }
@@ -387,10 +199,9 @@ impl Comm {
 
     /// Marks the communicator unusable and fails its waiting operations.
     fn break_with(&mut self, why: &Error, graveyard: &mut Graveyard) {
-        let broken = Error::Backend(format!(
-            "the MPI communicator is unusable after an earlier failure ({why}); MPI cannot \
-             cancel a collective, so later ones would pair with the abandoned one"
-        ));
+        let broken = Error::Unusable {
+            cause: Box::new(why.clone()),
+        };
         for w in self.queue.drain(..) {
             if let Some(check) = w.check {
                 graveyard.bury(vec![check.request], Box::new(check.bufs), w.op.timeout);
@@ -527,7 +338,7 @@ impl Engine {
             }
             Job::Op(op) => {
                 let Some(comm) = self.comms.get_mut(&op.comm) else {
-                    op.action.fail(Error::Backend(format!(
+                    op.action.fail(Error::Internal(format!(
                         "unknown MPI communicator {}",
                         op.comm
                     )));
@@ -600,10 +411,13 @@ impl Engine {
                         step(&c.main, &mut *run.bufs, &mut run.requests)
                     }))
                     .unwrap_or_else(|_| {
-                        Err(Error::Backend(format!("a stage of {} panicked", run.what)))
+                        Err(Error::Panicked {
+                            what: format!("a stage of {}", run.what),
+                            message: None,
+                        })
                     }),
-                    _ => Err(Error::Backend(format!(
-                        "internal: a stage of {} lost its communicator",
+                    _ => Err(Error::Internal(format!(
+                        "a stage of {} lost its communicator",
                         run.what
                     ))),
                 };
@@ -629,7 +443,7 @@ impl Engine {
                         // Failed between stages: the peers go on to stages this rank
                         // skips.
                         let e = run.error.clone().unwrap_or_else(|| {
-                            Error::Backend("internal: stages left after the last".into())
+                            Error::Internal("stages left after the last".into())
                         });
                         c.held = false;
                         c.break_with(&e, &mut self.graveyard);
@@ -739,7 +553,7 @@ impl Engine {
         let parent = self
             .comms
             .get(&id)
-            .ok_or_else(|| Error::Backend(format!("unknown MPI communicator {id}")))?;
+            .ok_or_else(|| Error::Internal(format!("unknown MPI communicator {id}")))?;
         let index = ranks.iter().position(|&r| r == parent.rank);
         let color = match index {
             Some(_) => Color::with_value(0),
@@ -756,7 +570,7 @@ impl Engine {
                 Ok(Some(Joined { comm, rank, size }))
             }
             (None, None) => Ok(None),
-            _ => Err(Error::Backend(
+            _ => Err(Error::Internal(
                 "MPI_Comm_split disagreed with the list of ranks".into(),
             )),
         }

@@ -67,9 +67,11 @@ pub(super) fn check(code: c_int, what: &str) -> Result<()> {
     } else {
         "unknown error".into()
     };
-    Err(Error::Backend(format!(
-        "{what} failed: MPI error {code}: {message}"
-    )))
+    Err(Error::Mpi {
+        op: what.into(),
+        code,
+        message,
+    })
 }
 
 /// Makes MPI report errors on `comm` as return codes instead of aborting the job.
@@ -230,8 +232,8 @@ fn check_layout(counts: &[c_int], displs: &[c_int], size: usize, len: usize) -> 
     if fits {
         Ok(())
     } else {
-        Err(Error::Backend(format!(
-            "internal: a layout of {} counts and {} displacements does not fit {size} ranks \
+        Err(Error::Internal(format!(
+            "a layout of {} counts and {} displacements does not fit {size} ranks \
              and a buffer of {len} elements",
             counts.len(),
             displs.len()
@@ -295,8 +297,8 @@ pub(super) unsafe fn iallgatherv<T: Equivalence>(
     check_layout(counts, displs, size, recv.len())?;
     let n = count(send.len())?;
     if counts.get(comm_rank(comm)) != Some(&n) {
-        return Err(Error::Backend(format!(
-            "internal: MPI_Iallgatherv of {n} elements where the layout expects {:?}",
+        return Err(Error::Internal(format!(
+            "MPI_Iallgatherv of {n} elements where the layout expects {:?}",
             counts.get(comm_rank(comm))
         )));
     }

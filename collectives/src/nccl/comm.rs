@@ -49,7 +49,7 @@ pub fn check_libraries() -> Result<()> {
     // SAFETY: `is_culib_present` only tries to `dlopen` each candidate file name and
     // closes it again; it calls nothing in the library.
     if !unsafe { cudarc::driver::sys::is_culib_present() } {
-        return Err(Error::Backend(MISSING_DRIVER.into()));
+        return Err(Error::Unavailable(MISSING_DRIVER.into()));
     }
     Ok(())
 }
@@ -58,7 +58,7 @@ pub fn check_libraries() -> Result<()> {
 fn check_nccl() -> Result<()> {
     // SAFETY: as in `check_libraries`.
     if !unsafe { sys::is_culib_present() } {
-        return Err(Error::Backend(MISSING_NCCL.into()));
+        return Err(Error::Unavailable(MISSING_NCCL.into()));
     }
     Ok(())
 }
@@ -68,7 +68,7 @@ pub(super) fn version_code() -> Result<u32> {
     check_nccl()?;
     guarded("ncclGetVersion", || {
         let code = result::get_nccl_version().map_err(|e| nccl_error("ncclGetVersion", e))?;
-        u32::try_from(code).map_err(|_| Error::Backend(format!("NCCL reports version {code}")))
+        u32::try_from(code).map_err(|_| Error::Unavailable(format!("NCCL reports version {code}")))
     })
 }
 
@@ -78,14 +78,16 @@ pub(super) fn version_text(code: u32) -> String {
 }
 
 /// Runs `f`, turning a panic inside cudarc (a symbol missing from an old library, one of
-/// its `unwrap`s) into [`Error::Backend`]. The panic message still reaches stderr through
+/// its `unwrap`s) into [`Error::Panicked`]. The panic message still reaches stderr through
 /// the panic hook.
 pub(super) fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
     catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|payload| {
-        Err(Error::Backend(format!(
-            "{what} panicked inside cudarc (a CUDA or NCCL library too old for its bindings?): {}",
-            panic_text(payload.as_ref())
-        )))
+        Err(Error::Panicked {
+            what: format!(
+                "{what} (inside cudarc: a CUDA or NCCL library too old for its bindings?)"
+            ),
+            message: Some(panic_text(payload.as_ref())),
+        })
     })
 }
 
@@ -103,7 +105,11 @@ pub(super) fn panic_text(payload: &(dyn Any + Send)) -> String {
 /// An NCCL call that failed. cudarc's `NcclError` prints only `NcclError`, so the code is
 /// taken from it and described here.
 pub(super) fn nccl_error(what: &str, e: result::NcclError) -> Error {
-    Error::Backend(format!("{what} failed: {}", describe(e.0)))
+    Error::Nccl {
+        op: what.into(),
+        code: e.0 as i32,
+        message: describe(e.0),
+    }
 }
 
 /// A result code, NCCL's text for it, and NCCL's last error message (all after the
@@ -144,7 +150,7 @@ pub struct NcclId {
 
 impl NcclId {
     /// A fresh id (`ncclGetUniqueId`; needs the NCCL library, not a GPU). Errors:
-    /// [`Error::Backend`] when the NCCL library is missing (the message says how to provide
+    /// [`Error::Unavailable`] when the NCCL library is missing (the message says how to provide
     /// `libnccl.so`) or NCCL fails.
     pub fn new() -> Result<NcclId> {
         check_nccl()?;
@@ -206,7 +212,7 @@ pub(super) struct Watch<'a> {
 impl Watch<'_> {
     /// Calls `ready` until it returns `true`, spinning briefly, then sleeping in short
     /// steps. Fails with `ready`'s error, [`Error::Timeout`] at `until`, or
-    /// [`Error::Backend`] once `stop` is set.
+    /// [`Error::Aborted`] once `stop` is set.
     pub fn poll(&self, mut ready: impl FnMut() -> Result<bool>) -> Result<()> {
         let mut idle: u32 = 0;
         loop {
@@ -214,10 +220,10 @@ impl Watch<'_> {
                 return Ok(());
             }
             if self.stop.load(Ordering::Acquire) {
-                return Err(Error::Backend(format!(
-                    "{}: the communicator was aborted (NcclGroup::abort)",
-                    self.what
-                )));
+                return Err(Error::Aborted {
+                    op: Some(self.what.to_string()),
+                    rank: None,
+                });
             }
             if Instant::now() >= self.until {
                 return Err(Error::Timeout {
@@ -339,27 +345,29 @@ impl Comm {
     pub fn ready(&self, what: &str) -> Result<bool> {
         let raw = self.raw();
         if raw.is_null() || !self.live {
-            return Err(Error::Backend(format!(
-                "{what}: the NCCL communicator is gone"
-            )));
+            return Err(Error::Gone {
+                what: format!("{what}: the NCCL communicator is gone"),
+            });
         }
         let mut state = sys::ncclResult_t::ncclSuccess;
         // SAFETY: `raw` is a live communicator (not yet aborted) and `state` is valid for
         // a write.
         let call = unsafe { sys::ncclCommGetAsyncError(raw, &mut state) };
         if call != sys::ncclResult_t::ncclSuccess {
-            return Err(Error::Backend(format!(
-                "{what}: ncclCommGetAsyncError failed: {}",
-                describe(call)
-            )));
+            return Err(Error::Nccl {
+                op: format!("{what}: ncclCommGetAsyncError"),
+                code: call as i32,
+                message: describe(call),
+            });
         }
         match state {
             sys::ncclResult_t::ncclSuccess => Ok(true),
             sys::ncclResult_t::ncclInProgress => Ok(false),
-            code => Err(Error::Backend(format!(
-                "{what}: NCCL reported an asynchronous error: {}",
-                describe(code)
-            ))),
+            code => Err(Error::Nccl {
+                op: format!("{what}: an asynchronous operation"),
+                code: code as i32,
+                message: describe(code),
+            }),
         }
     }
 
@@ -406,12 +414,12 @@ impl Comm {
                 watch.poll(|| child.ready(watch.what))?;
                 Ok(Some(child))
             }
-            (None, false) => Err(Error::Backend(
+            (None, false) => Err(Error::Internal(
                 "ncclCommSplit gave a communicator to a rank that asked for none".into(),
             )),
             (Some(_), true) => {
                 child.live = false;
-                Err(Error::Backend(
+                Err(Error::Internal(
                     "ncclCommSplit gave no communicator to a member rank".into(),
                 ))
             }

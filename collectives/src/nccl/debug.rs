@@ -84,7 +84,7 @@ pub(super) fn ranks_hash(ranks: &[usize]) -> u64 {
 /// Every rank sees the same descriptors, so every rank fails alike.
 pub(super) fn compare(me: usize, all: &[u64]) -> Result<()> {
     let mine = all.get(me * WORDS..(me + 1) * WORDS).ok_or_else(|| {
-        Error::Backend(format!(
+        Error::Internal(format!(
             "debug mode: {} descriptor words for rank {me}",
             all.len()
         ))

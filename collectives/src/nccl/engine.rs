@@ -59,7 +59,10 @@ pub(super) enum Setup {
 
 /// A driver error, with what was being done.
 pub(super) fn driver(what: &'static str) -> impl Fn(DriverError) -> Error {
-    move |e| Error::Backend(format!("{what}: CUDA error {e:?}"))
+    move |e| Error::Cuda {
+        op: what.into(),
+        message: format!("{e:?}"),
+    }
 }
 
 /// The context of device `ordinal`, current on this thread. Errors name the devices the
@@ -144,11 +147,13 @@ impl Engine {
             self.check_stop();
             let ran = catch_unwind(AssertUnwindSafe(|| job(&mut self)));
             if let Err(payload) = ran {
-                self.fail(Error::Backend(format!(
-                    "a job or continuation on the NCCL progress thread of rank {} panicked: {}",
-                    self.shared.rank,
-                    comm::panic_text(payload.as_ref())
-                )));
+                self.fail(Error::Panicked {
+                    what: format!(
+                        "a job or continuation on the NCCL progress thread of rank {}",
+                        self.shared.rank
+                    ),
+                    message: Some(comm::panic_text(payload.as_ref())),
+                });
             }
         }
     }
@@ -210,10 +215,10 @@ impl Engine {
     /// Aborts the communicator if `NcclGroup::abort` asked for it.
     fn check_stop(&mut self) {
         if self.shared.stop.load(Ordering::Acquire) && self.comm.is_some() {
-            self.fail(Error::Backend(format!(
-                "the NCCL communicator of rank {} was aborted (NcclGroup::abort)",
-                self.shared.rank
-            )));
+            self.fail(Error::Aborted {
+                op: None,
+                rank: Some(self.shared.rank),
+            });
         }
     }
 
@@ -234,9 +239,9 @@ impl Engine {
     /// The live communicator.
     fn comm(&self) -> Result<&Comm> {
         self.comm.as_ref().ok_or_else(|| {
-            self.failure
-                .clone()
-                .unwrap_or_else(|| Error::Backend("the NCCL communicator is gone".into()))
+            self.failure.clone().unwrap_or_else(|| Error::Gone {
+                what: "the NCCL communicator is gone".into(),
+            })
         })
     }
 

@@ -1,11 +1,11 @@
 //! The NCCL backend (feature `cuda`): a [`ProcessGroup`] whose collectives run on GPUs
 //! through NCCL, loaded at run time by `cudarc`.
 //!
-//! [`NcclGroup`] takes host [`Buffer`]s (staged through device buffers on the group's
+//! [`NcclGroup`] takes host [`Buffer`](crate::Buffer)s (staged through device buffers on the group's
 //! stream) and, through its own `*_device` methods, `cudarc` [`CudaSlice`]s of any
 //! [`NcclElement`] (`f32`, `f64`, `f16`, `bf16`), reduced in place or into new buffers on
 //! the group's stream. Through the trait ([`ProcessGroup::all_reduce_device`],
-//! [`ProcessGroup::broadcast_device`]) it takes [`DeviceBuffer`]s the same way, with no
+//! [`ProcessGroup::broadcast_device`]) it takes [`DeviceBuffer`](crate::DeviceBuffer)s the same way, with no
 //! host copy ([`ProcessGroup::device_native`] is `true`); the inherent typed methods of
 //! the same names shadow them on a concrete `NcclGroup` (call the trait's through
 //! `&dyn ProcessGroup` or `ProcessGroup::all_reduce_device(&group, ..)`). Create the ranks from a unique id ([`NcclGroup::new`] with an
@@ -49,13 +49,13 @@
 //!   cannot tell a peer that this rank gave up: the peers' pending operations fail by
 //!   their own timeout, or with `ncclRemoteError` where the transport notices.
 //! - **Abort on request.** [`NcclGroup::abort`] aborts the communicator from any thread;
-//!   the operation in flight and every later one fail with [`Error::Backend`].
+//!   the operation in flight and every later one fail with [`Error::Aborted`].
 //! - **Mismatches in debug mode.** With [`NcclGroup::with_debug`] (or
 //!   `COLLECTIVES_DEBUG=1`) every rank all-gathers a small descriptor before each
 //!   operation; different collectives, roots, reductions, types or lengths fail on every
 //!   rank with [`Error::Mismatch`] naming both operations. Without it, NCCL cannot see
 //!   such mistakes: mismatched lengths corrupt data or time out.
-//! - **No panics.** A missing CUDA driver or NCCL library is an [`Error::Backend`] that
+//! - **No panics.** A missing CUDA driver or NCCL library is an [`Error::Unavailable`] that
 //!   says what to install or link; `cudarc` panics (a symbol missing from an old library)
 //!   are caught; `Drop` never panics.
 //! - **Dropping** a group lets its queued operations finish (within one timeout from the
@@ -84,13 +84,14 @@
 mod comm;
 mod debug;
 mod engine;
+mod group;
 mod ops;
 
 pub use comm::{check_libraries, NcclId};
 pub use ops::NcclElement;
 
 use crate::store::TcpStore;
-use crate::{Buffer, DeviceBuffer, Error, ProcessGroup, ReduceOp, Result, Work};
+use crate::{Error, ProcessGroup, ReduceOp, Result, Work};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use debug::{Desc, Kind};
 use engine::{Engine, Job, Setup, Shared};
@@ -102,19 +103,19 @@ use std::time::Duration;
 /// How long construction waits, beyond the group's timeout, for the CUDA context.
 const CONTEXT_GRACE: Duration = Duration::from_secs(60);
 
-/// The loaded NCCL library's version, `(major, minor, patch)`. Errors: [`Error::Backend`]
+/// The loaded NCCL library's version, `(major, minor, patch)`. Errors: [`Error::Unavailable`]
 /// when the NCCL library is missing.
 pub fn library_version() -> Result<(u32, u32, u32)> {
     let code = comm::version_code()?;
     Ok((code / 10000, code % 10000 / 100, code % 100))
 }
 
-/// The number of CUDA devices the driver sees. Errors: [`Error::Backend`] when the driver
+/// The number of CUDA devices the driver sees. Errors: [`Error::Unavailable`] when the driver
 /// library is missing or fails to initialise.
 pub fn device_count() -> Result<usize> {
     // SAFETY: `is_culib_present` only tries to `dlopen` candidate names and closes them.
     if !unsafe { cudarc::driver::sys::is_culib_present() } {
-        return Err(Error::Backend(comm::MISSING_DRIVER.into()));
+        return Err(Error::Unavailable(comm::MISSING_DRIVER.into()));
     }
     comm::guarded("counting CUDA devices", || {
         let count = CudaContext::device_count().map_err(engine::driver("cuDeviceGetCount"))?;
@@ -157,7 +158,7 @@ impl NcclGroup {
     /// has `COLLECTIVES_DEBUG=1`.
     ///
     /// Errors: [`Error::InvalidArgument`] for a bad rank, size, timeout or device;
-    /// [`Error::Backend`] when the CUDA driver or NCCL is missing (the message says how to
+    /// [`Error::Unavailable`] when the CUDA driver or NCCL is missing (the message says how to
     /// provide `libnccl.so`), too old, or fails; [`Error::Timeout`] when some rank did not
     /// join in time.
     pub fn new(
@@ -180,7 +181,7 @@ impl NcclGroup {
         check_libraries()?;
         let version = comm::version_code()?;
         if version < comm::MIN_VERSION {
-            return Err(Error::Backend(format!(
+            return Err(Error::Unavailable(format!(
                 "NCCL {} is too old: non-blocking communicators need NCCL 2.14 or newer",
                 comm::version_text(version)
             )));
@@ -319,9 +320,9 @@ impl NcclGroup {
                     missing: Vec::new(),
                 })
             }
-            Err(mpsc::RecvTimeoutError::Disconnected) => Err(Error::Backend(
-                "the NCCL progress thread ended before the communicator was ready".into(),
-            )),
+            Err(mpsc::RecvTimeoutError::Disconnected) => Err(Error::Gone {
+                what: "the NCCL progress thread ended before the communicator was ready".into(),
+            }),
         }
     }
 
@@ -350,7 +351,7 @@ impl NcclGroup {
     }
 
     /// Aborts the communicator (`ncclCommAbort`) from any thread: the operation in flight
-    /// and every later one fail with [`Error::Backend`]. Peers are not told; their
+    /// and every later one fail with [`Error::Aborted`]. Peers are not told; their
     /// operations fail by timeout.
     pub fn abort(&self) {
         self.shared.stop.store(true, Ordering::Release);
@@ -597,7 +598,7 @@ impl NcclGroup {
             )
             .map(Some),
             (None, None) => Ok(None),
-            _ => Err(Error::Backend(
+            _ => Err(Error::Internal(
                 "ncclCommSplit disagreed with the rank list".into(),
             )),
         }
@@ -624,109 +625,6 @@ fn env_debug() -> bool {
             "1" | "true" | "yes" | "on" | "detail"
         )
     })
-}
-
-impl ProcessGroup for NcclGroup {
-    fn rank(&self) -> usize {
-        self.shared.rank
-    }
-
-    fn size(&self) -> usize {
-        self.shared.size
-    }
-
-    fn backend(&self) -> &'static str {
-        "nccl"
-    }
-
-    fn timeout(&self) -> Duration {
-        self.shared.timeout
-    }
-
-    fn all_reduce(&self, mut buf: Buffer, op: ReduceOp) -> Work<Buffer> {
-        let desc = Desc::new(Kind::AllReduce(op), [(buf.dtype(), buf.len())]);
-        self.submit(desc, move |e, w| {
-            e.all_reduce_host(std::slice::from_mut(&mut buf), op, w)?;
-            Ok(buf)
-        })
-    }
-
-    fn all_reduce_coalesced(&self, mut bufs: Vec<Buffer>, op: ReduceOp) -> Work<Vec<Buffer>> {
-        let desc = Desc::new(
-            Kind::Coalesced(op),
-            bufs.iter().map(|b| (b.dtype(), b.len())),
-        );
-        self.submit(desc, move |e, w| {
-            e.all_reduce_host(&mut bufs, op, w)?;
-            Ok(bufs)
-        })
-    }
-
-    fn broadcast(&self, mut buf: Buffer, root: usize) -> Work<Buffer> {
-        if let Err(e) = self.check_root(root) {
-            return Work::ready(Err(e));
-        }
-        let desc = Desc::new(Kind::Broadcast(root), [(buf.dtype(), buf.len())]);
-        self.submit(desc, move |e, w| {
-            e.broadcast_host(&mut buf, root, w)?;
-            Ok(buf)
-        })
-    }
-
-    fn all_gather(&self, buf: Buffer) -> Work<Vec<Buffer>> {
-        let desc = Desc::new(Kind::AllGather, [(buf.dtype(), buf.len())]);
-        self.submit(desc, move |e, w| e.all_gather_host(&buf, w))
-    }
-
-    fn reduce_scatter(&self, buf: Buffer, op: ReduceOp) -> Work<Buffer> {
-        if let Err(e) = self.check_divisible(buf.len()) {
-            return Work::ready(Err(e));
-        }
-        let desc = Desc::new(Kind::ReduceScatter(op), [(buf.dtype(), buf.len())]);
-        self.submit(desc, move |e, w| e.reduce_scatter_host(&buf, op, w))
-    }
-
-    fn barrier(&self) -> Work<()> {
-        self.submit(Desc::new(Kind::Barrier, []), |e, w| e.barrier(w))
-    }
-
-    /// In place on the device, on the group's stream after the buffer's: no host copy.
-    fn all_reduce_device(&self, buf: DeviceBuffer, op: ReduceOp) -> Work<DeviceBuffer> {
-        match buf {
-            DeviceBuffer::F32(b) => NcclGroup::all_reduce_device(self, b, op).then(wrap),
-            DeviceBuffer::F64(b) => NcclGroup::all_reduce_device(self, b, op).then(wrap),
-            DeviceBuffer::F16(b) => NcclGroup::all_reduce_device(self, b, op).then(wrap),
-            DeviceBuffer::BF16(b) => NcclGroup::all_reduce_device(self, b, op).then(wrap),
-        }
-    }
-
-    /// In place on the device, like [`ProcessGroup::all_reduce_device`].
-    fn broadcast_device(&self, buf: DeviceBuffer, root: usize) -> Work<DeviceBuffer> {
-        match buf {
-            DeviceBuffer::F32(b) => NcclGroup::broadcast_device(self, b, root).then(wrap),
-            DeviceBuffer::F64(b) => NcclGroup::broadcast_device(self, b, root).then(wrap),
-            DeviceBuffer::F16(b) => NcclGroup::broadcast_device(self, b, root).then(wrap),
-            DeviceBuffer::BF16(b) => NcclGroup::broadcast_device(self, b, root).then(wrap),
-        }
-    }
-
-    fn device_native(&self) -> bool {
-        true
-    }
-
-    fn new_group(&self, ranks: &[usize]) -> Result<Option<Box<dyn ProcessGroup>>> {
-        Ok(self
-            .split(ranks)?
-            .map(|g| Box::new(g) as Box<dyn ProcessGroup>))
-    }
-}
-
-/// A typed device result as a [`DeviceBuffer`].
-fn wrap<T>(r: Result<CudaSlice<T>>) -> Result<DeviceBuffer>
-where
-    DeviceBuffer: From<CudaSlice<T>>,
-{
-    r.map(DeviceBuffer::from)
 }
 
 impl Drop for NcclGroup {
