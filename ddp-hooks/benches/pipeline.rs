@@ -58,13 +58,12 @@
 //! `cargo bench -p ddp-hooks --features pipe --bench pipeline -- [--quick] [--json]`.
 
 use collectives::link::{Charge, Link, Linked};
-use collectives::{
-    run_local, Buffer, DType, ProcessGroup, ReduceOp, Result as CommResult, ThreadGroup, Work,
-};
+use collectives::{run_local, ProcessGroup, ThreadGroup};
 use ddp_hooks::pipeline::{DistributedPipe, Launch};
 use ddp_hooks::{HookSpec, PowerSgdConfig, ReducerConfig};
 use lowrank::CpuBackend;
-use pipe::{Batch, Checkpoint, CpuTensor, Layer, Linear, MicroBatch, Pipe, ReLU, ScheduleKind};
+use pipe::cpu::{CpuTensor, Linear, ReLU};
+use pipe::{Batch, Checkpoint, Layer, MicroBatch, Pipe, ScheduleKind};
 use serde_json::json;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -119,42 +118,9 @@ impl Switch {
     }
 }
 
-impl ProcessGroup for Switch {
-    fn rank(&self) -> usize {
-        self.now().rank()
-    }
-    fn size(&self) -> usize {
-        self.now().size()
-    }
-    fn backend(&self) -> &'static str {
-        self.now().backend()
-    }
-    fn timeout(&self) -> Duration {
-        self.now().timeout()
-    }
-    fn all_reduce(&self, buf: Buffer, op: ReduceOp) -> Work<Buffer> {
-        self.now().all_reduce(buf, op)
-    }
-    fn all_reduce_wire(&self, buf: Buffer, wire: DType, op: ReduceOp) -> Work<Buffer> {
-        self.now().all_reduce_wire(buf, wire, op)
-    }
-    fn all_reduce_coalesced(&self, bufs: Vec<Buffer>, op: ReduceOp) -> Work<Vec<Buffer>> {
-        self.now().all_reduce_coalesced(bufs, op)
-    }
-    fn broadcast(&self, buf: Buffer, root: usize) -> Work<Buffer> {
-        self.now().broadcast(buf, root)
-    }
-    fn all_gather(&self, buf: Buffer) -> Work<Vec<Buffer>> {
-        self.now().all_gather(buf)
-    }
-    fn reduce_scatter(&self, buf: Buffer, op: ReduceOp) -> Work<Buffer> {
-        self.now().reduce_scatter(buf, op)
-    }
-    fn barrier(&self) -> Work<()> {
-        self.now().barrier()
-    }
-    fn new_group(&self, ranks: &[usize]) -> CommResult<Option<Box<dyn ProcessGroup>>> {
-        self.now().new_group(ranks)
+collectives::forward_group! {
+    impl ProcessGroup for Switch {
+        inner: |s| s.now();
     }
 }
 

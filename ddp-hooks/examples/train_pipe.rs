@@ -19,14 +19,19 @@
 //! `--json`, the same events as `train` (`start`, `step`, `done`), with the pipe's
 //! settings added. `--help` lists the arguments; a bad one exits with status 2.
 
+#[path = "mlp/args.rs"]
+mod args;
+
 use accum::Accumulator;
+use args::{positive, text};
 use collectives::link::{Charge, Link, LinkOp, Linked};
 use collectives::{run_local, ProcessGroup, ThreadGroup};
 use ddp_hooks::pipeline::DistributedPipe;
 use ddp_hooks::{HookSpec, ReducerConfig};
 use lowrank::{CpuBackend, NormalRng};
+use pipe::cpu::{CpuTensor, Linear, ReLU};
 use pipe::ndarray::Axis;
-use pipe::{Batch, Checkpoint, CpuTensor, Layer, Linear, MicroBatch, Pipe, ReLU, ScheduleKind};
+use pipe::{Batch, Checkpoint, Layer, MicroBatch, Pipe, ScheduleKind};
 use serde_json::json;
 use std::io::Write;
 use std::process::ExitCode;
@@ -90,39 +95,35 @@ fn parse(args: &[String]) -> Result<(Config, Vec<String>, bool), String> {
         schedule: ScheduleKind::GPipe,
     };
     let (mut hook, mut compare, mut json_lines) = (None, false, false);
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        let mut value = |name: &str| {
-            it.next()
-                .cloned()
-                .ok_or_else(|| format!("{name} needs a value"))
-        };
-        let number = |name: &str, v: String| -> Result<usize, String> {
-            v.parse::<usize>()
-                .ok()
-                .filter(|&n| n > 0)
-                .ok_or_else(|| format!("{name} {v}: expected a positive integer"))
-        };
-        match a.as_str() {
-            "--ranks" => c.ranks = number(a, value(a)?)?,
-            "--steps" => c.steps = number(a, value(a)?)?,
-            "--accumulate" => c.accumulate = number(a, value(a)?)?,
-            "--batch" => c.batch = number(a, value(a)?)?,
-            "--pipe" => c.pipe = number(a, value(a)?)?,
-            "--chunks" => c.chunks = number(a, value(a)?)?,
-            "--checkpoint-mode" => {
-                c.checkpoint = value(a)?.parse().map_err(|e| format!("{a}: {e}"))?
+    let mut p = lexopt::Parser::from_args(args.iter().cloned());
+    while let Some(arg) = p.next().map_err(|e| e.to_string())? {
+        use lexopt::Arg::Long;
+        match arg {
+            Long("ranks") => c.ranks = positive(&mut p, "--ranks")?,
+            Long("steps") => c.steps = positive(&mut p, "--steps")?,
+            Long("accumulate") => c.accumulate = positive(&mut p, "--accumulate")?,
+            Long("batch") => c.batch = positive(&mut p, "--batch")?,
+            Long("pipe") => c.pipe = positive(&mut p, "--pipe")?,
+            Long("chunks") => c.chunks = positive(&mut p, "--chunks")?,
+            Long("checkpoint-mode") => {
+                c.checkpoint = text(&mut p)?
+                    .parse()
+                    .map_err(|e| format!("--checkpoint-mode: {e}"))?
             }
-            "--schedule" => c.schedule = value(a)?.parse().map_err(|e| format!("{a}: {e}"))?,
-            "--hook" => hook = Some(value(a)?),
-            "--compare" => compare = true,
-            "--json" => json_lines = true,
-            "--save-at" | "--checkpoint" | "--resume" => {
+            Long("schedule") => {
+                c.schedule = text(&mut p)?
+                    .parse()
+                    .map_err(|e| format!("--schedule: {e}"))?
+            }
+            Long("hook") => hook = Some(text(&mut p)?),
+            Long("compare") => compare = true,
+            Long("json") => json_lines = true,
+            Long(name @ ("save-at" | "checkpoint" | "resume")) => {
                 return Err(format!(
-                    "{a}: train_pipe does not save or resume training checkpoints (the train example does); activation checkpointing is --checkpoint-mode"
+                    "--{name}: train_pipe does not save or resume training checkpoints (the train example does); activation checkpointing is --checkpoint-mode"
                 ))
             }
-            other => return Err(format!("unknown argument `{other}`")),
+            other => return Err(other.unexpected().to_string()),
         }
     }
     if c.pipe > layers_of(&WIDTHS) {

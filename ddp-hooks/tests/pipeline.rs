@@ -14,16 +14,14 @@
 
 use accum::{no_sync, Accumulator, GradSync};
 use collectives::{run_local, ProcessGroup, Work};
-use ddp_hooks::pipeline::{DistributedPipe, Error, Launch};
+use ddp_hooks::pipeline::{DistributedPipe, Launch, PipelineError};
 use ddp_hooks::{
     AllReduce, CommHook, GradBucket, HookSpec, PowerSgd, PowerSgdConfig, ReducerConfig,
 };
 use lowrank::{CpuBackend, NormalRng};
+use pipe::cpu::{CpuTensor, Linear, ReLU};
 use pipe::ndarray::Axis;
-use pipe::{
-    Batch, Checkpoint, Context, CpuTensor, Layer, Linear, MicroBatch, Pipe, ReLU, Saved,
-    ScheduleKind,
-};
+use pipe::{Batch, Checkpoint, Context, Layer, MicroBatch, Pipe, Saved, ScheduleKind};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -602,7 +600,7 @@ fn a_rank_whose_pipe_fails_leaves_no_peer_waiting() {
             let r = ddp.step(Batch::single(x), |mb, y| mse(&t, N, 1.0, mb, y));
             results.push(match r {
                 Ok(_) => "ok".to_string(),
-                Err(Error::Pipe(e)) => format!("pipe: {e}"),
+                Err(PipelineError::Pipe(e)) => format!("pipe: {e}"),
                 Err(e) => format!("other: {e}"),
             });
             ddp.zero_grad();

@@ -15,6 +15,9 @@
 //! - **Per-phase rates**: Linear(1024, 1024)'s forward, input-gradient and weight-gradient
 //!   GFLOP/s over the batch whole and in 8 micro-batches (weight gradient per micro-batch
 //!   or deferred), one thread.
+//! - **GEMM rows** (`support/gemm.rs`): Linear(1024, 1024)'s forward, input-gradient
+//!   and weight-gradient products at 32 and 256 rows on `pipe`'s kernel, `matrixmultiply`
+//!   and the `gemm` crate, one thread each, GFLOP/s and the ratio to ours.
 //! - **Overhead row**: with near-empty layers (8 × (Linear(4, 4) + ReLU), batch 8, m = 8,
 //!   GPipe), (pipelined step time − the same actions run directly in one thread) / the
 //!   number of actions on the busiest partition.
@@ -24,10 +27,14 @@
 //! Every time is the best of several steps (the machine may be shared), the baseline's
 //! the best of steps spread over the whole run; the load average is printed with the
 //! figures. Arguments: `--quick` (m = 8, `never`, both schedules, the
-//! overhead row), `--json` (one JSON object per row), `--reps N`. Cargo's own `--bench`
-//! argument is ignored. Run by `cargo bench -p pipe --bench pipe -- [--quick] [--json]`
+//! overhead row), `--json` (one JSON object per row), `--reps N`, `--isa avx512|avx2`
+//! (`avx2`: `pipe`'s products on its non-AVX-512 path, `ndarray`'s `general_mat_mul`,
+//! even where AVX-512F is present). Cargo's own `--bench` argument is ignored; any other
+//! argument, or a bad value, is an error (exit status 2). Run by `cargo bench -p pipe --bench pipe -- [--quick] [--json]`
 //! (and `cargo xtask bench pipe`).
 
+#[path = "support/gemm.rs"]
+mod gemm_rows;
 #[path = "support/timeline.rs"]
 mod timeline;
 
@@ -36,9 +43,10 @@ use std::hint::black_box;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use pipe::cpu::{CpuTensor, Linear, ReLU};
+
 use pipe::{
-    Batch, Checkpoint, Context, CpuTensor, Device, Error, Layer, Linear, MicroBatch, Phase, Pipe,
-    ReLU, Saved, ScheduleKind,
+    Batch, Checkpoint, Context, Device, Error, Layer, MicroBatch, Phase, Pipe, Saved, ScheduleKind,
 };
 
 const BATCH: usize = 256;
@@ -50,23 +58,45 @@ struct Args {
     quick: bool,
     json: bool,
     reps: usize,
+    /// `avx2`: `pipe`'s products on its fallback even where AVX-512F is present.
+    portable: bool,
 }
 
-fn args() -> Args {
-    let argv: Vec<String> = std::env::args().skip(1).collect();
-    let quick = argv.iter().any(|a| a == "--quick");
-    let reps = argv
-        .iter()
-        .position(|a| a == "--reps")
-        .and_then(|i| argv.get(i + 1))
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(if quick { 6 } else { 7 })
-        .max(1);
-    Args {
-        quick,
-        json: argv.iter().any(|a| a == "--json"),
-        reps,
+/// The arguments, or a message for a bad one.
+fn args() -> Result<Args, lexopt::Error> {
+    use lexopt::prelude::*;
+    let mut parser = lexopt::Parser::from_env();
+    let (mut quick, mut json, mut reps, mut portable) = (false, false, None, false);
+    while let Some(arg) = parser.next()? {
+        match arg {
+            Long("quick") => quick = true,
+            Long("json") => json = true,
+            Long("reps") => {
+                let n: usize = parser.value()?.parse()?;
+                if n == 0 {
+                    return Err("--reps: expected a positive integer".into());
+                }
+                reps = Some(n);
+            }
+            Long("isa") => {
+                let isa = parser.value()?.string()?;
+                portable = match isa.as_str() {
+                    "avx512" => false,
+                    "avx2" => true,
+                    _ => return Err(format!("--isa {isa}: expected avx512 or avx2").into()),
+                };
+            }
+            // Cargo's own.
+            Long("bench") => {}
+            _ => return Err(arg.unexpected()),
+        }
     }
+    Ok(Args {
+        quick,
+        json,
+        reps: reps.unwrap_or(if quick { 6 } else { 7 }),
+        portable,
+    })
 }
 
 type Layers = Vec<Box<dyn Layer<CpuTensor>>>;
@@ -122,6 +152,18 @@ fn direct_step(layers: &mut [Box<dyn Layer<CpuTensor>>], x: &CpuTensor, mb: Micr
         g = layer.backward(g, s, &mut ctx).expect("backward");
     }
     black_box(g);
+}
+
+/// Whether the machine has AVX-512F.
+fn avx512() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512f")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
 }
 
 /// Best of `reps` calls of `f`, after one warm-up call.
@@ -355,7 +397,22 @@ fn phase_gflops(m: usize, deferred: bool, reps: usize) -> [f64; 3] {
 }
 
 fn main() {
-    let a = args();
+    let a = match args() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!(
+                "pipe bench: {e}; arguments: [--quick] [--json] [--reps N] [--isa avx512|avx2]"
+            );
+            std::process::exit(2);
+        }
+    };
+    pipe::cpu::matmul::force_portable(a.portable);
+    let isa = if a.portable || !avx512() {
+        "avx2"
+    } else {
+        "avx512"
+    };
+    let gemm = gemm_rows::rows(WIDTH, if a.quick { 5 } else { 9 });
     let load_before = load();
     let x = input(BATCH, WIDTH);
     let mut layers = stack(BLOCKS, WIDTH);
@@ -432,6 +489,18 @@ fn main() {
     let load_after = load();
 
     if a.json {
+        for g in &gemm {
+            println!(
+                "{{\"gemm\":\"{}\",\"rows\":{},\"isa\":\"{isa}\",\"ours_gflops\":{:.2},\"matrixmultiply_gflops\":{:.2},\"gemm_gflops\":{:.2},\"matrixmultiply_ratio\":{:.3},\"gemm_ratio\":{:.3}}}",
+                g.product.name(),
+                g.rows,
+                g.ours,
+                g.matrixmultiply,
+                g.gemm,
+                g.matrixmultiply / g.ours,
+                g.gemm / g.ours
+            );
+        }
         for r in &rows {
             println!(
                 "{{\"schedule\":\"{}\",\"partitions\":{PARTITIONS},\"m\":{},\"checkpoint\":\"{}\",\"speedup\":{:.4},\"ideal\":{:.4},\"held_bytes\":{},\"step_ms\":{:.3},\"baseline_ms\":{:.3},\"load\":{}}}",
@@ -478,6 +547,28 @@ fn main() {
         ] {
             let [f, dx, dw] = phase_gflops(m, deferred, a.reps.max(5));
             let _ = writeln!(out, "  {f:6.1} / {dx:6.1} / {dw:6.1}  {what}");
+        }
+        let _ = writeln!(
+            out,
+            "Linear(1024, 1024) products, one thread, {isa} path, GFLOP/s (median of rounds; ratio: library / ours):"
+        );
+        let _ = writeln!(
+            out,
+            "  {:<16} {:>4} {:>7} {:>15} {:>6} {:>7} {:>6}",
+            "product", "rows", "ours", "matrixmultiply", "ratio", "gemm", "ratio"
+        );
+        for g in &gemm {
+            let _ = writeln!(
+                out,
+                "  {:<16} {:>4} {:>7.1} {:>15.1} {:>6.2} {:>7.1} {:>6.2}",
+                g.product.name(),
+                g.rows,
+                g.ours,
+                g.matrixmultiply,
+                g.matrixmultiply / g.ours,
+                g.gemm,
+                g.gemm / g.ours
+            );
         }
         let _ = writeln!(
             out,

@@ -9,11 +9,9 @@
 use std::process::ExitCode;
 
 use pipe::balance::balance_by_time;
+use pipe::cpu::{CpuTensor, Linear, ReLU};
 use pipe::ndarray::{Array2, Axis};
-use pipe::{
-    residual, Batch, Checkpoint, CpuTensor, Error, Layer, Linear, MicroBatch, Pipe, ReLU,
-    ScheduleKind,
-};
+use pipe::{residual, Batch, Checkpoint, Error, Layer, MicroBatch, Pipe, ScheduleKind};
 
 const BATCH: usize = 256;
 const INPUTS: usize = 8;

@@ -3,10 +3,9 @@
 //!
 //! `cargo run -p pipe --example two_stage`
 
-use pipe::{
-    Batch, Checkpoint, CpuTensor, Dropout, Error, Layer, Linear, MicroBatch, Pipe, ReLU,
-    ScheduleKind,
-};
+use pipe::cpu::{CpuTensor, Dropout, Linear, ReLU};
+
+use pipe::{Batch, Checkpoint, Error, Layer, MicroBatch, Pipe, ScheduleKind};
 
 fn model() -> Vec<Box<dyn Layer<CpuTensor>>> {
     vec![

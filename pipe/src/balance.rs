@@ -32,10 +32,11 @@ use std::time::{Duration, Instant};
 use skip::{Declaration, Tracker};
 
 use crate::error::Error;
-use crate::layer::{Context, Layer, Phase, Saved};
+use crate::layer::{Context, Layer, Saved};
 use crate::microbatch::{Batch, MicroBatch};
 use crate::portal::held_bytes;
 use crate::tensor::Tensor;
+use crate::vocab::Phase;
 
 /// Splits `sequence` into `partitions` consecutive non-empty blocks of similar sums.
 ///

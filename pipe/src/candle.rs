@@ -36,7 +36,7 @@
 //!   [`CandleError::RandomUnderCheckpoint`], and an undeclared one is caught at the
 //!   recompute, whose output is compared with a fingerprint of the first one
 //!   ([`CandleError::NotReproducible`]). A module's randomness still does not follow the
-//!   pipe's seed, so its results depend on the chunking, unlike [`crate::Dropout`]'s.
+//!   pipe's seed, so its results depend on the chunking, unlike [`crate::cpu::Dropout`]'s.
 //! - **Running statistics.** A module that updates state in its forward (candle-nn's batch
 //!   norm) updates it again in a recompute; use `checkpoint = never` for it.
 //! - **Threads.** Candle's CPU kernels (matrix products) run on rayon's global pool, shared
@@ -56,7 +56,8 @@ use candle_core::{DType, DeviceLocation, ModuleT, Var};
 use crate::error::Error;
 use crate::layer::{Context, Layer, Param, ParamMut, Saved};
 use crate::microbatch::Batch;
-use crate::tensor::{Device, Tensor};
+use crate::tensor::Tensor;
+use crate::vocab::Device;
 
 /// What the candle adapters add to this crate's errors; it reaches callers inside
 /// [`Error::Custom`] (downcast the source to match on it).

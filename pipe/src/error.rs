@@ -3,39 +3,10 @@
 use std::fmt;
 use std::time::Duration;
 
-use crate::layer::Phase;
-use crate::schedule::Action;
-use crate::tensor::Device;
+use crate::vocab::{Action, Device, Phase, Task};
 
 /// An error from outside this crate, such as a user layer's own failure type.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
-
-/// What a worker was doing when a run failed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Task {
-    /// A layer's forward pass.
-    Forward,
-    /// A checkpointed micro-batch's forward pass, re-run before its backward pass.
-    Recompute,
-    /// A layer's backward pass.
-    Backward,
-    /// The loss function given to [`Pipe::step`](crate::Pipe::step).
-    Loss,
-    /// The callback given to [`Pipe::on_gradients_final`](crate::Pipe::on_gradients_final).
-    GradientsFinal,
-}
-
-impl fmt::Display for Task {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Task::Forward => "forward",
-            Task::Recompute => "recompute",
-            Task::Backward => "backward",
-            Task::Loss => "loss",
-            Task::GradientsFinal => "gradients-final callback",
-        })
-    }
-}
 
 /// Where a run failed: the partition, the layer (when a layer failed), the micro-batch and
 /// the task. Displayed as `partition 1, layer 3 (Linear), micro-batch 3, forward`.

@@ -11,83 +11,21 @@
 //!   behind, whatever failed. The price: a layer that never returns cannot be interrupted;
 //!   its neighbours time out and stop, and the run returns when that layer does.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{channel, Sender};
-use std::sync::Mutex;
+use std::sync::mpsc::channel;
 use std::time::{Duration, Instant};
 
-use skip::{Moves, Tracker};
+use skip::Moves;
 
-use crate::checkpoint::{panic_message, Kept};
 use crate::error::Error;
-use crate::layer::Layer;
+use crate::memory::Memory;
 use crate::microbatch::{Batch, MicroBatch};
 use crate::portal::{held_bytes, SkipPlan};
+use crate::protocol::{Common, FinalHook, LossFn, Shared, StageSlot, Trackers};
 use crate::record::Span;
 use crate::schedule::Schedule;
-use crate::tensor::{Device, Tensor};
+use crate::stage::{panic_message, Kept};
+use crate::tensor::Tensor;
 use crate::worker::{Hosted, Worker};
-
-/// The loss of a [`Pipe::step`](crate::Pipe::step), as the executor calls it: the output
-/// gradient of one micro-batch from its output.
-pub(crate) type LossFn<'a, T> =
-    dyn FnMut(MicroBatch, &Batch<T>) -> Result<Batch<T>, Error> + Send + 'a;
-
-/// A callback run on a stage's worker right after the stage's last backward action.
-pub(crate) type FinalHook<T> = dyn Fn(usize, &mut [Box<dyn Layer<T>>]) + Send + Sync;
-
-/// Bytes a partition holds between forward and backward passes: saved states, the inputs
-/// of checkpointed micro-batches, and skip values and gradients waiting in its trackers.
-/// Counted through [`Tensor::size_bytes`] at action boundaries and when a skip arrives.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Memory {
-    /// Held now (skips included).
-    pub held: usize,
-    /// The most held at once since the pending forward began (or the last step began).
-    pub peak: usize,
-    /// Of `held`, the bytes of skip values and gradients in the partition's trackers:
-    /// a value waits there from its arrival until it is popped (under checkpointing, until
-    /// the recomputation pops it again), a gradient until it is sent back or taken.
-    pub skips: usize,
-    /// Of `held`, the bytes the partition's layers keep for deferred weight gradients
-    /// ([`Layer::deferred_bytes`]) from a backward action until the partition's last one
-    /// of the run ([`PipeBuilder::defer_weight_grads`](crate::PipeBuilder::defer_weight_grads)).
-    pub deferred: usize,
-}
-
-impl Memory {
-    /// Adjusts the skip bytes from `old` to `new`, and the totals with them.
-    pub(crate) fn set_skips(&mut self, old: usize, new: usize) {
-        self.held = (self.held + new).saturating_sub(old);
-        self.skips = (self.skips + new).saturating_sub(old);
-        self.peak = self.peak.max(self.held);
-    }
-
-    /// Adjusts the deferred bytes to `now`, and the totals with them.
-    pub(crate) fn set_deferred(&mut self, now: usize) {
-        self.held = (self.held + now).saturating_sub(self.deferred);
-        self.deferred = now;
-        self.peak = self.peak.max(self.held);
-    }
-}
-
-/// Per micro-batch, a stage's skip tracker (absent where it has no skip layers or the
-/// micro-batch has not reached it).
-pub(crate) type Trackers<T> = Vec<Option<Box<Tracker<T>>>>;
-
-/// A stage as the executor receives it.
-pub(crate) struct StageSlot<'a, T> {
-    pub layers: &'a mut [Box<dyn Layer<T>>],
-    /// Global index of its first layer.
-    pub first_layer: usize,
-    pub device: Device,
-    /// Per micro-batch, what an earlier run kept (for a backward-only run); all `None`
-    /// otherwise.
-    pub kept: Vec<Option<Kept<T>>>,
-    /// Per micro-batch, the skip trackers an earlier run left (for a backward-only run).
-    pub trackers: Trackers<T>,
-    pub memory: Memory,
-}
 
 /// Everything one run needs.
 pub(crate) struct Job<'a, 'l, T> {
@@ -128,100 +66,13 @@ pub(crate) struct Outcome<T> {
     pub spans: Vec<Vec<Span>>,
 }
 
-/// The run's settings every worker reads.
-pub(crate) struct Common<'a> {
-    pub schedule: &'a Schedule,
-    pub devices: Vec<Device>,
-    pub micro_batches: &'a [MicroBatch],
-    pub train: bool,
-    pub seed: u64,
-    pub step: u64,
-    pub checkpoint_stop: usize,
-    pub defer_weight_grads: bool,
-    pub timeout: Duration,
-    pub record: Option<Instant>,
-    pub skips: &'a SkipPlan,
-}
-
-/// A message between workers.
-pub(crate) enum Msg<T> {
-    /// A stage's input for a micro-batch, from the previous stage.
-    Activation {
-        stage: usize,
-        mb: usize,
-        batch: Batch<T>,
-    },
-    /// A stage's output gradient for a micro-batch, from the next stage.
-    Gradient {
-        stage: usize,
-        mb: usize,
-        batch: Batch<T>,
-    },
-    /// A skip value (or the stash of nothing) for micro-batch `mb`, straight from the
-    /// stashing stage to the popping `stage`, along `skips.routes[route]`.
-    Skip {
-        stage: usize,
-        mb: usize,
-        route: usize,
-        value: Option<T>,
-    },
-    /// A skip's gradient (or none), back from the popping stage to the stashing `stage`.
-    SkipGrad {
-        stage: usize,
-        mb: usize,
-        route: usize,
-        grad: Option<T>,
-    },
-    /// Stop: another worker failed.
-    Abort,
-}
-
-/// The state all workers share: the stop flag, the first failure, everyone's inbox.
-pub(crate) struct Shared<T> {
-    stop: AtomicBool,
-    failure: Mutex<Option<Error>>,
-    pub senders: Vec<Sender<Msg<T>>>,
-}
-
-impl<T> Shared<T> {
-    pub fn stopped(&self) -> bool {
-        self.stop.load(Ordering::Acquire)
-    }
-
-    /// Records the first failure, raises the stop flag and wakes every worker.
-    pub fn fail(&self, error: Error) {
-        {
-            let mut failure = self.failure.lock().unwrap_or_else(|p| p.into_inner());
-            if failure.is_none() {
-                *failure = Some(error);
-            }
-        }
-        self.stop.store(true, Ordering::Release);
-        for sender in &self.senders {
-            // A worker that has already returned has dropped its inbox; nothing to wake.
-            let _ = sender.send(Msg::Abort);
-        }
-    }
-
-    fn take_failure(&self) -> Option<Error> {
-        self.failure
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take()
-    }
-}
-
 /// Runs `job`'s schedule to completion or to its first failure.
 pub(crate) fn execute<T: Tensor>(job: Job<'_, '_, T>) -> Result<Outcome<T>, Error> {
     let schedule = job.schedule;
     let (n, m) = (schedule.stages(), schedule.micro_batches());
     let workers = schedule.workers().len();
     let (senders, receivers): (Vec<_>, Vec<_>) = (0..workers).map(|_| channel()).unzip();
-    let shared = Shared {
-        stop: AtomicBool::new(false),
-        failure: Mutex::new(None),
-        senders,
-    };
+    let shared = Shared::new(senders);
     let common = Common {
         schedule,
         devices: job.stages.iter().map(|s| s.device).collect(),

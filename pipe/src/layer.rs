@@ -24,18 +24,7 @@ use crate::error::Error;
 use crate::microbatch::{Batch, MicroBatch};
 use crate::rng::{SampleStream, Stream};
 use crate::tensor::Tensor;
-
-/// Which pass a layer call belongs to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Phase {
-    /// The first forward pass of a micro-batch.
-    Forward,
-    /// A checkpointed micro-batch's forward pass, re-run just before its backward pass.
-    /// Draws the same random numbers as the first; must not update running statistics.
-    Recompute,
-    /// The backward pass.
-    Backward,
-}
+use crate::vocab::Phase;
 
 /// What a layer call may know about its circumstances: train or eval, the step, its
 /// global layer index, the micro-batch (and how many there are), the phase, the random

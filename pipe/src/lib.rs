@@ -3,11 +3,12 @@
 //! schedules as data (GPipe and 1F1B), and checkpointing with exact recomputation.
 //!
 //! - [`Tensor`]: what the pipeline needs from a tensor (split, concatenate, size, add,
-//!   move). [`CpuTensor`] implements it on `ndarray`.
+//!   move). [`cpu::CpuTensor`] implements it on `ndarray`.
 //! - [`Layer`]: `forward` returns the output and what `backward` needs ([`Saved`]);
 //!   `backward` returns the input gradient and accumulates parameter gradients; a layer
 //!   declares the skips it stashes and pops ([`Layer::skips`], the [`skip`] crate). Layers
-//!   for tests and examples: [`Linear`], [`ReLU`], [`Dropout`], [`BatchNorm`] (plain or
+//!   for tests and examples, in [`cpu`]: [`Linear`](cpu::Linear), [`ReLU`](cpu::ReLU),
+//!   [`Dropout`](cpu::Dropout), [`BatchNorm`](cpu::BatchNorm) (plain or
 //!   deferred), and the residual block through skips ([`StashInput`], [`AddSkip`],
 //!   [`residual`]).
 //! - [`Context`]: per call, train/eval, the step, the layer's global index, the micro-batch
@@ -28,7 +29,8 @@
 //! A two-partition pipe, checked against the same layers run as one model:
 //!
 //! ```
-//! use pipe::{Batch, CpuTensor, Layer, Linear, Pipe, ReLU, ScheduleKind};
+//! use pipe::cpu::{CpuTensor, Linear, ReLU};
+//! use pipe::{Batch, Layer, Pipe, ScheduleKind};
 //!
 //! # fn main() -> Result<(), pipe::Error> {
 //! let model = || -> Vec<Box<dyn Layer<CpuTensor>>> {
@@ -99,35 +101,37 @@
 pub mod balance;
 #[cfg(feature = "candle")]
 pub mod candle;
-mod checkpoint;
-mod cpu;
+pub mod cpu;
 mod error;
 mod executor;
 mod layer;
-mod layers;
-mod matmul;
+mod memory;
 mod microbatch;
 mod pin;
 mod pipe;
 mod portal;
+mod protocol;
 mod record;
+mod residual;
 mod rng;
 mod schedule;
+mod stage;
 mod storage;
 mod tensor;
+mod vocab;
 mod worker;
 
-pub use crate::checkpoint::Checkpoint;
-pub use crate::cpu::CpuTensor;
-pub use crate::error::{BoxError, Error, Site, Task};
-pub use crate::executor::Memory;
-pub use crate::layer::{Context, Layer, Param, ParamMut, Phase, Saved};
-pub use crate::layers::{residual, AddSkip, BatchNorm, Dropout, Linear, ReLU, StashInput};
+pub use crate::error::{BoxError, Error, Site};
+pub use crate::layer::{Context, Layer, Param, ParamMut, Saved};
+pub use crate::memory::Memory;
 pub use crate::microbatch::{Batch, Item, MicroBatch};
 pub use crate::pipe::{Pipe, PipeBuilder, StepOutput, DEFAULT_TIMEOUT};
 pub use crate::record::{Record, Span, SpanKind};
+pub use crate::residual::{residual, AddSkip, StashInput};
 pub use crate::rng::{SampleStream, Stream};
-pub use crate::schedule::{clock_cycles, Action, Schedule, ScheduleKind, Work};
-pub use crate::tensor::{Device, Tensor};
+pub use crate::schedule::{clock_cycles, Schedule, ScheduleKind};
+pub use crate::stage::Checkpoint;
+pub use crate::tensor::Tensor;
+pub use crate::vocab::{Action, Device, Pass, Phase, Task};
 pub use ndarray;
 pub use skip;

@@ -8,7 +8,8 @@
 
 use crate::error::Error;
 use crate::storage;
-use crate::tensor::{Device, Tensor};
+use crate::tensor::Tensor;
+use crate::vocab::Device;
 
 /// One position of a batch tuple.
 #[derive(Debug, Clone, PartialEq)]

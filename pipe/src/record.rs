@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::schedule::Action;
+use crate::vocab::Action;
 
 /// What a [`Span`] of a worker's time was spent on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -27,60 +27,7 @@
 use std::fmt;
 
 use crate::error::Error;
-
-/// The work of an [`Action`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Work {
-    /// Run the stage's layers forward on the micro-batch.
-    Forward,
-    /// Run them backward (recomputing first if the micro-batch was checkpointed).
-    Backward,
-}
-
-/// One unit of a schedule: `work` for `micro_batch` on `stage`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Action {
-    /// The stage (partition) index.
-    pub stage: usize,
-    /// The micro-batch index.
-    pub micro_batch: usize,
-    /// Forward or backward.
-    pub work: Work,
-}
-
-impl Action {
-    /// A forward action.
-    pub fn forward(stage: usize, micro_batch: usize) -> Self {
-        Action {
-            stage,
-            micro_batch,
-            work: Work::Forward,
-        }
-    }
-
-    /// A backward action.
-    pub fn backward(stage: usize, micro_batch: usize) -> Self {
-        Action {
-            stage,
-            micro_batch,
-            work: Work::Backward,
-        }
-    }
-}
-
-impl fmt::Display for Action {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let work = match self.work {
-            Work::Forward => "forward",
-            Work::Backward => "backward",
-        };
-        write!(
-            f,
-            "{work} (stage {}, micro-batch {})",
-            self.stage, self.micro_batch
-        )
-    }
-}
+use crate::vocab::{Action, Pass};
 
 /// GPipe's clock schedule (torchgpipe's `clock_cycles`): clock `k` holds every
 /// `(micro_batch, stage)` with `micro_batch + stage == k`, in increasing stage order;
@@ -194,7 +141,7 @@ impl Schedule {
                     _ => stage_worker[action.stage] = Some(w),
                 }
                 let slot =
-                    &mut position[action.work as usize][action.stage * m + action.micro_batch];
+                    &mut position[action.pass as usize][action.stage * m + action.micro_batch];
                 if slot.replace((w, k)).is_some() {
                     return Err(Error::DuplicateAction { action });
                 }
@@ -250,9 +197,9 @@ impl Schedule {
             let mut moved = false;
             for (w, list) in self.workers.iter().enumerate() {
                 while let Some(&a) = list.get(heads[w]) {
-                    let ready = match a.work {
-                        Work::Forward => a.stage == 0 || done[0][(a.stage - 1) * m + a.micro_batch],
-                        Work::Backward => {
+                    let ready = match a.pass {
+                        Pass::Forward => a.stage == 0 || done[0][(a.stage - 1) * m + a.micro_batch],
+                        Pass::Backward => {
                             (!self.has_forward || done[0][a.stage * m + a.micro_batch])
                                 && (a.stage + 1 == n || done[1][(a.stage + 1) * m + a.micro_batch])
                         }
@@ -260,7 +207,7 @@ impl Schedule {
                     if !ready {
                         break;
                     }
-                    done[a.work as usize][a.stage * m + a.micro_batch] = true;
+                    done[a.pass as usize][a.stage * m + a.micro_batch] = true;
                     heads[w] += 1;
                     moved = true;
                 }
@@ -371,9 +318,9 @@ impl Schedule {
         };
         let mut most = held;
         for a in list.iter().filter(|a| a.stage == stage) {
-            match a.work {
-                Work::Forward => held += 1,
-                Work::Backward => held = held.saturating_sub(1),
+            match a.pass {
+                Pass::Forward => held += 1,
+                Pass::Backward => held = held.saturating_sub(1),
             }
             most = most.max(held);
         }

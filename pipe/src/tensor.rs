@@ -5,48 +5,8 @@
 //! partition holds and sums the gradients of replicated inputs. Those five operations are
 //! all a tensor type has to provide.
 
-use std::fmt;
-
 use crate::error::Error;
-
-/// Where a partition's layers run.
-///
-/// Each partition gets one worker thread. [`Device::CpuCore`] pins that thread to a core
-/// (on Linux; elsewhere it runs unpinned); [`Device::Cuda`] is for tensor types that live
-/// on a GPU (the crate's [`CpuTensor`](crate::CpuTensor) refuses it).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-#[non_exhaustive]
-pub enum Device {
-    /// Host memory, worker thread unpinned.
-    #[default]
-    Cpu,
-    /// Host memory, worker thread pinned to this core.
-    CpuCore(usize),
-    /// The CUDA device with this ordinal.
-    Cuda(usize),
-}
-
-impl Device {
-    /// One pinned CPU device per core `0..n`: a worker per partition, each on its own core.
-    pub fn cores(n: usize) -> Vec<Device> {
-        (0..n).map(Device::CpuCore).collect()
-    }
-
-    /// Whether the memory is the host's.
-    pub fn is_host(&self) -> bool {
-        matches!(self, Device::Cpu | Device::CpuCore(_))
-    }
-}
-
-impl fmt::Display for Device {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Device::Cpu => f.write_str("cpu"),
-            Device::CpuCore(core) => write!(f, "cpu core {core}"),
-            Device::Cuda(ordinal) => write!(f, "cuda:{ordinal}"),
-        }
-    }
-}
+use crate::vocab::Device;
 
 /// What the pipeline needs from a tensor: its batch dimension is the first one.
 ///

@@ -6,15 +6,18 @@ use std::time::Instant;
 
 use skip::{Moves, Tracker};
 
-use crate::checkpoint::{deferred_bytes, flush, guard, Keep, Kept, StageCall};
-use crate::error::{Error, Site, Task};
-use crate::executor::{Common, FinalHook, LossFn, Memory, Msg, Shared, StageSlot, Trackers};
+use crate::error::{Error, Site};
+use crate::memory::Memory;
 use crate::microbatch::Batch;
 use crate::pin::pin_current_thread;
 use crate::portal::{held_bytes, new_tracker};
+use crate::protocol::{Common, FinalHook, LossFn, Msg, Shared, StageSlot, Trackers};
 use crate::record::{Span, SpanKind};
-use crate::schedule::{Action, Work};
-use crate::tensor::{Device, Tensor};
+use crate::stage::{deferred_bytes, flush, guard, Keep, Kept, StageCall};
+use crate::tensor::Tensor;
+use crate::vocab::Device;
+use crate::vocab::Task;
+use crate::vocab::{Action, Pass};
 
 /// A stage on its worker, with the data that has arrived for it.
 pub(crate) struct Hosted<'a, T> {
@@ -134,7 +137,7 @@ impl<'a, 'l, 's, T: Tensor> Worker<'a, 'l, 's, T> {
         // parameter gradients are final for this run.
         let mut last_backward = vec![None; self.position.len()];
         for (k, a) in actions.iter().enumerate() {
-            if a.work == Work::Backward {
+            if a.pass == Pass::Backward {
                 last_backward[a.stage] = Some(k);
             }
         }
@@ -142,9 +145,9 @@ impl<'a, 'l, 's, T: Tensor> Worker<'a, 'l, 's, T> {
             if self.shared.stopped() {
                 break;
             }
-            let mut result = match action.work {
-                Work::Forward => self.forward(action),
-                Work::Backward => self.backward(action),
+            let mut result = match action.pass {
+                Pass::Forward => self.forward(action),
+                Pass::Backward => self.backward(action),
             };
             if result.is_ok() && last_backward[action.stage] == Some(k) {
                 result = self
@@ -490,10 +493,7 @@ impl<'a, 'l, 's, T: Tensor> Worker<'a, 'l, 's, T> {
                     partition: action.stage,
                     layer: None,
                     micro_batch: Some(action.micro_batch),
-                    task: match action.work {
-                        Work::Forward => Task::Forward,
-                        Work::Backward => Task::Backward,
-                    },
+                    task: action.pass.into(),
                 },
                 source: Box::new(e),
             })
@@ -514,27 +514,27 @@ impl<'a, 'l, 's, T: Tensor> Worker<'a, 'l, 's, T> {
     /// Files a message where the action that needs it will look: inputs and gradients in
     /// their slots, skip values and gradients in the micro-batch's tracker.
     fn deliver(&mut self, msg: Msg<T>) -> Result<(), Halt> {
-        let (stage, mb, batch, work) = match msg {
-            Msg::Activation { stage, mb, batch } => (stage, mb, batch, Work::Forward),
-            Msg::Gradient { stage, mb, batch } => (stage, mb, batch, Work::Backward),
+        let (stage, mb, batch, pass) = match msg {
+            Msg::Activation { stage, mb, batch } => (stage, mb, batch, Pass::Forward),
+            Msg::Gradient { stage, mb, batch } => (stage, mb, batch, Pass::Backward),
             Msg::Skip {
                 stage,
                 mb,
                 route,
                 value,
-            } => return self.deliver_skip(stage, mb, route, value, Work::Forward),
+            } => return self.deliver_skip(stage, mb, route, value, Pass::Forward),
             Msg::SkipGrad {
                 stage,
                 mb,
                 route,
                 grad,
-            } => return self.deliver_skip(stage, mb, route, grad, Work::Backward),
+            } => return self.deliver_skip(stage, mb, route, grad, Pass::Backward),
             Msg::Abort => return Ok(()),
         };
         if let Some(p) = self.position.get(stage).copied().flatten() {
-            let slots = match work {
-                Work::Forward => &mut self.stages[p].inputs,
-                Work::Backward => &mut self.stages[p].grads,
+            let slots = match pass {
+                Pass::Forward => &mut self.stages[p].inputs,
+                Pass::Backward => &mut self.stages[p].grads,
             };
             if let Some(slot) = slots.get_mut(mb) {
                 *slot = Some(batch);
@@ -543,7 +543,7 @@ impl<'a, 'l, 's, T: Tensor> Worker<'a, 'l, 's, T> {
         Ok(())
     }
 
-    /// Puts a skip value (`Work::Forward`) or gradient (`Work::Backward`) that arrived for
+    /// Puts a skip value (`Pass::Forward`) or gradient (`Pass::Backward`) that arrived for
     /// (`stage`, `mb`) into its tracker.
     fn deliver_skip(
         &mut self,
@@ -551,27 +551,27 @@ impl<'a, 'l, 's, T: Tensor> Worker<'a, 'l, 's, T> {
         mb: usize,
         route: usize,
         value: Option<T>,
-        work: Work,
+        pass: Pass,
     ) -> Result<(), Halt> {
         let host = self.host(stage)?;
         let checkpointed = self.checkpointed(mb);
         let action = Action {
             stage,
             micro_batch: mb,
-            work,
+            pass,
         };
         let Some(r) = self.common.skips.routes.get(route) else {
             return Err(Halt::Failed(Error::MissingAction { action }));
         };
         let hosted = &mut self.stages[host];
-        let result = match work {
-            Work::Forward => {
+        let result = match pass {
+            Pass::Forward => {
                 hosted.values_in[mb] += 1;
                 hosted.slot.trackers[mb]
                     .get_or_insert_with(|| new_tracker(checkpointed))
                     .insert_incoming(r.ns, &r.name, value)
             }
-            Work::Backward => {
+            Pass::Backward => {
                 hosted.grads_in[mb] += 1;
                 match hosted.slot.trackers[mb].as_mut() {
                     Some(tracker) => tracker.insert_incoming_grad(r.ns, &r.name, value),
@@ -583,11 +583,7 @@ impl<'a, 'l, 's, T: Tensor> Worker<'a, 'l, 's, T> {
                 }
             }
         };
-        let task = match work {
-            Work::Forward => Task::Forward,
-            Work::Backward => Task::Backward,
-        };
-        result.map_err(|e| Self::skip_failure(action, task, e))?;
+        result.map_err(|e| Self::skip_failure(action, pass.into(), e))?;
         self.recount(host, mb);
         Ok(())
     }
@@ -603,12 +599,12 @@ impl<'a, 'l, 's, T: Tensor> Worker<'a, 'l, 's, T> {
         let (mb, stage) = (action.micro_batch, action.stage);
         loop {
             let hosted = &mut self.stages[host];
-            let (slot, skips_ready) = match action.work {
-                Work::Forward => (
+            let (slot, skips_ready) = match action.pass {
+                Pass::Forward => (
                     &mut hosted.inputs[mb],
                     hosted.values_in[mb] >= plan.values_in(stage),
                 ),
-                Work::Backward => (
+                Pass::Backward => (
                     &mut hosted.grads[mb],
                     hosted.grads_in[mb] >= plan.grads_in(stage),
                 ),

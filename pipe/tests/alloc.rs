@@ -8,7 +8,9 @@
 //! test, under `ulimit -v` of 8 GiB), so that the refusal does not depend on the
 //! machine's memory or overcommit policy and an abort shows as the child's signal.
 
-use pipe::{Batch, BatchNorm, Context, CpuTensor, Error, Layer, Linear, MicroBatch, Tensor};
+use pipe::cpu::{BatchNorm, CpuTensor, Linear};
+
+use pipe::{Batch, Context, Error, Layer, MicroBatch, Tensor};
 use std::process::Command;
 
 /// Set in the child's environment: the `#[ignore]`d test below runs only there.

@@ -10,9 +10,8 @@ use common::*;
 use pipe::balance::{
     balance_by_size, balance_by_time, balance_cost, block_partition, profile_times,
 };
-use pipe::{
-    AddSkip, Batch, BatchNorm, Context, CpuTensor, Error, Layer, Linear, ReLU, Saved, StashInput,
-};
+use pipe::cpu::{BatchNorm, CpuTensor, Linear, ReLU};
+use pipe::{AddSkip, Batch, Context, Error, Layer, Saved, StashInput};
 
 #[test]
 fn blockpartition() {

@@ -4,9 +4,8 @@
 mod common;
 
 use common::*;
-use pipe::{
-    Batch, Checkpoint, Context, CpuTensor, Dropout, Error, Layer, Linear, Phase, Pipe, ScheduleKind,
-};
+use pipe::cpu::{CpuTensor, Dropout, Linear};
+use pipe::{Batch, Checkpoint, Context, Error, Layer, Phase, Pipe, ScheduleKind};
 
 fn probes(n: usize, log: &Log) -> Vec<Box<dyn Layer<CpuTensor>>> {
     (0..n)

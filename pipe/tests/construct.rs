@@ -6,7 +6,8 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use pipe::{Batch, Checkpoint, CpuTensor, Device, Error, Layer, Pipe, ReLU};
+use pipe::cpu::{CpuTensor, ReLU};
+use pipe::{Batch, Checkpoint, Device, Error, Layer, Pipe};
 
 fn relus(n: usize) -> Vec<Box<dyn Layer<CpuTensor>>> {
     (0..n)

@@ -7,9 +7,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::*;
+use pipe::cpu::CpuTensor;
 use pipe::{
-    Action, Batch, Checkpoint, CpuTensor, Error, Layer, Phase, Pipe, Schedule, ScheduleKind,
-    SpanKind, Work,
+    Action, Batch, Checkpoint, Error, Layer, Pass, Phase, Pipe, Schedule, ScheduleKind, SpanKind,
 };
 
 const M: usize = 4;
@@ -208,5 +208,5 @@ fn several_stages_on_one_worker_give_the_same_results() {
     ));
     assert!(interleaved.workers()[0]
         .iter()
-        .any(|a| a.work == Work::Backward));
+        .any(|a| a.pass == Pass::Backward));
 }

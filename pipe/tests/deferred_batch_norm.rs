@@ -6,10 +6,8 @@
 mod common;
 
 use common::*;
-use pipe::{
-    Batch, BatchNorm, Checkpoint, Context, CpuTensor, Layer, Linear, MicroBatch, Pipe, ReLU,
-    ScheduleKind,
-};
+use pipe::cpu::{BatchNorm, CpuTensor, Linear, ReLU};
+use pipe::{Batch, Checkpoint, Context, Layer, MicroBatch, Pipe, ScheduleKind};
 
 const BATCH: usize = 12;
 const FEATURES: usize = 6;

@@ -10,9 +10,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use common::*;
-use pipe::{
-    Action, Batch, BatchNorm, Checkpoint, CpuTensor, Error, Phase, Pipe, Schedule, ScheduleKind,
-};
+use pipe::cpu::{BatchNorm, CpuTensor};
+use pipe::{Action, Batch, Checkpoint, Error, Phase, Pipe, Schedule, ScheduleKind};
 
 const BATCH: usize = 12;
 const FEATURES: usize = 4;

@@ -9,10 +9,8 @@ mod common;
 use std::sync::{Arc, Mutex};
 
 use common::*;
-use pipe::{
-    Batch, Checkpoint, Context, CpuTensor, Error, Layer, Linear, Phase, Pipe, ScheduleKind,
-    SpanKind, Work,
-};
+use pipe::cpu::{CpuTensor, Linear};
+use pipe::{Batch, Checkpoint, Context, Error, Layer, Pass, Phase, Pipe, ScheduleKind, SpanKind};
 
 const BATCH: usize = 12;
 const CHUNKS: usize = 4;
@@ -147,7 +145,7 @@ fn the_record_shows_each_flush_after_its_partitions_last_backward() {
             .max()
             .unwrap();
         assert!(flushes[0].start >= last_backward, "worker {w}");
-        assert_eq!(flushes[0].action.work, Work::Backward);
+        assert_eq!(flushes[0].action.pass, Pass::Backward);
     }
     // Without deferral there is nothing to flush.
     let mut q = pipe(ScheduleKind::OneFOneB, Checkpoint::Never, false);

@@ -11,14 +11,19 @@ use pipe::{Batch, Error, Layer, Phase, Pipe, ScheduleKind, Task};
 
 const TIMEOUT: Duration = Duration::from_secs(20);
 
-fn x(rows: usize) -> Batch<pipe::CpuTensor> {
+fn x(rows: usize) -> Batch<pipe::cpu::CpuTensor> {
     Batch::single(data(rows, 3, 1))
 }
 
 /// `n` probes, one per partition; partition `fail_on` fails at micro-batch 3's forward.
-fn failing_pipe(n: usize, fail_on: usize, log: &Log, kind: ScheduleKind) -> Pipe<pipe::CpuTensor> {
-    let layers: Vec<Box<dyn Layer<pipe::CpuTensor>>> = (0..n)
-        .map(|j| -> Box<dyn Layer<pipe::CpuTensor>> {
+fn failing_pipe(
+    n: usize,
+    fail_on: usize,
+    log: &Log,
+    kind: ScheduleKind,
+) -> Pipe<pipe::cpu::CpuTensor> {
+    let layers: Vec<Box<dyn Layer<pipe::cpu::CpuTensor>>> = (0..n)
+        .map(|j| -> Box<dyn Layer<pipe::cpu::CpuTensor>> {
             if j == fail_on {
                 Box::new(Probe::with(j, log, |e| {
                     if e.phase == Phase::Forward && e.micro_batch == 3 {
@@ -136,7 +141,7 @@ fn exceptions_never_hang_and_the_pipe_stays_usable() {
 #[test]
 fn a_panic_names_its_site_and_poisons_the_pipe() {
     let log = new_log();
-    let layers: Vec<Box<dyn Layer<pipe::CpuTensor>>> = vec![
+    let layers: Vec<Box<dyn Layer<pipe::cpu::CpuTensor>>> = vec![
         Box::new(Probe::new(0, &log)),
         Box::new(Probe::with(1, &log, |e| {
             if e.phase == Phase::Backward && e.micro_batch == 2 {
@@ -173,7 +178,7 @@ fn a_panic_names_its_site_and_poisons_the_pipe() {
 #[test]
 fn a_loss_error_names_the_last_partition_and_the_micro_batch() {
     let log = new_log();
-    let layers: Vec<Box<dyn Layer<pipe::CpuTensor>>> =
+    let layers: Vec<Box<dyn Layer<pipe::cpu::CpuTensor>>> =
         vec![Box::new(Probe::new(0, &log)), Box::new(Probe::new(1, &log))];
     let mut pipe = Pipe::builder(layers, &[1, 1]).chunks(4).build().unwrap();
     let err = pipe
@@ -195,7 +200,7 @@ fn a_loss_error_names_the_last_partition_and_the_micro_batch() {
 fn a_worker_that_waits_too_long_times_out() {
     // Partition 1 takes 1 s on micro-batch 0; partition 2 waits at most 100 ms for it.
     let log = new_log();
-    let layers: Vec<Box<dyn Layer<pipe::CpuTensor>>> = vec![
+    let layers: Vec<Box<dyn Layer<pipe::cpu::CpuTensor>>> = vec![
         Box::new(Probe::new(0, &log)),
         Box::new(Probe::with(1, &log, |e| {
             if e.micro_batch == 0 {

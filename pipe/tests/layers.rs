@@ -4,10 +4,8 @@
 mod common;
 
 use common::*;
-use pipe::{
-    Batch, BatchNorm, Context, CpuTensor, Dropout, Error, Layer, Linear, MicroBatch, Phase, ReLU,
-    Tensor,
-};
+use pipe::cpu::{BatchNorm, CpuTensor, Dropout, Linear, ReLU};
+use pipe::{Batch, Context, Error, Layer, MicroBatch, Phase, Tensor};
 
 /// `L = sum(w ⊙ layer(x))` for fixed weights `w`: its gradient is `backward(w)`.
 fn loss(layer: &mut dyn Layer<CpuTensor>, x: &CpuTensor, w: &CpuTensor, ctx: &Context) -> f64 {

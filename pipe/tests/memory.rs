@@ -8,9 +8,8 @@
 mod common;
 
 use common::*;
-use pipe::{
-    Batch, Checkpoint, CpuTensor, Dropout, Layer, Linear, MicroBatch, Pipe, ReLU, ScheduleKind,
-};
+use pipe::cpu::{CpuTensor, Dropout, Linear, ReLU};
+use pipe::{Batch, Checkpoint, Layer, MicroBatch, Pipe, ScheduleKind};
 
 const BATCH: usize = 32;
 const M: usize = 16;

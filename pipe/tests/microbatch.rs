@@ -4,7 +4,8 @@
 mod common;
 
 use common::*;
-use pipe::{Batch, Context, CpuTensor, Error, Item, Layer, MicroBatch, Pipe, ReLU, Saved, Tensor};
+use pipe::cpu::{CpuTensor, ReLU};
+use pipe::{Batch, Context, Error, Item, Layer, MicroBatch, Pipe, Saved, Tensor};
 
 #[test]
 fn min_chunks_batch_micro_batches_differing_by_at_most_one() {

@@ -2,7 +2,7 @@
 //! rejections (row 21's ordering rules, adapted: without autograd the backward order is in
 //! the schedule, so the validator is what keeps it).
 
-use pipe::{clock_cycles, Action, Error, Schedule, ScheduleKind, Work};
+use pipe::{clock_cycles, Action, Error, Pass, Schedule, ScheduleKind};
 
 #[test]
 fn clock_cycles_match_torchgpipe() {
@@ -231,7 +231,7 @@ fn one_worker_may_host_several_stages() {
     assert_eq!(
         s.workers()[0]
             .iter()
-            .filter(|a| a.work == Work::Backward)
+            .filter(|a| a.pass == Pass::Backward)
             .count(),
         2
     );

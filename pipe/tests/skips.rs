@@ -17,10 +17,11 @@ mod common;
 use std::collections::HashMap;
 
 use common::*;
+use pipe::cpu::{CpuTensor, Dropout, Linear, ReLU};
 use pipe::skip::{Declaration, Moves, Namespace};
 use pipe::{
-    AddSkip, Batch, Checkpoint, Context, CpuTensor, Dropout, Error, Layer, Linear, MicroBatch,
-    Phase, Pipe, ReLU, Saved, Schedule, ScheduleKind, StashInput, Tensor, Work,
+    AddSkip, Batch, Checkpoint, Context, Error, Layer, MicroBatch, Pass, Phase, Pipe, Saved,
+    Schedule, ScheduleKind, StashInput, Tensor,
 };
 
 const BATCH: usize = 7;
@@ -253,7 +254,7 @@ fn pipelined(pipe: &mut Pipe<CpuTensor>, model: &Model, drive: Drive) -> (Result
         .collect();
     let order = schedule.workers()[0]
         .iter()
-        .filter(|a| a.work == Work::Backward)
+        .filter(|a| a.pass == Pass::Backward)
         .map(|a| a.micro_batch)
         .collect();
     let results = Results {

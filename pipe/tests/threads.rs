@@ -6,7 +6,8 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use pipe::{Batch, CpuTensor, Error, Layer, Phase, Pipe, ScheduleKind};
+use pipe::cpu::CpuTensor;
+use pipe::{Batch, Error, Layer, Phase, Pipe, ScheduleKind};
 
 /// Names of this process's threads that are pipe workers (Linux: /proc/self/task).
 fn pipe_workers() -> Option<Vec<String>> {

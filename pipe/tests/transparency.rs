@@ -15,7 +15,8 @@
 mod common;
 
 use common::*;
-use pipe::{Batch, Checkpoint, Context, CpuTensor, Layer, Pipe, Schedule, ScheduleKind, Work};
+use pipe::cpu::CpuTensor;
+use pipe::{Batch, Checkpoint, Context, Layer, Pass, Pipe, Schedule, ScheduleKind};
 
 const BATCH: usize = 11;
 const BALANCES: [&[usize]; 3] = [&[1, 1, 1, 1], &[2, 2], &[3, 1]];
@@ -127,7 +128,7 @@ fn run_pipe(
         evaluated,
         backward_order: schedule.workers()[0]
             .iter()
-            .filter(|a| a.work == Work::Backward)
+            .filter(|a| a.pass == Pass::Backward)
             .map(|a| a.micro_batch)
             .collect(),
     }

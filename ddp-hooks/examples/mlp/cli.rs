@@ -1,6 +1,7 @@
 //! The arguments of the `train` and `train_mpi` examples, and how they print: plain
 //! lines for people, or one JSON object per line (`--json`) for `cargo xtask train`.
 
+use super::args::{positive, text};
 use super::trainer::{Config, Event, Outcome, Plan};
 use serde_json::json;
 use std::io::Write;
@@ -105,23 +106,6 @@ pub fn parse(args: &[String], default_ranks: usize) -> Result<Cli, String> {
         hooks,
         json,
     })
-}
-
-/// The next value, as UTF-8 text.
-fn text(p: &mut lexopt::Parser) -> Result<String, String> {
-    use lexopt::ValueExt;
-    p.value()
-        .and_then(|v| v.string())
-        .map_err(|e| e.to_string())
-}
-
-/// The next value, a positive integer (`name` for the message).
-fn positive(p: &mut lexopt::Parser, name: &str) -> Result<usize, String> {
-    let v = text(p)?;
-    v.parse::<usize>()
-        .ok()
-        .filter(|&n| n > 0)
-        .ok_or_else(|| format!("{name} {v}: expected a positive integer"))
 }
 
 /// Parses a hook spec; the error is the registry's.

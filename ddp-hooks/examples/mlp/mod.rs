@@ -9,6 +9,7 @@
 
 #![allow(dead_code)]
 
+pub mod args;
 pub mod checkpoint;
 pub mod cli;
 pub mod trainer;

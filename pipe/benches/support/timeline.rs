@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::fmt::Write;
 use std::time::Duration;
 
-use pipe::{Action, Record, Schedule, SpanKind, Work};
+use pipe::{Action, Pass, Record, Schedule, SpanKind};
 
 /// One recorded step to draw.
 pub struct Trace {
@@ -112,16 +112,16 @@ fn ideal(schedule: &Schedule, means: &[HashMap<SpanKind, f64>], stop: usize) -> 
         let mut progressed = false;
         for (w, list) in schedule.workers().iter().enumerate() {
             while let Some(&a) = list.get(heads[w]) {
-                let deps: Vec<Action> = match a.work {
-                    Work::Forward if a.stage > 0 => {
+                let deps: Vec<Action> = match a.pass {
+                    Pass::Forward if a.stage > 0 => {
                         vec![Action::forward(a.stage - 1, a.micro_batch)]
                     }
-                    Work::Forward => vec![],
-                    Work::Backward if a.stage + 1 < n => vec![
+                    Pass::Forward => vec![],
+                    Pass::Backward if a.stage + 1 < n => vec![
                         Action::forward(a.stage, a.micro_batch),
                         Action::backward(a.stage + 1, a.micro_batch),
                     ],
-                    Work::Backward => vec![Action::forward(a.stage, a.micro_batch)],
+                    Pass::Backward => vec![Action::forward(a.stage, a.micro_batch)],
                 };
                 let Some(ready) = deps
                     .iter()
@@ -131,10 +131,10 @@ fn ideal(schedule: &Schedule, means: &[HashMap<SpanKind, f64>], stop: usize) -> 
                     break;
                 };
                 let mut t = free[w].max(ready);
-                let last_backward = a.work == Work::Backward
+                let last_backward = a.pass == Pass::Backward
                     && !list[heads[w] + 1..]
                         .iter()
-                        .any(|b| b.work == Work::Backward && b.stage == a.stage);
+                        .any(|b| b.pass == Pass::Backward && b.stage == a.stage);
                 let mut push = |kind: SpanKind, len: f64, t: &mut f64| {
                     let label = match kind {
                         SpanKind::Forward => format!("F{}", a.micro_batch),
@@ -151,14 +151,14 @@ fn ideal(schedule: &Schedule, means: &[HashMap<SpanKind, f64>], stop: usize) -> 
                     });
                     *t += len;
                 };
-                match a.work {
-                    Work::Forward => {
+                match a.pass {
+                    Pass::Forward => {
                         push(SpanKind::Forward, d(w, SpanKind::Forward), &mut t);
                         if a.stage + 1 == n {
                             push(SpanKind::Loss, d(w, SpanKind::Loss), &mut t);
                         }
                     }
-                    Work::Backward => {
+                    Pass::Backward => {
                         if a.micro_batch < stop {
                             push(SpanKind::Recompute, d(w, SpanKind::Recompute), &mut t);
                         }

@@ -1,10 +1,9 @@
 //! Shared helpers: small models, data, a loss, and the unpipelined reference run.
 #![allow(dead_code)]
 
-use pipe::{
-    Batch, BatchNorm, Context, CpuTensor, Dropout, Error, Layer, Linear, MicroBatch, Phase, ReLU,
-    Saved, Tensor,
-};
+use pipe::cpu::{BatchNorm, CpuTensor, Dropout, Linear, ReLU};
+
+use pipe::{Batch, Context, Error, Layer, MicroBatch, Phase, Saved, Tensor};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 pub type Layers = Vec<Box<dyn Layer<CpuTensor>>>;

@@ -3,10 +3,10 @@
 use ndarray::{Array2, Axis};
 
 use super::{matrix, same_shape};
+use crate::cpu::matmul::{gemm, has_kernel, splits_exactly, transpose, View, ViewMut};
 use crate::cpu::CpuTensor;
 use crate::error::Error;
 use crate::layer::{Context, Layer, Param, ParamMut, Saved};
-use crate::matmul::{gemm, splits_exactly, transpose, View, ViewMut};
 use crate::microbatch::Batch;
 use crate::rng::Stream;
 use crate::storage;
@@ -16,7 +16,9 @@ use crate::tensor::Tensor;
 /// copy of the weight (kept between calls) through broadcasts and packing only `xᵀ`;
 /// beyond it, `y = x W` with the weight packed. On a `Linear(1024, 1024)` the first form
 /// ran at 116–150 GFLOP/s from 48 to 512 rows against 91–139 for the second, and the two
-/// met near 1024 rows (AVX-512, one core).
+/// met near 1024 rows (AVX-512, one core). Without the kernel (`ndarray`'s
+/// `general_mat_mul`, matrixmultiply's) the first form ran at about 0.6 of the second's
+/// speed at 32 rows (the bench's GEMM rows with `--isa avx2`), so there it is not used.
 const TRANSPOSED_FORWARD_ROWS: usize = 512;
 /// The same choice for the input gradient: `dxᵀ = W dyᵀ` up to this many rows, else
 /// `dx = dy Wᵀ`.
@@ -235,7 +237,7 @@ impl Layer<CpuTensor> for Linear {
         }
         let out = ViewMut::row_major(&mut y, rows, outputs);
         let x_view = View::row_major(xs, rows, inputs);
-        if rows <= TRANSPOSED_FORWARD_ROWS {
+        if rows <= TRANSPOSED_FORWARD_ROWS && has_kernel() {
             // As yᵀ += Wᵀ xᵀ: Wᵀ streams through broadcasts along its rows, xᵀ is packed.
             let wt = View::row_major(self.weight_t()?, outputs, inputs);
             gemm(wt, x_view.t(), out.t(), true);

@@ -383,8 +383,8 @@ impl Layer<CpuTensor> for BatchNorm {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::layer::Phase;
     use crate::microbatch::MicroBatch;
+    use crate::vocab::Phase;
 
     /// Micro-batch `index` (of 2, 3 rows each) at step 5.
     fn ctx(index: usize, phase: Phase) -> Context {

@@ -4,12 +4,13 @@ use ndarray::{ArrayD, Axis, IxDyn};
 
 use crate::error::Error;
 use crate::storage;
-use crate::tensor::{Device, Tensor};
+use crate::tensor::Tensor;
+use crate::vocab::Device;
 
 /// A dense `f32` array in host memory; the first axis is the batch dimension.
 ///
 /// Cloning copies the data, so [`Tensor::size_bytes`] is an honest count of what each
-/// holder keeps. [`Linear`](crate::Linear)'s products run on one thread (the crate's
+/// holder keeps. [`Linear`](crate::cpu::Linear)'s products run on one thread (the crate's
 /// AVX-512 kernel, or `ndarray`'s where AVX-512 is missing), so one worker per partition
 /// uses one core.
 #[derive(Debug, Clone, PartialEq)]

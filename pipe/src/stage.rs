@@ -12,10 +12,12 @@ use std::sync::Arc;
 
 use skip::{Declaration, Tracker};
 
-use crate::error::{Error, Site, Task};
-use crate::layer::{Context, Layer, Phase, Saved};
+use crate::error::{Error, Site};
+use crate::layer::{Context, Layer, Saved};
 use crate::microbatch::{Batch, MicroBatch};
 use crate::tensor::Tensor;
+use crate::vocab::Phase;
+use crate::vocab::Task;
 
 /// When to checkpoint (torchgpipe's `checkpoint` argument).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -182,10 +184,8 @@ impl<T: Tensor> StageCall<'_, T> {
         phase: Phase,
         keep: Keep,
     ) -> Result<(Batch<T>, Vec<Saved<T>>), Error> {
-        let task = match phase {
-            Phase::Recompute => Task::Recompute,
-            _ => Task::Forward,
-        };
+        // Only ever `Forward` or `Recompute`.
+        let task = Task::from(phase);
         let mut saved = Vec::with_capacity(if keep == Keep::Saved {
             self.layers.len()
         } else {

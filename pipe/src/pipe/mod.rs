@@ -3,175 +3,53 @@
 
 use std::time::{Duration, Instant};
 
-use skip::{Declaration, Moves};
+use skip::Moves;
 
-use crate::checkpoint::{Checkpoint, Kept};
 use crate::error::{Error, Site};
-use crate::executor::{execute, FinalHook, LossFn, Memory, Outcome, StageSlot, Trackers};
+use crate::executor::{execute, Outcome};
 use crate::layer::Layer;
+use crate::memory::Memory;
 use crate::microbatch::{Batch, MicroBatch};
 use crate::portal::{moves_of, SkipPlan};
+use crate::protocol::{FinalHook, LossFn, StageSlot, Trackers};
 use crate::record::Record;
-use crate::schedule::{Action, Schedule, ScheduleKind, Work};
-use crate::tensor::{Device, Tensor};
+use crate::schedule::{Schedule, ScheduleKind};
+use crate::stage::{Checkpoint, Kept};
+use crate::tensor::Tensor;
+use crate::vocab::{Action, Device, Pass};
 
-/// The default bound on every wait between workers.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+mod builder;
 
-/// Builds a [`Pipe`]; see [`Pipe::builder`].
-pub struct PipeBuilder<T: Tensor> {
-    layers: Vec<Box<dyn Layer<T>>>,
-    balance: Vec<usize>,
-    devices: Option<Vec<Device>>,
-    chunks: usize,
-    checkpoint: Checkpoint,
-    schedule: ScheduleKind,
-    timeout: Duration,
-    seed: u64,
-    record: bool,
-    deferred_batch_norm: bool,
-    defer_weight_grads: bool,
-}
+pub use builder::{PipeBuilder, DEFAULT_TIMEOUT};
 
 impl<T: Tensor> PipeBuilder<T> {
-    /// One device per partition (more are dropped; fewer is an error). Default: unpinned
-    /// [`Device::Cpu`] for each.
-    pub fn devices(mut self, devices: Vec<Device>) -> Self {
-        self.devices = Some(devices);
-        self
-    }
-
-    /// Micro-batches per mini-batch (at most; a smaller batch gets one per sample).
-    /// Default 1.
-    pub fn chunks(mut self, chunks: usize) -> Self {
-        self.chunks = chunks;
-        self
-    }
-
-    /// The checkpoint mode. Default [`Checkpoint::ExceptLast`].
-    pub fn checkpoint(mut self, checkpoint: Checkpoint) -> Self {
-        self.checkpoint = checkpoint;
-        self
-    }
-
-    /// The schedule [`Pipe::step`] runs. Default [`ScheduleKind::GPipe`].
-    pub fn schedule(mut self, schedule: ScheduleKind) -> Self {
-        self.schedule = schedule;
-        self
-    }
-
-    /// The bound on every wait between workers. Default [`DEFAULT_TIMEOUT`].
-    pub fn timeout(mut self, timeout: Duration) -> Self {
-        self.timeout = timeout;
-        self
-    }
-
-    /// The seed of the layers' random streams. Default 0.
-    pub fn seed(mut self, seed: u64) -> Self {
-        self.seed = seed;
-        self
-    }
-
-    /// Whether to record spans of every run (see [`Pipe::take_record`]). Default off.
-    pub fn record(mut self, record: bool) -> Self {
-        self.record = record;
-        self
-    }
-
-    /// torchgpipe's `deferred_batch_norm`: when on, every batch-norm layer accumulates its
-    /// running statistics over all micro-batches of a mini-batch and commits them once per
-    /// mini-batch ([`Layer::defer_batch_norm`]), so they equal plain batch norm's over the
-    /// whole batch. Normalisation itself still uses each micro-batch's statistics.
-    /// Default off.
-    pub fn deferred_batch_norm(mut self, on: bool) -> Self {
-        self.deferred_batch_norm = on;
-        self
-    }
-
-    /// Deferred weight gradients (the B/W split of zero-bubble schedules): a backward action
-    /// computes only its input gradient and lets each layer keep what its weight gradient
-    /// needs ([`Context::defers_weight_grads`](crate::Context::defers_weight_grads)); right
-    /// after a partition's last backward action of a run, each of its layers adds them
-    /// ([`Layer::flush_grads`]): [`Linear`](crate::Linear) as one product over every
-    /// micro-batch's rows, about as fast per row as the whole batch, and off the pipeline's
-    /// critical path (the bubble no longer waits for weight gradients). Gradients are the
-    /// same sums, bit for bit on AVX-512. The cost is memory: a deferring layer holds its
-    /// input and output gradient for every micro-batch until the flush, counted in
-    /// [`Memory::deferred`](crate::Memory::deferred); this undoes what checkpointing and 1F1B
-    /// save on activations, so leave it off where memory binds. Default off.
-    pub fn defer_weight_grads(mut self, on: bool) -> Self {
-        self.defer_weight_grads = on;
-        self
-    }
-
     /// Checks the arguments (`chunks`, then the balance, then the devices, as torchgpipe's
     /// `split_module`), verifies the layers' skip declarations (every mismatch at once,
     /// [`Error::Skip`]) and splits the layers. torchgpipe verifies the skips first, so
     /// with both kinds of mistake it reports the skip one where this reports the argument.
-    pub fn build(mut self) -> Result<Pipe<T>, Error> {
-        if self.chunks == 0 {
-            return Err(Error::Chunks(self.chunks));
-        }
-        let sum: usize = self.balance.iter().sum();
-        if sum != self.layers.len() {
-            return Err(Error::BalanceLength {
-                layers: self.layers.len(),
-                sum,
-            });
-        }
-        if self.balance.contains(&0) {
-            return Err(Error::BalanceNotPositive {
-                balance: self.balance,
-            });
-        }
-        let n = self.balance.len();
-        let mut devices = self.devices.unwrap_or_else(|| vec![Device::Cpu; n]);
-        if devices.len() < n {
-            return Err(Error::TooFewDevices {
-                devices: devices.len(),
-                partitions: n,
-            });
-        }
-        devices.truncate(n);
-        if self.timeout.is_zero() {
-            return Err(Error::ZeroTimeout);
-        }
-        let decls: Vec<Declaration> = self.layers.iter().map(|l| l.skips()).collect();
-        let skips = SkipPlan::new(decls, &self.balance)?;
-        if self.deferred_batch_norm {
-            for layer in &mut self.layers {
-                layer.defer_batch_norm();
-            }
-        }
-        let mut layers = self.layers.into_iter();
-        let mut first_layer = Vec::with_capacity(n);
-        let mut partitions = Vec::with_capacity(n);
-        let mut next = 0;
-        for &size in &self.balance {
-            first_layer.push(next);
-            partitions.push(layers.by_ref().take(size).collect());
-            next += size;
-        }
+    pub fn build(self) -> Result<Pipe<T>, Error> {
+        let c = self.check()?;
+        let n = c.partitions.len();
         Ok(Pipe {
-            partitions,
-            first_layer,
-            devices,
-            chunks: self.chunks,
-            checkpoint: self.checkpoint,
-            schedule: self.schedule,
-            timeout: self.timeout,
-            seed: self.seed,
+            partitions: c.partitions,
+            first_layer: c.first_layer,
+            devices: c.devices,
+            chunks: c.chunks,
+            checkpoint: c.checkpoint,
+            schedule: c.schedule,
+            timeout: c.timeout,
+            seed: c.seed,
             step: 0,
             train: true,
             pending: None,
             poison: None,
             memory: vec![Memory::default(); n],
-            record: self.record.then(|| Record::new(Instant::now(), n)),
-            recording: self.record,
+            record: c.record.then(|| Record::new(Instant::now(), n)),
+            recording: c.record,
             on_final: None,
-            skips,
+            skips: c.skips,
             moves: Moves::default(),
-            defer_weight_grads: self.defer_weight_grads,
+            defer_weight_grads: c.defer_weight_grads,
         })
     }
 }
@@ -245,19 +123,7 @@ impl<T: Tensor> Pipe<T> {
     /// Starts building a pipe of `layers` split into partitions of `balance[j]` consecutive
     /// layers each.
     pub fn builder(layers: Vec<Box<dyn Layer<T>>>, balance: &[usize]) -> PipeBuilder<T> {
-        PipeBuilder {
-            layers,
-            balance: balance.to_vec(),
-            devices: None,
-            chunks: 1,
-            checkpoint: Checkpoint::default(),
-            schedule: ScheduleKind::default(),
-            timeout: DEFAULT_TIMEOUT,
-            seed: 0,
-            record: false,
-            deferred_batch_norm: false,
-            defer_weight_grads: false,
-        }
+        PipeBuilder::new(layers, balance)
     }
 
     /// Runs the forward pass of `input` and returns the gathered output. In training mode
@@ -275,7 +141,7 @@ impl<T: Tensor> Pipe<T> {
         let inputs = self.on_device(parts, 0)?;
         let schedule = Schedule::gpipe_forward(plan.len(), n)?;
         let outcome = self.run(&schedule, &plan, inputs, Vec::new(), None, None)?;
-        let output = Batch::gather(complete(outcome.outputs, n - 1, Work::Forward)?)?;
+        let output = Batch::gather(complete(outcome.outputs, n - 1, Pass::Forward)?)?;
         if self.train {
             self.pending = Some(Pending {
                 plan,
@@ -320,7 +186,7 @@ impl<T: Tensor> Pipe<T> {
         let earlier = Some((kept, trackers));
         let outcome = self.run(&schedule, &plan, Vec::new(), grads, earlier, None)?;
         self.step += 1;
-        Batch::gather_gradients(complete(outcome.input_grads, 0, Work::Backward)?)
+        Batch::gather_gradients(complete(outcome.input_grads, 0, Pass::Backward)?)
     }
 
     /// Runs a whole training step with the configured schedule. `loss` gets each
@@ -331,9 +197,11 @@ impl<T: Tensor> Pipe<T> {
         L: Send,
         F: FnMut(MicroBatch, &Batch<T>) -> Result<(L, Batch<T>), Error> + Send,
     {
-        let m = self.micro_batches(input.batch_len()?)?.len();
-        let schedule = self.schedule.generate(m, self.partitions.len().max(1))?;
-        self.step_with(&schedule, input, loss)
+        let plan = self.micro_batches(input.batch_len()?)?;
+        let schedule = self
+            .schedule
+            .generate(plan.len(), self.partitions.len().max(1))?;
+        self.run_step(&schedule, Some(plan), input, loss)
     }
 
     /// [`step`](Pipe::step) with a schedule of your own: it must have forward and backward
@@ -342,6 +210,22 @@ impl<T: Tensor> Pipe<T> {
     pub fn step_with<L, F>(
         &mut self,
         schedule: &Schedule,
+        input: Batch<T>,
+        loss: F,
+    ) -> Result<StepOutput<T, L>, Error>
+    where
+        L: Send,
+        F: FnMut(MicroBatch, &Batch<T>) -> Result<(L, Batch<T>), Error> + Send,
+    {
+        self.run_step(schedule, None, input, loss)
+    }
+
+    /// [`step_with`](Pipe::step_with) on the micro-batches `plan` of `input` when the
+    /// caller has computed them already ([`step`](Pipe::step), to size its schedule).
+    fn run_step<L, F>(
+        &mut self,
+        schedule: &Schedule,
+        plan: Option<Vec<MicroBatch>>,
         input: Batch<T>,
         mut loss: F,
     ) -> Result<StepOutput<T, L>, Error>
@@ -355,7 +239,13 @@ impl<T: Tensor> Pipe<T> {
         }
         self.discard_pending();
         let n = self.partitions.len();
-        let (plan, parts) = input.scatter(self.chunks)?;
+        let (plan, parts) = match plan {
+            Some(plan) => {
+                let parts = input.split_as(&plan)?;
+                (plan, parts)
+            }
+            None => input.scatter(self.chunks)?,
+        };
         let m = plan.len();
         if n == 0 {
             return step_without_layers(plan, parts, loss);
@@ -388,9 +278,9 @@ impl<T: Tensor> Pipe<T> {
             Some(&mut per_micro_batch),
         )?;
         self.step += 1;
-        let output = Batch::gather(complete(outcome.outputs, n - 1, Work::Forward)?)?;
+        let output = Batch::gather(complete(outcome.outputs, n - 1, Pass::Forward)?)?;
         let input_grad =
-            Batch::gather_gradients(complete(outcome.input_grads, 0, Work::Backward)?)?;
+            Batch::gather_gradients(complete(outcome.input_grads, 0, Pass::Backward)?)?;
         let losses = losses
             .into_iter()
             .enumerate()
@@ -482,7 +372,7 @@ impl<T: Tensor> Pipe<T> {
                 // deferral; nothing deferred is held past the run.
                 if self.defer_weight_grads {
                     for (j, layers) in self.partitions.iter_mut().enumerate() {
-                        let _ = crate::checkpoint::flush(j, self.first_layer[j], layers);
+                        let _ = crate::stage::flush(j, self.first_layer[j], layers);
                     }
                 }
                 for memory in &mut self.memory {
@@ -695,7 +585,7 @@ impl<T: Tensor> Pipe<T> {
 fn complete<T>(
     values: Vec<Option<Batch<T>>>,
     stage: usize,
-    work: Work,
+    pass: Pass,
 ) -> Result<Vec<Batch<T>>, Error> {
     values
         .into_iter()
@@ -705,7 +595,7 @@ fn complete<T>(
                 action: Action {
                     stage,
                     micro_batch,
-                    work,
+                    pass,
                 },
             })
         })

@@ -1,19 +1,16 @@
-//! Layers on [`CpuTensor`](crate::CpuTensor) for tests, examples and benches: [`Linear`],
-//! [`ReLU`], [`Dropout`] and [`BatchNorm`] (per-micro-batch statistics, as torchgpipe's
-//! plain batch norm, or deferred running statistics); and, for any tensor type, the
-//! residual block through skips: [`StashInput`], [`AddSkip`], [`residual`].
+//! Layers on [`CpuTensor`]: [`Linear`], [`ReLU`], [`Dropout`] and [`BatchNorm`]
+//! (per-micro-batch statistics, as torchgpipe's plain batch norm, or deferred running
+//! statistics).
 //!
 //! Each takes and returns a single chunked tensor.
 
 mod activation;
 mod batchnorm;
 mod linear;
-mod residual;
 
 pub use activation::{Dropout, ReLU};
 pub use batchnorm::BatchNorm;
 pub use linear::Linear;
-pub use residual::{residual, AddSkip, StashInput};
 
 use ndarray::{ArrayView2, Ix2};
 

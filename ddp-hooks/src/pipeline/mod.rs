@@ -15,10 +15,11 @@
 //! use collectives::{run_local, ProcessGroup};
 //! use ddp_hooks::pipeline::DistributedPipe;
 //! use ddp_hooks::HookSpec;
-//! use pipe::{Batch, CpuTensor, Layer, Linear, Pipe, ReLU};
+//! use pipe::cpu::{CpuTensor, Linear, ReLU};
+//! use pipe::{Batch, Layer, Pipe};
 //! use std::sync::Arc;
 //!
-//! let grads = run_local(2, |group| -> Result<Vec<f32>, ddp_hooks::pipeline::Error> {
+//! let grads = run_local(2, |group| -> Result<Vec<f32>, ddp_hooks::pipeline::PipelineError> {
 //!     let layers: Vec<Box<dyn Layer<CpuTensor>>> =
 //!         vec![Box::new(Linear::new(3, 4, 1)), Box::new(ReLU), Box::new(Linear::new(4, 2, 2))];
 //!     let pipe = Pipe::builder(layers, &[2, 1]).chunks(2).build()?;
@@ -87,83 +88,31 @@
 //! launches every bucket and no peer is left waiting: a partition whose callback did not
 //! run (the pipe failed first) is reduced as zeros, and a gradient that cannot be copied
 //! (a shape that changed since construction) is reduced as zeros on this rank. The step
-//! then returns the first cause: the pipe's error ([`Error::Pipe`]), the gradients that
-//! could not be copied ([`Error::Gradients`]), or the reducer's error
-//! ([`Error::Reducer`]). On any error the layers' gradients are left as the pipe made
+//! then returns the first cause: the pipe's error ([`PipelineError::Pipe`]), the gradients that
+//! could not be copied ([`PipelineError::Gradients`]), or the reducer's error
+//! ([`PipelineError::Reducer`]). On any error the layers' gradients are left as the pipe made
 //! them (this rank's own, possibly partial): zero them before the next step. Peers that
 //! succeeded averaged with this rank's zeros, as DDP peers would; a failed step on one
 //! rank calls for a fresh start (or a re-broadcast of the parameters) on all of them.
 //!
 //! [`CommHook`]: crate::CommHook
 
+mod error;
+mod grad;
+
+pub use error::{Fault, PipelineError, Problem, Result};
+pub use grad::GradTensor;
+
 use crate::{CommHook, HookSpec, Reducer, ReducerConfig};
 use collectives::ProcessGroup;
 use lowrank::CpuBackend;
-use pipe::{Batch, CpuTensor, Layer, MicroBatch, Pipe, Schedule, StepOutput, Tensor};
+use pipe::cpu::CpuTensor;
+use pipe::{Batch, Layer, MicroBatch, Pipe, Schedule, StepOutput};
 use std::fmt;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
-
-/// What the reducer needs from a pipe's tensor type: its shape, and copies of its
-/// elements (row-major, `f32`) into and out of host memory. Implemented for
-/// [`CpuTensor`].
-pub trait GradTensor: Tensor {
-    /// The shape.
-    fn dims(&self) -> Vec<usize>;
-
-    /// Copies the elements, row-major, into `out`, whose length is the element count
-    /// (another length is an error).
-    fn copy_to(&self, out: &mut [f32]) -> Result<(), pipe::Error>;
-
-    /// Overwrites the elements, row-major, from `src`, whose length is the element count
-    /// (another length is an error).
-    fn copy_from(&mut self, src: &[f32]) -> Result<(), pipe::Error>;
-}
-
-impl GradTensor for CpuTensor {
-    fn dims(&self) -> Vec<usize> {
-        self.shape().to_vec()
-    }
-
-    fn copy_to(&self, out: &mut [f32]) -> Result<(), pipe::Error> {
-        same_len("copy_to", self, out.len())?;
-        match self.array().as_slice() {
-            Some(values) => out.copy_from_slice(values),
-            None => out
-                .iter_mut()
-                .zip(self.array().iter())
-                .for_each(|(o, v)| *o = *v),
-        }
-        Ok(())
-    }
-
-    fn copy_from(&mut self, src: &[f32]) -> Result<(), pipe::Error> {
-        same_len("copy_from", self, src.len())?;
-        match self.array_mut().as_slice_mut() {
-            Some(values) => values.copy_from_slice(src),
-            None => self
-                .array_mut()
-                .iter_mut()
-                .zip(src)
-                .for_each(|(v, s)| *v = *s),
-        }
-        Ok(())
-    }
-}
-
-fn same_len(op: &'static str, t: &CpuTensor, len: usize) -> Result<(), pipe::Error> {
-    if t.array().len() == len {
-        Ok(())
-    } else {
-        Err(pipe::Error::Shape {
-            op,
-            expected: t.shape().to_vec(),
-            got: vec![len],
-        })
-    }
-}
 
 /// When a synchronised step hands gradients to the reducer.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -189,100 +138,6 @@ pub struct StepTimes {
     /// an unsynchronised step. Communication that no compute hid shows up here.
     pub tail: Duration,
 }
-
-/// Why a parameter's gradient could not be handed to the reducer or written back.
-#[derive(Debug)]
-#[non_exhaustive]
-pub enum Problem {
-    /// Its shape differs from the one the parameter had when the [`DistributedPipe`] was
-    /// built.
-    Shape {
-        /// The shape at construction.
-        expected: Vec<usize>,
-        /// The gradient's shape now.
-        got: Vec<usize>,
-    },
-    /// The partition's layers report another number of parameters than at construction.
-    Params {
-        /// Parameters at construction.
-        expected: usize,
-        /// Parameters now.
-        got: usize,
-    },
-    /// The tensor type's copy failed.
-    Tensor(pipe::Error),
-    /// The reducer refused the gradient's slot or its mark.
-    Reducer(crate::Error),
-}
-
-impl fmt::Display for Problem {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Problem::Shape { expected, got } => {
-                write!(
-                    f,
-                    "gradient of shape {got:?}, the parameter was {expected:?}"
-                )
-            }
-            Problem::Params { expected, got } => {
-                write!(f, "{got} parameters, {expected} when the pipe was wrapped")
-            }
-            Problem::Tensor(e) => write!(f, "copy failed: {e}"),
-            Problem::Reducer(e) => write!(f, "reducer: {e}"),
-        }
-    }
-}
-
-/// A gradient that could not be handed over or written back, and where it lives.
-#[derive(Debug)]
-pub struct Fault {
-    /// The partition.
-    pub partition: usize,
-    /// The layer's global index and the parameter's name, where one parameter is at
-    /// fault (not for [`Problem::Params`]).
-    pub param: Option<(usize, &'static str)>,
-    /// What went wrong.
-    pub problem: Problem,
-}
-
-impl fmt::Display for Fault {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "partition {}", self.partition)?;
-        if let Some((layer, name)) = self.param {
-            write!(f, ", layer {layer}, `{name}`")?;
-        }
-        write!(f, ": {}", self.problem)
-    }
-}
-
-/// What can go wrong in a pipelined data-parallel step. A type of its own (not a variant
-/// of [`crate::Error`]) because `pipe`'s error is neither `Clone` nor `PartialEq`, which
-/// the crate's error is.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum Error {
-    /// The pipe's error (construction, a layer, the loss, a timeout).
-    #[error(transparent)]
-    Pipe(#[from] pipe::Error),
-    /// The reducer's or a hook's error.
-    #[error(transparent)]
-    Reducer(#[from] crate::Error),
-    /// Gradients that could not be handed to the reducer (they were reduced as zeros on
-    /// this rank, so no peer waited) or written back.
-    #[error("{}", faults(.0))]
-    Gradients(Vec<Fault>),
-}
-
-fn faults(list: &[Fault]) -> String {
-    let parts: Vec<String> = list.iter().map(Fault::to_string).collect();
-    format!(
-        "{}; the step was reduced with zeros in their place, so no rank waited",
-        parts.join("; ")
-    )
-}
-
-/// This module's result.
-pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// The state the partitions' callbacks share with the caller's thread.
 struct Shared<H> {
@@ -566,14 +421,14 @@ impl<T: GradTensor, H: CommHook<CpuBackend> + 'static> DistributedPipe<T, H> {
                         "the pipe step that failed with `{e}` also failed to reduce: {also}"
                     ),
                 }
-                return Err(Error::Pipe(e));
+                return Err(PipelineError::Pipe(e));
             }
         };
         if !faults.is_empty() {
             if let Err(also) = finished {
                 tracing::warn!("the step whose gradients could not be handed over also failed to reduce: {also}");
             }
-            return Err(Error::Gradients(faults));
+            return Err(PipelineError::Gradients(faults));
         }
         finished?;
         write_back(shared, &reducer, &mut self.pipe)?;
@@ -706,7 +561,7 @@ fn write_back<T: GradTensor, H: CommHook<CpuBackend>>(
     if faults.is_empty() {
         Ok(())
     } else {
-        Err(Error::Gradients(faults))
+        Err(PipelineError::Gradients(faults))
     }
 }
 
