@@ -127,7 +127,7 @@ impl<B: CommBackend> PowerSgd<B> {
     /// `batch_tensors_with_same_shape` is resolved on `backend`, as in [`PowerSgd::new`]).
     /// The state is checked first ([`PowerSgdState::validate`]): a NaN or an infinity is
     /// [`Error::NonFinite`](crate::Error::NonFinite); a bucket whose recorded layout
-    /// ([`SavedBucket::layout`]) does not give its saved length and memory sizes is
+    /// ([`SavedBucket::layout`](super::SavedBucket::layout)) does not give its saved length and memory sizes is
     /// [`Error::State`](crate::Error::State).
     /// [`CommHook::load_state`](crate::CommHook::load_state) instead loads into a hook
     /// whose configuration must match, except `batch_tensors_with_same_shape`, which it

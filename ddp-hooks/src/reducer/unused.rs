@@ -9,7 +9,7 @@ use collectives::Buffer;
 impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
     /// The parameters that no rank used in the last step (declared unused or left
     /// unmarked on every rank, and holding no accumulated gradients), in increasing
-    /// order, when that step was synchronised, [`ReducerConfig::find_unused_parameters`]
+    /// order, when that step was synchronised, [`ReducerConfig::find_unused_parameters`](super::ReducerConfig::find_unused_parameters)
     /// is on and the reducer has a process group ([`with_process_group`]): like DDP's
     /// `local_used_map`, one all-reduce of a map of the used parameters at the end of
     /// each such step finds them. Their gradient slots are zero. DDP leaves their `.grad`
@@ -23,7 +23,7 @@ impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
     }
 
     /// Declares that `param` gets no gradient in this step (DDP's unused parameter),
-    /// whatever [`ReducerConfig::find_unused_parameters`] says. In a synchronised step
+    /// whatever [`ReducerConfig::find_unused_parameters`](super::ReducerConfig::find_unused_parameters) says. In a synchronised step
     /// its slot is zeroed, unless gradients accumulated in unsynchronised steps since the
     /// last synchronised one are there (those are reduced as they are), and it counts as
     /// ready, so its bucket can launch before `finish`. In an unsynchronised step it
