@@ -11,6 +11,7 @@
 //! a CPU without a wider one would.
 
 mod report;
+mod rows;
 mod svg;
 
 use crate::{cargo, run_status, Failure};

@@ -5,7 +5,6 @@
 //! abandons them.
 
 use super::debug::Desc;
-use super::progress::CommId;
 use super::raw::Request;
 use crate::{Completer, Error, Result};
 use mpi::topology::SimpleCommunicator;
@@ -13,6 +12,12 @@ use std::any::Any;
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::Duration;
+
+/// A communicator of the progress thread, named by the group handles.
+pub(super) type CommId = usize;
+
+/// `MPI_COMM_WORLD`'s id.
+pub(super) const WORLD: CommId = 0;
 
 /// Starts a collective on a communicator and returns what it left in flight; given an
 /// error instead, fails the operation's work without communicating.

@@ -112,8 +112,8 @@ use crate::{
     Buffer, Completer, DType, Error, ProcessGroup, ReduceOp, Result, Work, DEFAULT_TIMEOUT,
 };
 use debug::{Desc, Kind};
-use job::{Action, Job, Op, Start};
-use progress::{CommId, Runtime, WORLD};
+use job::{Action, CommId, Job, Op, Start, WORLD};
+use progress::Runtime;
 use std::sync::Arc;
 use std::time::Duration;
 

@@ -20,7 +20,7 @@
 //! locally.
 
 use super::debug::{self, WORDS};
-use super::job::{Action, Job, Joined, Op, Running};
+use super::job::{Action, CommId, Job, Joined, Op, Running, WORLD};
 use super::raw::{self, Request};
 use crate::{Error, Result};
 use mpi::environment::Universe;
@@ -32,12 +32,6 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, TryRecvError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
-
-/// A communicator of the progress thread, named by the group handles.
-pub(super) type CommId = usize;
-
-/// `MPI_COMM_WORLD`'s id.
-pub(super) const WORLD: CommId = 0;
 
 /// How often abandoned operations are tested for completion.
 const GRAVEYARD_POLL: Duration = Duration::from_millis(10);

@@ -10,10 +10,10 @@ use std::time::{Duration, Instant};
 
 use crate::{Error, Result};
 
+use super::codec::{self, Request, Response};
 use super::escape::{escape_for_log, sanitize};
 use super::frame::{deadline_after, is_timeout, read_frame, write_frame, FrameError};
 use super::token::StoreToken;
-use super::wire::{self, Request, Response};
 use super::{unexpected, MAX_WORLD_SIZE};
 
 /// The likely cause when nothing listens where the store should be, once connecting
@@ -352,7 +352,7 @@ fn exchange(
         Err(FrameError::Io(e)) => Err(Error::io(context(), e)),
         Err(FrameError::TooLarge(len)) => Err(Error::Protocol(format!(
             "a reply of {len} bytes exceeds the limit of {} bytes",
-            wire::MAX_FRAME
+            codec::MAX_FRAME
         ))),
     }
 }

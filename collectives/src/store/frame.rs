@@ -5,7 +5,7 @@ use std::io::{self, IoSlice, Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use super::wire::MAX_FRAME;
+use super::codec::MAX_FRAME;
 
 /// `now + within`, or `None` (no deadline) when that is too far to represent.
 pub(super) fn deadline_after(within: Duration) -> Option<Instant> {

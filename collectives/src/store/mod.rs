@@ -81,13 +81,13 @@
 
 mod bind;
 mod client;
+mod codec;
 mod escape;
 mod frame;
 mod limits;
 mod server;
 mod state;
 mod token;
-mod wire;
 
 use std::collections::HashSet;
 use std::fmt;
@@ -97,10 +97,10 @@ use std::time::Duration;
 use crate::{Error, Result};
 
 use client::Client;
+use codec::{Failure, Request, Response};
 use escape::quoted_list;
 use server::Server;
 use state::join_key;
-use wire::{Failure, Request, Response};
 
 pub(crate) use bind::check_bind;
 pub use bind::INSECURE_ENV;

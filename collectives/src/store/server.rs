@@ -10,11 +10,11 @@ use std::time::{Duration, Instant};
 
 use crate::{Error, Result};
 
+use super::codec::{self, Request, Response};
 use super::frame::{self, deadline_after, is_timeout, read_by, write_frame};
 use super::limits::{Charge, OverQuota, StoreLimits, StoreStats};
 use super::state::{quota, Connection, Shared};
 use super::token::{StoreToken, MAX_TOKEN_LEN};
-use super::wire::{self, Request, Response};
 
 /// The serving side: an accept thread and one thread per connection.
 pub(super) struct Server {
@@ -285,7 +285,7 @@ fn serve(shared: &Shared, id: u64, mut stream: TcpStream, accepted_at: Instant) 
     };
     loop {
         let idle_by = deadline_after(limits.idle_timeout);
-        let incoming = read_request(shared, &mut stream, idle_by, None, wire::MAX_FRAME);
+        let incoming = read_request(shared, &mut stream, idle_by, None, codec::MAX_FRAME);
         if !set_busy(true) {
             return;
         }

@@ -8,9 +8,9 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::codec::{Failure, Request, Response, SET_IF_ABSENT};
 use super::limits::{Charge, Meter, OverQuota, StoreLimits, StoreStats, Stored};
 use super::token::StoreToken;
-use super::wire::{Failure, Request, Response, SET_IF_ABSENT};
 use super::MAX_WORLD_SIZE;
 
 /// How often a parked wait checks that its client is still connected.

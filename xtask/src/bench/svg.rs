@@ -3,7 +3,7 @@
 //! BERT-base. Lines follow the link model between the report's speeds (`fixed + k /
 //! bandwidth` per hook); dots mark the four speeds of the table.
 
-use super::report::{Machine, Row, SPEEDS};
+use super::rows::{Machine, Row, SPEEDS};
 use std::fmt::Write as _;
 
 /// The panels: (model in the report, title).
