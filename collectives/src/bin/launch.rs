@@ -212,53 +212,55 @@ fn seconds(name: &str, v: &str) -> Result<Duration, String> {
     }
 }
 
-/// The options, `Ok(None)` for `--help`, or a usage error.
+/// The options, `Ok(None)` for `--help`, or a usage error (lexopt, as every argument
+/// parser of the workspace): the options, then the program and its arguments as given.
 fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Option<Options>, String> {
-    let mut args = args.into_iter();
+    use lexopt::Arg::{Long, Short, Value};
+    let args: Vec<OsString> = args.into_iter().collect();
+    // lexopt takes `--` itself: a missing program after it is told apart by the last word.
+    let ends_in_separator = args.last().is_some_and(|a| a == "--");
+    let mut p = lexopt::Parser::from_args(args);
     let (mut nproc, mut port, mut timeout) = (None, None, None);
     let mut grace = Duration::from_secs(10);
     let program = loop {
-        let Some(arg) = args.next() else {
-            return Err("no program to launch".into());
-        };
-        let Some(text) = arg.to_str() else {
-            break arg;
-        };
-        // `--name=value` is accepted for the long options.
-        let (name, inline) = match text.split_once('=') {
-            Some((name, value)) if name.starts_with("--") => (name, Some(value.to_owned())),
-            _ => (text, None),
+        // The flag as written (for messages) and what it asks, owned: the next value is
+        // read from the parser below.
+        let (flag, arg) = match p.next().map_err(|e| e.to_string())? {
+            None if ends_in_separator => return Err("no program after --".into()),
+            None => return Err("no program to launch".into()),
+            Some(Value(program)) => break program,
+            Some(Long(name)) => (format!("--{name}"), name.to_string()),
+            Some(Short(c)) => (format!("-{c}"), c.to_string()),
         };
         let mut value = |what: &str| -> Result<String, String> {
-            match inline.clone() {
-                Some(value) => Ok(value),
-                None => args
-                    .next()
-                    .and_then(|v| v.into_string().ok())
-                    .ok_or_else(|| format!("{name} needs {what}")),
-            }
+            p.value()
+                .map_err(|_| format!("{flag} needs {what}"))?
+                .into_string()
+                .map_err(|v| format!("{flag} {v:?}: not valid UTF-8"))
         };
-        match name {
-            "--" => break args.next().ok_or("no program after --")?,
-            "-h" | "--help" => return Ok(None),
-            "-n" | "--nproc" => {
+        match arg.as_str() {
+            "h" | "help" => return Ok(None),
+            "n" | "nproc" => {
                 let v = value("a number of ranks")?;
                 match v.parse::<usize>() {
                     Ok(n) if n >= 1 => nproc = Some(n),
-                    _ => return Err(format!("{name} {v:?}: not a number of ranks (1 or more)")),
+                    _ => return Err(format!("{flag} {v:?}: not a number of ranks (1 or more)")),
                 }
             }
-            "--port" => {
+            "port" if flag.starts_with("--") => {
                 let v = value("a port")?;
                 port = Some(
                     v.parse::<u16>()
                         .map_err(|_| format!("--port {v:?}: not a port"))?,
                 );
             }
-            "--timeout" => timeout = Some(seconds(name, &value("a number of seconds")?)?),
-            "--grace" => grace = seconds(name, &value("a number of seconds")?)?,
-            _ if name.starts_with('-') => return Err(format!("unknown option {name}")),
-            _ => break arg,
+            "timeout" if flag.starts_with("--") => {
+                timeout = Some(seconds(&flag, &value("a number of seconds")?)?)
+            }
+            "grace" if flag.starts_with("--") => {
+                grace = seconds(&flag, &value("a number of seconds")?)?
+            }
+            _ => return Err(format!("unknown option {flag}")),
         }
     };
     let nproc = nproc.ok_or("-n N is required")?;
@@ -268,7 +270,7 @@ fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Option<Options
         timeout,
         grace,
         program,
-        args: args.collect(),
+        args: p.raw_args().map_err(|e| e.to_string())?.collect(),
     }))
 }
 
