@@ -142,6 +142,7 @@ impl std::fmt::Debug for Narrowed<'_> {
 
 /// The instant `timeout` from now, saturating: a timeout too long for the clock
 /// (`Duration::MAX` as "no timeout") gives a deadline a century away instead of a panic.
+#[cfg_attr(loom, allow(dead_code))]
 pub(crate) fn deadline_after(timeout: std::time::Duration) -> std::time::Instant {
     let now = std::time::Instant::now();
     now.checked_add(timeout).unwrap_or_else(|| {
