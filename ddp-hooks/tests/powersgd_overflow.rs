@@ -7,6 +7,8 @@
 //! Before the fix the error memory took the NaN (`E = X - M̂`), every later output was
 //! NaN (while `run` returned `Ok`), and `save` refused the state.
 
+mod common;
+
 use collectives::{run_local_with_timeout, ProcessGroup};
 use ddp_hooks::{
     BatchedPowerSgd, CommHook, GradBucket, HookSpec, Layout, PowerSgd, PowerSgdConfig, Reducer,
@@ -21,18 +23,6 @@ const RANKS: usize = 2;
 const STEPS: usize = 20;
 /// The overflow step (PowerSGD compresses from step 2).
 const OVERFLOW: usize = 11;
-
-/// Two buckets: matrices PowerSGD compresses and vectors it does not.
-fn shapes() -> Vec<Vec<usize>> {
-    vec![
-        vec![256, 384],
-        vec![384],
-        vec![384, 512],
-        vec![512],
-        vec![128, 64],
-        vec![64],
-    ]
-}
 
 /// Where the stand-in overflow puts its infinity.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -56,7 +46,8 @@ fn train(spec: &str, overflow: Overflow) -> Vec<(Vec<Vec<f32>>, u64, usize)> {
         let be = Arc::new(CpuBackend::new());
         let hook = spec.build(be.clone(), group.clone()).unwrap();
         let config = ReducerConfig::default();
-        let shapes = shapes();
+        // Matrices PowerSGD compresses and vectors it does not (tests/common).
+        let shapes = common::shapes();
         let mut reducer = Reducer::new(be.clone(), &shapes, hook, config)
             .unwrap()
             .with_process_group(group);

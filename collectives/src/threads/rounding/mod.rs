@@ -195,21 +195,7 @@ fn two_ranks_bf16(a: &mut [f32], b: &mut [f32], op: crate::ReduceOp) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use cpucap::capped;
     use half::bf16;
-
-    /// `LOWRANK_CPU_CAPABILITY` only ever narrows what the CPU has.
-    #[test]
-    fn capability_caps_never_widens() {
-        use Level::*;
-        assert_eq!(capped(Avx512, None), Avx512);
-        assert_eq!(capped(Avx512, Some("avx2")), Avx2);
-        assert_eq!(capped(Avx512, Some("default")), Portable);
-        assert_eq!(capped(Avx512, Some("sse9")), Avx512);
-        assert_eq!(capped(Avx2, Some("avx512")), Avx2);
-        assert_eq!(capped(Portable, Some("avx2")), Portable);
-        assert_eq!(capped(Avx2, Some("")), Avx2);
-    }
 
     /// Every conversion matches the `half` crate bit for bit on special and random values.
     #[test]
