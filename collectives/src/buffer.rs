@@ -28,6 +28,10 @@ pub enum DType {
     BF16,
     /// `f64`.
     F64,
+    /// Raw bytes: moved by point-to-point operations, broadcasts, gathers, scatters and
+    /// all-to-all, never reduced (a reduction of a `U8` buffer is
+    /// [`Error::InvalidArgument`]).
+    U8,
 }
 
 impl DType {
@@ -37,8 +41,24 @@ impl DType {
             DType::F32 => 4,
             DType::F16 | DType::BF16 => 2,
             DType::F64 => 8,
+            DType::U8 => 1,
         }
     }
+
+    /// Whether reductions work on this type (every type but [`DType::U8`]).
+    pub fn reducible(self) -> bool {
+        self != DType::U8
+    }
+}
+
+/// The error of a reduction (`what`) asked to reduce a buffer of a type that does not
+/// reduce, or `None` when every buffer of `dtypes` reduces.
+pub(crate) fn unreducible(what: &str, mut dtypes: impl Iterator<Item = DType>) -> Option<Error> {
+    dtypes.find(|d| !d.reducible()).map(|d| {
+        Error::InvalidArgument(format!(
+            "{what} reduces elements, and {d:?} buffers hold raw bytes that do not reduce"
+        ))
+    })
 }
 
 /// An owned host buffer. Collectives take it by value and give it back through their
@@ -53,6 +73,8 @@ pub enum Buffer {
     BF16(Vec<bf16>),
     /// `f64` elements.
     F64(Vec<f64>),
+    /// Raw bytes (see [`DType::U8`]).
+    U8(Vec<u8>),
 }
 
 impl Buffer {
@@ -80,6 +102,11 @@ impl Buffer {
             }
         };
         Ok(match dtype {
+            DType::U8 => {
+                return Err(Error::InvalidArgument(
+                    "a buffer narrows to F32, F64, F16 or BF16, not to raw bytes (U8)".into(),
+                ))
+            }
             DType::F32 => Buffer::F32(try_copy(wide)?),
             DType::F64 => Buffer::F64(try_map(wide, |&v| v as f64)?),
             DType::F16 => {
@@ -119,6 +146,7 @@ impl Buffer {
         Ok(match self {
             Buffer::F32(v) => try_copy(v)?,
             Buffer::F64(v) => try_map(v, |&x| x as f32)?,
+            Buffer::U8(v) => try_map(v, |&x| f32::from(x))?,
             Buffer::F16(v) => {
                 let mut w = try_zeroed_vec(v.len())?;
                 v.convert_to_f32_slice(&mut w);
@@ -139,6 +167,7 @@ impl Buffer {
             Buffer::F16(v) => v.len(),
             Buffer::BF16(v) => v.len(),
             Buffer::F64(v) => v.len(),
+            Buffer::U8(v) => v.len(),
         }
     }
 
@@ -154,6 +183,7 @@ impl Buffer {
             Buffer::F16(_) => DType::F16,
             Buffer::BF16(_) => DType::BF16,
             Buffer::F64(_) => DType::F64,
+            Buffer::U8(_) => DType::U8,
         }
     }
 
@@ -176,7 +206,49 @@ impl Buffer {
             DType::F16 => Buffer::F16(try_zeroed_vec(len)?),
             DType::BF16 => Buffer::BF16(try_zeroed_vec(len)?),
             DType::F64 => Buffer::F64(try_zeroed_vec(len)?),
+            DType::U8 => Buffer::U8(try_zeroed_vec(len)?),
         })
+    }
+
+    /// The buffers `parts` one after another, in one new buffer (or [`Error::Alloc`]);
+    /// they must share one type, which an empty list cannot name: both are
+    /// [`Error::InvalidArgument`].
+    pub fn try_concat(parts: &[Buffer]) -> Result<Buffer> {
+        let dtype = parts
+            .first()
+            .ok_or_else(|| Error::InvalidArgument("nothing to concatenate".into()))?
+            .dtype();
+        if let Some(other) = parts.iter().find(|p| p.dtype() != dtype) {
+            return Err(Error::InvalidArgument(format!(
+                "buffers of {dtype:?} and {:?} do not concatenate",
+                other.dtype()
+            )));
+        }
+        let mut out = Buffer::try_zeros(dtype, parts.iter().map(Buffer::len).sum())?;
+        let mut at = 0;
+        let bytes = out.as_bytes_mut();
+        for part in parts {
+            let b = part.as_bytes();
+            bytes[at..at + b.len()].copy_from_slice(b);
+            at += b.len();
+        }
+        Ok(out)
+    }
+
+    /// A copy of the elements in `range` (or [`Error::Alloc`]); a range past the end is
+    /// [`Error::InvalidArgument`].
+    pub fn try_slice(&self, range: std::ops::Range<usize>) -> Result<Buffer> {
+        if range.start > range.end || range.end > self.len() {
+            return Err(Error::InvalidArgument(format!(
+                "elements {range:?} of a buffer of {}",
+                self.len()
+            )));
+        }
+        let size = self.dtype().size();
+        let mut out = Buffer::try_zeros(self.dtype(), range.len())?;
+        out.as_bytes_mut()
+            .copy_from_slice(&self.as_bytes()[range.start * size..range.end * size]);
+        Ok(out)
     }
 
     /// The elements as bytes.
@@ -186,6 +258,7 @@ impl Buffer {
             Buffer::F16(v) => bytemuck::cast_slice(v),
             Buffer::BF16(v) => bytemuck::cast_slice(v),
             Buffer::F64(v) => bytemuck::cast_slice(v),
+            Buffer::U8(v) => v,
         }
     }
 
@@ -196,6 +269,7 @@ impl Buffer {
             Buffer::F16(v) => bytemuck::cast_slice_mut(v),
             Buffer::BF16(v) => bytemuck::cast_slice_mut(v),
             Buffer::F64(v) => bytemuck::cast_slice_mut(v),
+            Buffer::U8(v) => v,
         }
     }
 }
@@ -279,7 +353,7 @@ macro_rules! conversions {
     )*};
 }
 
-conversions!(f32 => F32, f16 => F16, bf16 => BF16, f64 => F64);
+conversions!(f32 => F32, f16 => F16, bf16 => BF16, f64 => F64, u8 => U8);
 
 /// Whether `v` is NaN (the one value unordered with itself).
 #[inline(always)]

@@ -2,8 +2,12 @@
 //!
 //! A [`DeviceBuffer`] is a `cudarc` [`CudaSlice`] of one of the element types of
 //! [`Buffer`]. Every [`ProcessGroup`](crate::ProcessGroup) takes it through
-//! [`all_reduce_device`](crate::ProcessGroup::all_reduce_device) and
-//! [`broadcast_device`](crate::ProcessGroup::broadcast_device); **the group decides** how:
+//! [`all_reduce_device`](crate::ProcessGroup::all_reduce_device),
+//! [`broadcast_device`](crate::ProcessGroup::broadcast_device) and the point-to-point
+//! [`send_device`](crate::ProcessGroup::send_device),
+//! [`recv_device`](crate::ProcessGroup::recv_device) and
+//! [`batch_isend_irecv_device`](crate::ProcessGroup::batch_isend_irecv_device); **the
+//! group decides** how:
 //!
 //! - NCCL ([`NcclGroup`](crate::nccl::NcclGroup)) reduces it in place on the device, on
 //!   its stream after the work already queued on the buffer's stream (cudarc's events),
@@ -34,6 +38,9 @@ pub enum DeviceBuffer {
     F16(CudaSlice<f16>),
     /// bfloat16.
     BF16(CudaSlice<bf16>),
+    /// Raw bytes ([`DType::U8`]): moved by point-to-point operations and broadcasts,
+    /// never reduced (a reduction of one is [`Error::InvalidArgument`]).
+    U8(CudaSlice<u8>),
 }
 
 impl DeviceBuffer {
@@ -44,6 +51,7 @@ impl DeviceBuffer {
             DeviceBuffer::F64(_) => DType::F64,
             DeviceBuffer::F16(_) => DType::F16,
             DeviceBuffer::BF16(_) => DType::BF16,
+            DeviceBuffer::U8(_) => DType::U8,
         }
     }
 
@@ -54,6 +62,7 @@ impl DeviceBuffer {
             DeviceBuffer::F64(b) => b.len(),
             DeviceBuffer::F16(b) => b.len(),
             DeviceBuffer::BF16(b) => b.len(),
+            DeviceBuffer::U8(b) => b.len(),
         }
     }
 
@@ -69,6 +78,7 @@ impl DeviceBuffer {
             DeviceBuffer::F64(b) => b.stream(),
             DeviceBuffer::F16(b) => b.stream(),
             DeviceBuffer::BF16(b) => b.stream(),
+            DeviceBuffer::U8(b) => b.stream(),
         }
     }
 }
@@ -98,7 +108,7 @@ macro_rules! conversions {
     )*};
 }
 
-conversions!(f32 => F32, f64 => F64, f16 => F16, bf16 => BF16);
+conversions!(f32 => F32, f64 => F64, f16 => F16, bf16 => BF16, u8 => U8);
 
 fn cuda(what: &'static str) -> impl Fn(DriverError) -> Error {
     move |e| Error::Cuda {
@@ -171,5 +181,6 @@ pub fn staged(buf: DeviceBuffer, op: impl FnOnce(Buffer) -> Work<Buffer>) -> Wor
         DeviceBuffer::F64(b) => stage_typed(b, op),
         DeviceBuffer::F16(b) => stage_typed(b, op),
         DeviceBuffer::BF16(b) => stage_typed(b, op),
+        DeviceBuffer::U8(b) => stage_typed(b, op),
     }
 }

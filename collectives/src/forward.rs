@@ -45,9 +45,11 @@
 /// The generic parameters go in brackets after `impl` (`impl[G: ProcessGroup]`; none:
 /// `impl ProcessGroup for Wrapper`). Forwarded: `rank`, `size`, `backend`, `timeout`,
 /// `all_reduce`, `all_reduce_wire`, `all_reduce_coalesced`, `broadcast`, `all_gather`,
-/// `reduce_scatter`, `barrier`, `new_group` (the inner group's subgroup, unwrapped),
-/// `device_native`, `narrowed` and, when `collectives` is built with its `cuda` feature,
-/// `all_reduce_device` and `broadcast_device`. The cuda-only methods follow the feature
+/// `reduce_scatter`, `barrier`, `send`, `recv`, `batch_isend_irecv`, `reduce`, `gather`,
+/// `scatter`, `all_to_all`, `all_to_all_split`, `new_group` (the inner group's subgroup,
+/// unwrapped), `device_native`, `narrowed` and, when `collectives` is built with its
+/// `cuda` feature, `all_reduce_device`, `broadcast_device`, `send_device`, `recv_device`
+/// and `batch_isend_irecv_device`. The cuda-only methods follow the feature
 /// of `collectives` itself, whatever the calling crate's features are; a wrapper that
 /// overrides one writes it under a `cfg` that holds exactly when `collectives/cuda` is on.
 #[macro_export]
@@ -163,6 +165,76 @@ macro_rules! forward_group {
                     $crate::ProcessGroup::new_group($to, ranks)
                 }
             } }
+            $crate::__forward_unless! { send [$($name)*] {
+                fn send(&self, buf: $crate::Buffer, dst: usize, tag: u32) -> $crate::Work<$crate::Buffer> {
+                    let $s = self;
+                    $crate::ProcessGroup::send($to, buf, dst, tag)
+                }
+            } }
+            $crate::__forward_unless! { recv [$($name)*] {
+                fn recv(&self, buf: $crate::Buffer, src: usize, tag: u32) -> $crate::Work<$crate::Buffer> {
+                    let $s = self;
+                    $crate::ProcessGroup::recv($to, buf, src, tag)
+                }
+            } }
+            $crate::__forward_unless! { batch_isend_irecv [$($name)*] {
+                fn batch_isend_irecv(
+                    &self,
+                    ops: ::std::vec::Vec<$crate::P2pOp>,
+                ) -> ::std::vec::Vec<$crate::Work<$crate::Buffer>> {
+                    let $s = self;
+                    $crate::ProcessGroup::batch_isend_irecv($to, ops)
+                }
+            } }
+            $crate::__forward_unless! { reduce [$($name)*] {
+                fn reduce(
+                    &self,
+                    buf: $crate::Buffer,
+                    root: usize,
+                    op: $crate::ReduceOp,
+                ) -> $crate::Work<$crate::Buffer> {
+                    let $s = self;
+                    $crate::ProcessGroup::reduce($to, buf, root, op)
+                }
+            } }
+            $crate::__forward_unless! { gather [$($name)*] {
+                fn gather(
+                    &self,
+                    buf: $crate::Buffer,
+                    root: usize,
+                ) -> $crate::Work<::std::vec::Vec<$crate::Buffer>> {
+                    let $s = self;
+                    $crate::ProcessGroup::gather($to, buf, root)
+                }
+            } }
+            $crate::__forward_unless! { scatter [$($name)*] {
+                fn scatter(
+                    &self,
+                    chunks: ::std::vec::Vec<$crate::Buffer>,
+                    out: $crate::Buffer,
+                    root: usize,
+                ) -> $crate::Work<$crate::Buffer> {
+                    let $s = self;
+                    $crate::ProcessGroup::scatter($to, chunks, out, root)
+                }
+            } }
+            $crate::__forward_unless! { all_to_all [$($name)*] {
+                fn all_to_all(&self, buf: $crate::Buffer) -> $crate::Work<$crate::Buffer> {
+                    let $s = self;
+                    $crate::ProcessGroup::all_to_all($to, buf)
+                }
+            } }
+            $crate::__forward_unless! { all_to_all_split [$($name)*] {
+                fn all_to_all_split(
+                    &self,
+                    buf: $crate::Buffer,
+                    send_counts: ::std::vec::Vec<usize>,
+                    recv_counts: ::std::vec::Vec<usize>,
+                ) -> $crate::Work<$crate::Buffer> {
+                    let $s = self;
+                    $crate::ProcessGroup::all_to_all_split($to, buf, send_counts, recv_counts)
+                }
+            } }
             $crate::__forward_unless! { device_native [$($name)*] {
                 fn device_native(&self) -> bool {
                     let $s = self;
@@ -184,6 +256,37 @@ macro_rules! forward_group {
                     ) -> $crate::Work<$crate::DeviceBuffer> {
                         let $s = self;
                         $crate::ProcessGroup::all_reduce_device($to, buf, op)
+                    }
+                } }
+                $crate::__forward_unless! { send_device [$($name)*] {
+                    fn send_device(
+                        &self,
+                        buf: $crate::DeviceBuffer,
+                        dst: usize,
+                        tag: u32,
+                    ) -> $crate::Work<$crate::DeviceBuffer> {
+                        let $s = self;
+                        $crate::ProcessGroup::send_device($to, buf, dst, tag)
+                    }
+                } }
+                $crate::__forward_unless! { recv_device [$($name)*] {
+                    fn recv_device(
+                        &self,
+                        buf: $crate::DeviceBuffer,
+                        src: usize,
+                        tag: u32,
+                    ) -> $crate::Work<$crate::DeviceBuffer> {
+                        let $s = self;
+                        $crate::ProcessGroup::recv_device($to, buf, src, tag)
+                    }
+                } }
+                $crate::__forward_unless! { batch_isend_irecv_device [$($name)*] {
+                    fn batch_isend_irecv_device(
+                        &self,
+                        ops: ::std::vec::Vec<$crate::P2pOp<$crate::DeviceBuffer>>,
+                    ) -> ::std::vec::Vec<$crate::Work<$crate::DeviceBuffer>> {
+                        let $s = self;
+                        $crate::ProcessGroup::batch_isend_irecv_device($to, ops)
                     }
                 } }
                 $crate::__forward_unless! { broadcast_device [$($name)*] {
@@ -218,6 +321,17 @@ macro_rules! __forward_unless {
     (reduce_scatter [reduce_scatter $($rest:tt)*] $code:tt) => {};
     (barrier [barrier $($rest:tt)*] $code:tt) => {};
     (new_group [new_group $($rest:tt)*] $code:tt) => {};
+    (send [send $($rest:tt)*] $code:tt) => {};
+    (recv [recv $($rest:tt)*] $code:tt) => {};
+    (batch_isend_irecv [batch_isend_irecv $($rest:tt)*] $code:tt) => {};
+    (reduce [reduce $($rest:tt)*] $code:tt) => {};
+    (gather [gather $($rest:tt)*] $code:tt) => {};
+    (scatter [scatter $($rest:tt)*] $code:tt) => {};
+    (all_to_all [all_to_all $($rest:tt)*] $code:tt) => {};
+    (all_to_all_split [all_to_all_split $($rest:tt)*] $code:tt) => {};
+    (send_device [send_device $($rest:tt)*] $code:tt) => {};
+    (recv_device [recv_device $($rest:tt)*] $code:tt) => {};
+    (batch_isend_irecv_device [batch_isend_irecv_device $($rest:tt)*] $code:tt) => {};
     (device_native [device_native $($rest:tt)*] $code:tt) => {};
     (narrowed [narrowed $($rest:tt)*] $code:tt) => {};
     (all_reduce_device [all_reduce_device $($rest:tt)*] $code:tt) => {};

@@ -1,5 +1,6 @@
 //! The process-group trait.
 
+use crate::p2p::P2pOp;
 use crate::{Buffer, DType, Error, ReduceOp, Result, Work};
 use std::time::Duration;
 
@@ -112,6 +113,121 @@ pub trait ProcessGroup: Send + Sync {
     fn reduce_scatter(&self, buf: Buffer, op: ReduceOp) -> Work<Buffer>;
     /// Completes once every rank has called it.
     fn barrier(&self) -> Work<()>;
+
+    /// Sends `buf` to rank `dst` with `tag` (at most [`MAX_TAG`](crate::p2p::MAX_TAG));
+    /// the work completes, giving the buffer back unchanged, once the matching
+    /// [`recv`](ProcessGroup::recv) on `dst` has taken the data. Point-to-point operations
+    /// do not take part in the order of collectives: they match by source, destination and
+    /// tag, in the order posted (see [`crate::p2p`] for the guarantees). The default, for
+    /// groups outside this crate, is [`Error::Unsupported`].
+    fn send(&self, buf: Buffer, dst: usize, tag: u32) -> Work<Buffer> {
+        let _ = (buf, dst, tag);
+        Work::ready(Err(Error::Unsupported(format!(
+            "the {} group has no point-to-point operations",
+            self.backend()
+        ))))
+    }
+    /// Receives into `buf` the message rank `src` sent with `tag`; the work gives the
+    /// buffer back holding it. A send of another type or length fails on both ranks with
+    /// [`Error::Mismatch`]. The default is [`Error::Unsupported`], as for
+    /// [`send`](ProcessGroup::send).
+    fn recv(&self, buf: Buffer, src: usize, tag: u32) -> Work<Buffer> {
+        let _ = (buf, src, tag);
+        Work::ready(Err(Error::Unsupported(format!(
+            "the {} group has no point-to-point operations",
+            self.backend()
+        ))))
+    }
+    /// Posts several sends and receives at once (torch's `batch_isend_irecv`) and returns
+    /// their works in the same order. Two ranks that exchange in both directions in one
+    /// batch never deadlock, on any backend (NCCL groups them in one
+    /// `ncclGroupStart`/`ncclGroupEnd`). The default posts each in order, which is enough
+    /// for a backend whose operations never block the caller.
+    fn batch_isend_irecv(&self, ops: Vec<P2pOp>) -> Vec<Work<Buffer>> {
+        ops.into_iter()
+            .map(|op| match op {
+                P2pOp::Send { buf, peer, tag } => self.send(buf, peer, tag),
+                P2pOp::Recv { buf, peer, tag } => self.recv(buf, peer, tag),
+            })
+            .collect()
+    }
+    /// [`send`](ProcessGroup::send) of a device buffer: NCCL sends from device memory; the
+    /// default stages it through host memory ([`crate::device::staged`]).
+    #[cfg(feature = "cuda")]
+    fn send_device(
+        &self,
+        buf: crate::device::DeviceBuffer,
+        dst: usize,
+        tag: u32,
+    ) -> Work<crate::device::DeviceBuffer> {
+        crate::device::staged(buf, |b| self.send(b, dst, tag))
+    }
+    /// [`recv`](ProcessGroup::recv) into a device buffer, staged by default like
+    /// [`send_device`](ProcessGroup::send_device).
+    #[cfg(feature = "cuda")]
+    fn recv_device(
+        &self,
+        buf: crate::device::DeviceBuffer,
+        src: usize,
+        tag: u32,
+    ) -> Work<crate::device::DeviceBuffer> {
+        crate::device::staged(buf, |b| self.recv(b, src, tag))
+    }
+    /// [`batch_isend_irecv`](ProcessGroup::batch_isend_irecv) of device buffers: NCCL posts
+    /// them in one group; the default posts each through
+    /// [`send_device`](ProcessGroup::send_device) and
+    /// [`recv_device`](ProcessGroup::recv_device).
+    #[cfg(feature = "cuda")]
+    fn batch_isend_irecv_device(
+        &self,
+        ops: Vec<P2pOp<crate::device::DeviceBuffer>>,
+    ) -> Vec<Work<crate::device::DeviceBuffer>> {
+        ops.into_iter()
+            .map(|op| match op {
+                P2pOp::Send { buf, peer, tag } => self.send_device(buf, peer, tag),
+                P2pOp::Recv { buf, peer, tag } => self.recv_device(buf, peer, tag),
+            })
+            .collect()
+    }
+    /// Reduces `buf` over all ranks into the root's buffer (torch's `reduce`): the root's
+    /// work gives the result; on the other ranks the buffer comes back with unspecified
+    /// contents (the default is an all-reduce, so it holds the result too).
+    fn reduce(&self, buf: Buffer, root: usize, op: ReduceOp) -> Work<Buffer> {
+        crate::compose::reduce(self, buf, root, op)
+    }
+    /// The root gets every rank's buffer, in rank order (its own moved, not copied); the
+    /// other ranks get an empty list once the root has theirs. Buffers must match the
+    /// root's in type and length ([`Error::Mismatch`] otherwise). The default sends over
+    /// [`send`](ProcessGroup::send) and [`recv`](ProcessGroup::recv).
+    fn gather(&self, buf: Buffer, root: usize) -> Work<Vec<Buffer>> {
+        crate::compose::gather(self, buf, root)
+    }
+    /// The root passes one chunk per rank (the others an empty list) and rank `j` gets
+    /// chunk `j` in `out`, whose type and length every chunk must have. A root that
+    /// rejects its chunks fails, and so do the receives of the others (at once, as a
+    /// mismatch). The default sends over point-to-point operations.
+    fn scatter(&self, chunks: Vec<Buffer>, out: Buffer, root: usize) -> Work<Buffer> {
+        crate::compose::scatter(self, chunks, out, root)
+    }
+    /// `buf` holds `size()` equal chunks; chunk `j` goes to rank `j`, and the result holds,
+    /// in rank order, the chunk each rank sent to this one (torch's `all_to_all_single`).
+    /// The default exchanges the chunks over
+    /// [`batch_isend_irecv`](ProcessGroup::batch_isend_irecv).
+    fn all_to_all(&self, buf: Buffer) -> Work<Buffer> {
+        crate::compose::all_to_all(self, buf)
+    }
+    /// [`all_to_all`](ProcessGroup::all_to_all) with split sizes: the first
+    /// `send_counts[0]` elements go to rank 0, the next `send_counts[1]` to rank 1, and so
+    /// on; `recv_counts[j]` elements come from rank `j` (its `send_counts` for this rank),
+    /// and the result holds them in rank order.
+    fn all_to_all_split(
+        &self,
+        buf: Buffer,
+        send_counts: Vec<usize>,
+        recv_counts: Vec<usize>,
+    ) -> Work<Buffer> {
+        crate::compose::all_to_all_split(self, buf, send_counts, recv_counts)
+    }
 
     /// A subgroup of the given ranks (of this group), as `torch.distributed.new_group`,
     /// except for the order: rank `i` of the subgroup is `ranks[i]`, where torch sorts

@@ -1,5 +1,7 @@
-//! Process groups for data-parallel training: `all_reduce`, `broadcast`, `all_gather`,
-//! `reduce_scatter` and `barrier` returning async work handles, on an in-process thread
+//! Process groups for data-parallel and pipeline-parallel training: `all_reduce`,
+//! `broadcast`, `all_gather`, `reduce_scatter`, `reduce`, `gather`, `scatter`,
+//! `all_to_all`, `barrier` and point-to-point `send` / `recv` / `batch_isend_irecv`
+//! ([`p2p`]) returning async work handles, on an in-process thread
 //! backend, NCCL (through `cudarc`) and MPI, with `env://` rendezvous like `torchrun`.
 //!
 //! - [`ProcessGroup`]: the trait hooks are written against; every operation returns a
@@ -33,6 +35,7 @@
 #![deny(missing_docs)]
 
 mod buffer;
+mod compose;
 #[cfg(feature = "cuda")]
 pub mod device;
 pub mod env;
@@ -45,6 +48,7 @@ pub mod mpi;
 pub mod narrow;
 #[cfg(feature = "cuda")]
 pub mod nccl;
+pub mod p2p;
 pub mod store;
 mod sync;
 pub mod threads;
@@ -56,5 +60,6 @@ pub use device::DeviceBuffer;
 pub use error::{Error, HookError, Result};
 pub use group::{Narrowed, ProcessGroup, DEFAULT_TIMEOUT};
 pub use narrow::{HalfWire, WireFormat};
+pub use p2p::{P2pOp, MAX_TAG};
 pub use threads::{run_local, run_local_with_timeout, ThreadGroup};
 pub use work::{Completer, Work};

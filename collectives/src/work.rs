@@ -262,6 +262,31 @@ impl<T: Send + 'static> Completer<T> {
         }
     }
 
+    /// Completes the work from a thread that is not its owner's (a peer's, matching a
+    /// point-to-point message): a waiter wakes at once, and a continuation chained to the
+    /// work, if any, is handed to `run` (the owning rank's queue) instead of running on
+    /// this thread. A job that `run` drops unrun fails the works chained from it.
+    pub(crate) fn complete_from_afar(
+        mut self,
+        result: Result<T>,
+        run: impl FnOnce(Box<dyn FnOnce() + Send>),
+    ) {
+        let Some(shared) = self.shared.take() else {
+            return;
+        };
+        let mut st = shared.lock();
+        match std::mem::replace(&mut *st, State::Taken) {
+            State::Pending(Some(cont)) => {
+                drop(st);
+                run(Box::new(move || cont(result)));
+            }
+            _ => {
+                *st = State::Done(result);
+                shared.ready.notify_all();
+            }
+        }
+    }
+
     fn finish(shared: &Shared<T>, result: Result<T>) {
         let mut st = shared.lock();
         match std::mem::replace(&mut *st, State::Taken) {

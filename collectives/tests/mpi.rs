@@ -15,7 +15,9 @@
 //! 4 KiB, the deterministic path against native `MPI_Iallreduce`; rank 0 prints it.
 
 use collectives::mpi::MpiGroup;
-use collectives::{run_local, Buffer, DType, Error, ProcessGroup, ReduceOp, ThreadGroup};
+use collectives::{
+    run_local, Buffer, DType, Error, P2pOp, ProcessGroup, ReduceOp, ThreadGroup, MAX_TAG,
+};
 use half::{bf16, f16};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -74,7 +76,35 @@ const CHECKS: &[(&str, Check)] = &[
         "timeout: a missing rank gives Timeout; that communicator is then unusable",
         timeout,
     ),
+    ("p2p: send/recv around a ring, every type", p2p_ring),
+    (
+        "p2p: batch_isend_irecv both directions at once, small and large",
+        p2p_both_ways,
+    ),
+    (
+        "p2p: FIFO per tag (mixed lengths), tags independent of each other",
+        p2p_order,
+    ),
+    (
+        "p2p: length and dtype mismatches fail on both ranks; the tag stays usable",
+        p2p_mismatch,
+    ),
+    (
+        "p2p: bad peer or tag is InvalidArgument; a recv with no sender times out",
+        p2p_invalid_and_timeout,
+    ),
+    (
+        "gather, scatter: every root, every type; a bad chunk fails both sides",
+        gather_scatter,
+    ),
+    ("all_to_all, all_to_all_split: every type", all_to_all),
+    (
+        "U8: moved by broadcast and all_gather; every reduction is InvalidArgument",
+        bytes,
+    ),
 ];
+
+const ALL_TYPES: [DType; 5] = [DType::F32, DType::F16, DType::BF16, DType::F64, DType::U8];
 
 const TYPES: [DType; 4] = [DType::F32, DType::F16, DType::BF16, DType::F64];
 const OPS: [ReduceOp; 4] = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min];
@@ -147,6 +177,8 @@ fn buffer(dtype: DType, values: impl Iterator<Item = f64>) -> Buffer {
         DType::F16 => Buffer::F16(values.map(f16::from_f64).collect()),
         DType::BF16 => Buffer::BF16(values.map(bf16::from_f64).collect()),
         DType::F64 => Buffer::F64(values.collect()),
+        // Raw bytes: the values' bit patterns, wrapped (never reduced).
+        DType::U8 => Buffer::U8(values.map(|x| (x * 2.0) as i64 as u8).collect()),
     }
 }
 
@@ -649,6 +681,7 @@ fn bits(b: &Buffer) -> (DType, Vec<u64>) {
         Buffer::F16(v) => nan_as_one!(v),
         Buffer::BF16(v) => nan_as_one!(v),
         Buffer::F64(v) => nan_as_one!(v),
+        Buffer::U8(v) => v.iter().map(|&x| u64::from(x)).collect(),
     };
     (b.dtype(), v)
 }
@@ -678,6 +711,7 @@ fn slice_f64(b: &Buffer, i: usize) -> f64 {
         Buffer::F16(v) => v[i].to_f64(),
         Buffer::BF16(v) => v[i].to_f64(),
         Buffer::F64(v) => v[i],
+        Buffer::U8(v) => f64::from(v[i]),
     }
 }
 
@@ -854,4 +888,358 @@ fn timing(g: &Arc<MpiGroup>) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+fn p2p_ring(g: &Arc<MpiGroup>) -> Result<(), String> {
+    let (rank, size) = (g.rank(), g.size());
+    let (next, prev) = ((rank + 1) % size, (rank + size - 1) % size);
+    for (salt, dtype) in ALL_TYPES.into_iter().enumerate() {
+        for len in [0, 5, 70_000] {
+            let mine = input(dtype, rank, len, salt);
+            let sent = g.send(mine.clone(), next, 3);
+            let got = g.recv(Buffer::zeros(dtype, len), prev, 3).wait();
+            same(
+                &format!("{dtype:?} x {len} from rank {prev}"),
+                got,
+                Ok(input(dtype, prev, len, salt)),
+            )?;
+            same(
+                &format!("{dtype:?} x {len}: the send"),
+                sent.wait(),
+                Ok(mine),
+            )?;
+        }
+    }
+    Ok(())
+}
+
+fn p2p_both_ways(g: &Arc<MpiGroup>) -> Result<(), String> {
+    let (rank, size) = (g.rank(), g.size());
+    // Every rank exchanges with every rank (itself included) in one batch: the sends
+    // first, so a backend whose send blocked until its receive would deadlock here.
+    for len in [3, 300_000] {
+        let mut ops = Vec::new();
+        for peer in 0..size {
+            ops.push(P2pOp::send(input(DType::F32, rank, len, peer), peer, 9));
+        }
+        for peer in 0..size {
+            ops.push(P2pOp::recv(Buffer::zeros(DType::F32, len), peer, 9));
+        }
+        let works = g.batch_isend_irecv(ops);
+        same("works", works.len(), 2 * size)?;
+        for (i, w) in works.into_iter().enumerate() {
+            let (peer, got) = (i % size, w.wait());
+            let want = if i < size {
+                input(DType::F32, rank, len, peer)
+            } else {
+                input(DType::F32, peer, len, rank)
+            };
+            same(&format!("op {i} (peer {peer}, len {len})"), got, Ok(want))?;
+        }
+    }
+    Ok(())
+}
+
+fn p2p_order(g: &Arc<MpiGroup>) -> Result<(), String> {
+    let (rank, size) = (g.rank(), g.size());
+    if size < 2 {
+        return Ok(());
+    }
+    // Rank 0 sends to the last rank: six messages on one tag, long and short mixed (a
+    // long one travels by rendezvous, a short one eagerly), then one on each of two tags.
+    let last = size - 1;
+    let lens = [200_000, 1, 0, 50_000, 7, 7];
+    if rank == 0 {
+        let mut works: Vec<_> = lens
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| g.send(input(DType::F64, rank, n, i), last, 4))
+            .collect();
+        works.push(g.send(Buffer::U8(vec![1; 10]), last, 11));
+        works.push(g.send(Buffer::U8(vec![2; 10]), last, 12));
+        for (i, w) in works.into_iter().enumerate() {
+            w.wait().map_err(|e| format!("send {i}: {e}"))?;
+        }
+    } else if rank == last {
+        // The later tag first: it must not wait for the earlier one.
+        let twelve = g.recv(Buffer::U8(vec![0; 10]), 0, 12).wait();
+        same("tag 12", twelve, Ok(Buffer::U8(vec![2; 10])))?;
+        let works: Vec<_> = lens
+            .iter()
+            .map(|&n| g.recv(Buffer::zeros(DType::F64, n), 0, 4))
+            .collect();
+        for (i, w) in works.into_iter().enumerate().rev() {
+            same(
+                &format!("message {i} of tag 4"),
+                w.wait(),
+                Ok(input(DType::F64, 0, lens[i], i)),
+            )?;
+        }
+        let eleven = g.recv(Buffer::U8(vec![0; 10]), 0, 11).wait();
+        same("tag 11", eleven, Ok(Buffer::U8(vec![1; 10])))?;
+    }
+    // A send completes only once its receive has the data: not before it is posted.
+    let pause = Duration::from_millis(300);
+    if rank == 0 {
+        let start = Instant::now();
+        g.send(Buffer::F32(vec![1.0; 4]), last, 5)
+            .wait()
+            .map_err(|e| format!("the early send: {e}"))?;
+        if start.elapsed() < pause {
+            return Err(format!(
+                "a send completed after {:?}, before its receive was posted",
+                start.elapsed()
+            ));
+        }
+    } else if rank == last {
+        std::thread::sleep(pause);
+        same(
+            "the late recv",
+            g.recv(Buffer::zeros(DType::F32, 4), 0, 5).wait(),
+            Ok(Buffer::F32(vec![1.0; 4])),
+        )?;
+    }
+    Ok(())
+}
+
+fn p2p_mismatch(g: &Arc<MpiGroup>) -> Result<(), String> {
+    let (rank, size) = (g.rank(), g.size());
+    if size < 2 {
+        return Ok(());
+    }
+    let peer = size - 1 - rank;
+    if rank == peer {
+        return Ok(());
+    }
+    let sender = rank < peer;
+    // (sent, posted): shorter, longer (by a lot: a rendezvous message), and the types.
+    let cases = [
+        (Buffer::zeros(DType::F32, 4), Buffer::zeros(DType::F32, 5)),
+        (
+            Buffer::zeros(DType::F32, 100_000),
+            Buffer::zeros(DType::F32, 4),
+        ),
+        (Buffer::zeros(DType::F16, 4), Buffer::zeros(DType::BF16, 4)),
+        (Buffer::zeros(DType::U8, 8), Buffer::zeros(DType::F64, 1)),
+    ];
+    for (i, (sent, posted)) in cases.into_iter().enumerate() {
+        let got = if sender {
+            g.send(sent, peer, 6).wait()
+        } else {
+            g.recv(posted, peer, 6).wait()
+        };
+        match got {
+            Err(Error::Mismatch(m)) if m.contains("tag 6") => {}
+            other => return Err(format!("case {i}: the {} got {other:?}", role(sender))),
+        }
+    }
+    // The tag still pairs the next messages correctly.
+    let got = if sender {
+        g.send(input(DType::BF16, rank, 33, 2), peer, 6).wait()
+    } else {
+        g.recv(Buffer::zeros(DType::BF16, 33), peer, 6).wait()
+    };
+    let from = if sender { rank } else { peer };
+    same(
+        "after the mismatches",
+        got,
+        Ok(input(DType::BF16, from, 33, 2)),
+    )
+}
+
+fn role(sender: bool) -> &'static str {
+    if sender {
+        "sender"
+    } else {
+        "receiver"
+    }
+}
+
+fn p2p_invalid_and_timeout(g: &Arc<MpiGroup>) -> Result<(), String> {
+    let (rank, size) = (g.rank(), g.size());
+    let bad = [
+        g.send(Buffer::zeros(DType::F32, 1), size, 0),
+        g.recv(Buffer::zeros(DType::F32, 1), size + 3, 0),
+        g.send(Buffer::zeros(DType::F32, 1), 0, MAX_TAG + 1),
+        g.recv(Buffer::zeros(DType::F32, 1), 0, u32::MAX),
+    ];
+    for (i, w) in bad.into_iter().enumerate() {
+        match w.wait() {
+            Err(Error::InvalidArgument(_)) => {}
+            other => return Err(format!("bad call {i} gave {other:?}")),
+        }
+    }
+    // The largest tag itself is fine (to itself).
+    let own = g.send(Buffer::F32(vec![1.0]), rank, MAX_TAG);
+    same(
+        "MAX_TAG to itself",
+        g.recv(Buffer::F32(vec![0.0]), rank, MAX_TAG).wait(),
+        Ok(Buffer::F32(vec![1.0])),
+    )?;
+    own.wait().map_err(|e| e.to_string())?;
+    if size < 2 {
+        return Ok(());
+    }
+    let limit = Duration::from_secs(1);
+    let all: Vec<usize> = (0..size).collect();
+    let sub = g
+        .subgroup(&all)
+        .map_err(|e| e.to_string())?
+        .ok_or("a member got None")?
+        .with_timeout(limit)
+        .map_err(|e| e.to_string())?;
+    if rank == 0 {
+        let start = Instant::now();
+        let got = sub.recv(Buffer::zeros(DType::F32, 3), 1, 8).wait();
+        let took = start.elapsed();
+        match got {
+            Err(Error::Timeout { after, .. })
+                if after == limit && took >= limit && took < limit * 10 => {}
+            other => {
+                return Err(format!(
+                    "a recv with no sender gave {other:?} after {took:?}"
+                ))
+            }
+        }
+    }
+    same("world barrier", g.barrier().wait(), Ok(()))?;
+    // The timed-out receive took nothing: a message sent now reaches the next one.
+    if rank == 1 {
+        sub.send(Buffer::F32(vec![4.0; 3]), 0, 8)
+            .wait()
+            .map_err(|e| format!("the later send: {e}"))?;
+    } else if rank == 0 {
+        same(
+            "the later recv",
+            sub.recv(Buffer::zeros(DType::F32, 3), 1, 8).wait(),
+            Ok(Buffer::F32(vec![4.0; 3])),
+        )?;
+    }
+    // The subgroup's collectives are unaffected.
+    same("subgroup barrier", sub.barrier().wait(), Ok(()))
+}
+
+fn gather_scatter(g: &Arc<MpiGroup>) -> Result<(), String> {
+    let (rank, size) = (g.rank(), g.size());
+    for (salt, dtype) in ALL_TYPES.into_iter().enumerate() {
+        for root in 0..size {
+            let len = 3 + root;
+            let got = g.gather(input(dtype, rank, len, salt), root).wait();
+            let want = if rank == root {
+                (0..size).map(|r| input(dtype, r, len, salt)).collect()
+            } else {
+                Vec::new()
+            };
+            same(&format!("gather {dtype:?} to {root}"), got, Ok(want))?;
+            let chunks = if rank == root {
+                (0..size).map(|j| input(dtype, j, len, salt + 7)).collect()
+            } else {
+                Vec::new()
+            };
+            let got = g.scatter(chunks, Buffer::zeros(dtype, len), root).wait();
+            same(
+                &format!("scatter {dtype:?} from {root}"),
+                got,
+                Ok(input(dtype, rank, len, salt + 7)),
+            )?;
+        }
+    }
+    // A root whose chunks do not fit the output: it fails (InvalidArgument), the others'
+    // receives fail as mismatches at once.
+    let chunks = if rank == 0 {
+        vec![Buffer::zeros(DType::F32, 2); size]
+    } else {
+        Vec::new()
+    };
+    match g.scatter(chunks, Buffer::zeros(DType::F32, 3), 0).wait() {
+        Err(Error::InvalidArgument(_)) if rank == 0 => {}
+        Err(Error::Mismatch(_)) if rank != 0 => {}
+        other => return Err(format!("a bad scatter gave {other:?}")),
+    }
+    // Gather of a wrong length on one rank: the root and that rank fail.
+    let len = if rank == size - 1 && size > 1 { 4 } else { 3 };
+    let got = g.gather(Buffer::zeros(DType::F32, len), 0).wait();
+    let mismatched = size > 1 && (rank == 0 || rank == size - 1);
+    match got {
+        Err(Error::Mismatch(_)) if mismatched => Ok(()),
+        Ok(_) if !mismatched => Ok(()),
+        other => Err(format!("a gather with one wrong length gave {other:?}")),
+    }
+}
+
+fn all_to_all(g: &Arc<MpiGroup>) -> Result<(), String> {
+    let (rank, size) = (g.rank(), g.size());
+    // Element `k` of rank `r`'s buffer is the value `(r, k)` of salt 9.
+    let of = |dtype: DType, r: usize, ks: std::ops::Range<usize>| {
+        let b = input(dtype, r, ks.end, 9);
+        b.try_slice(ks).map_err(|e| e.to_string())
+    };
+    for dtype in ALL_TYPES {
+        let chunk = 4;
+        let got = g.all_to_all(input(dtype, rank, chunk * size, 9)).wait();
+        let parts: Vec<Buffer> = (0..size)
+            .map(|j| of(dtype, j, rank * chunk..(rank + 1) * chunk))
+            .collect::<Result<_, _>>()?;
+        let want = Buffer::try_concat(&parts).map_err(|e| e.to_string())?;
+        same(&format!("all_to_all {dtype:?}"), got, Ok(want))?;
+        // Rank `r` sends `r + j + 1` elements to rank `j`.
+        let counts = |r: usize| (0..size).map(move |j| r + j + 1);
+        let send_counts: Vec<usize> = counts(rank).collect();
+        let recv_counts: Vec<usize> = (0..size).map(|j| j + rank + 1).collect();
+        let total: usize = send_counts.iter().sum();
+        let got = g
+            .all_to_all_split(input(dtype, rank, total, 9), send_counts, recv_counts)
+            .wait();
+        let parts: Vec<Buffer> = (0..size)
+            .map(|j| {
+                let start: usize = counts(j).take(rank).sum();
+                of(dtype, j, start..start + j + rank + 1)
+            })
+            .collect::<Result<_, _>>()?;
+        let want = Buffer::try_concat(&parts).map_err(|e| e.to_string())?;
+        same(&format!("all_to_all_split {dtype:?}"), got, Ok(want))?;
+    }
+    match g.all_to_all(Buffer::zeros(DType::F32, size + 1)).wait() {
+        Err(Error::InvalidArgument(_)) => Ok(()),
+        other => Err(format!("an indivisible all_to_all gave {other:?}")),
+    }
+}
+
+fn bytes(g: &Arc<MpiGroup>) -> Result<(), String> {
+    let (rank, size) = (g.rank(), g.size());
+    let mine = || input(DType::U8, rank, 6 * size, 4);
+    let reductions = [
+        ("all_reduce", g.all_reduce(mine(), ReduceOp::Sum)),
+        ("reduce_scatter", g.reduce_scatter(mine(), ReduceOp::Max)),
+        ("reduce", g.reduce(mine(), 0, ReduceOp::Sum)),
+    ];
+    for (what, w) in reductions {
+        match w.wait() {
+            Err(Error::InvalidArgument(_)) => {}
+            other => return Err(format!("{what} of U8 gave {other:?}")),
+        }
+    }
+    match g
+        .all_reduce_coalesced(vec![Buffer::zeros(DType::F32, 2), mine()], ReduceOp::Sum)
+        .wait()
+    {
+        Err(Error::InvalidArgument(_)) => {}
+        other => return Err(format!("all_reduce_coalesced with U8 gave {other:?}")),
+    }
+    for root in 0..size {
+        let got = g.broadcast(mine(), root).wait();
+        same(
+            &format!("broadcast from {root}"),
+            got,
+            Ok(input(DType::U8, root, 6 * size, 4)),
+        )?;
+    }
+    let got = g.all_gather(mine()).wait();
+    let want: Vec<Buffer> = (0..size)
+        .map(|r| input(DType::U8, r, 6 * size, 4))
+        .collect();
+    same("all_gather", got, Ok(want))?;
+    // Reductions of other types still work after the rejected ones.
+    let got = g.all_reduce(Buffer::F64(vec![1.0]), ReduceOp::Sum).wait();
+    same("all_reduce after", got, Ok(Buffer::F64(vec![size as f64])))
 }

@@ -4,9 +4,12 @@
 //! device buffers equals its input (Sum, Avg, Max, Min of one rank; broadcast from rank
 //! 0; all_gather gives `[buf]`; reduce_scatter is the identity), with and without debug
 //! mode; continuations run on the progress thread; `new_group`; the store rendezvous;
-//! abort; the creation timeout when a rank never joins; the missing-library error. With at
-//! least two GPUs, two ranks: exact results, debug mode's mismatch report, and a peer
-//! that leaves.
+//! abort; the creation timeout when a rank never joins; the missing-library error;
+//! point-to-point to self (host and device buffers, in one batch), `U8` buffers (moved,
+//! never reduced), the composed gather, scatter and all_to_all, debug mode's
+//! point-to-point mismatches, and a receive that times out. With at least two GPUs, two
+//! ranks: exact results, point-to-point both ways, debug mode's mismatch report, and a
+//! peer that leaves.
 //!
 //! Without a CUDA driver, NCCL or a device each test prints one `skipped: ...` line and
 //! passes. Two tests run a copy of this binary as a child process: the missing-library
@@ -16,7 +19,7 @@
 
 use collectives::nccl::{self, NcclGroup, NcclId};
 use collectives::store::TcpStore;
-use collectives::{Buffer, Error, ProcessGroup, ReduceOp};
+use collectives::{Buffer, DType, DeviceBuffer, Error, P2pOp, ProcessGroup, ReduceOp, MAX_TAG};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use half::{bf16, f16};
 use std::io::Read;
@@ -457,6 +460,298 @@ fn a_missing_nccl_library_is_a_typed_error() {
     }
 }
 
+/// Point-to-point at world size 1: a send to self and a receive from self in one
+/// `batch_isend_irecv` (one NCCL group; alone, either would wait for the other forever),
+/// in posting order, for every type; bad peers and tags fail on the caller alone; in
+/// debug mode a length, type or tag disagreement fails both sides with a mismatch and the
+/// group stays usable.
+#[test]
+fn point_to_point_to_self_at_world_size_one() {
+    if gpus().is_none() {
+        return;
+    }
+    let xs = [1.5, -2.0, 3.25, 0.0, 8.0];
+    for debug in [false, true] {
+        let g = one_rank(debug);
+        let mut bufs: Vec<Buffer> = DTYPES.iter().map(|d| values(d, &xs)).collect();
+        bufs.push(Buffer::U8(vec![0, 1, 2, 254, 255]));
+        bufs.push(Buffer::F32(Vec::new()));
+        for buf in bufs {
+            let zeros = Buffer::zeros(buf.dtype(), buf.len());
+            let works = g.batch_isend_irecv(vec![
+                P2pOp::send(buf.clone(), 0, 7),
+                P2pOp::recv(zeros, 0, 7),
+            ]);
+            let got: Vec<_> = works.into_iter().map(|w| w.wait()).collect();
+            assert_eq!(
+                got,
+                vec![Ok(buf.clone()), Ok(buf.clone())],
+                "{:?} debug={debug}",
+                buf.dtype()
+            );
+        }
+        // Two messages each way arrive in posting order (a receive posted first too).
+        let (a, b) = (Buffer::F32(vec![1.0; 3]), Buffer::F32(vec![2.0; 3]));
+        let works = g.batch_isend_irecv(vec![
+            P2pOp::recv(Buffer::zeros(DType::F32, 3), 0, 1),
+            P2pOp::send(a.clone(), 0, 1),
+            P2pOp::send(b.clone(), 0, 1),
+            P2pOp::recv(Buffer::zeros(DType::F32, 3), 0, 1),
+        ]);
+        let got: Vec<_> = works.into_iter().map(|w| w.wait()).collect();
+        assert_eq!(got, vec![Ok(a.clone()), Ok(a), Ok(b.clone()), Ok(b)]);
+        assert!(g.batch_isend_irecv(Vec::new()).is_empty());
+
+        // Bad arguments: this rank alone, nothing queued, the group goes on.
+        let one = Buffer::F32(vec![1.0]);
+        assert!(matches!(
+            g.send(one.clone(), 1, 0).wait(),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            g.recv(one.clone(), 0, MAX_TAG + 1).wait(),
+            Err(Error::InvalidArgument(_))
+        ));
+        let works = g.batch_isend_irecv(vec![
+            P2pOp::send(one.clone(), 0, 0),
+            P2pOp::recv(one.clone(), 3, 0),
+        ]);
+        for w in works {
+            assert!(matches!(w.wait(), Err(Error::InvalidArgument(_))));
+        }
+        assert_eq!(g.failure(), None);
+
+        if debug {
+            for recv in [
+                Buffer::zeros(DType::F32, 4),
+                Buffer::zeros(DType::F64, 3),
+                Buffer::zeros(DType::F32, 3),
+            ] {
+                let tag = if recv == Buffer::zeros(DType::F32, 3) {
+                    2
+                } else {
+                    1
+                };
+                let works = g.batch_isend_irecv(vec![
+                    P2pOp::send(Buffer::F32(vec![1.0; 3]), 0, 1),
+                    P2pOp::recv(recv, 0, tag),
+                ]);
+                for w in works {
+                    match w.wait() {
+                        Err(Error::Mismatch(m)) => assert!(m.contains("rank 0"), "{m}"),
+                        other => panic!("expected a mismatch, got {other:?}"),
+                    }
+                }
+            }
+            // Two sends and one receive: the counts differ.
+            let works = g.batch_isend_irecv(vec![
+                P2pOp::send(one.clone(), 0, 0),
+                P2pOp::send(one.clone(), 0, 0),
+                P2pOp::recv(one.clone(), 0, 0),
+            ]);
+            for w in works {
+                assert!(matches!(w.wait(), Err(Error::Mismatch(_))));
+            }
+            assert_eq!(g.failure(), None);
+        }
+        assert_eq!(
+            g.all_reduce(one.clone(), ReduceOp::Sum).wait(),
+            Ok(one.clone())
+        );
+    }
+}
+
+/// `U8` buffers move (broadcast, all_gather, point-to-point) but every reduction of one
+/// is `InvalidArgument` before anything is queued, on host and device buffers alike.
+#[test]
+fn u8_buffers_move_but_never_reduce() {
+    if gpus().is_none() {
+        return;
+    }
+    for debug in [false, true] {
+        let g = one_rank(debug);
+        let bytes = Buffer::U8((0..=255).collect());
+        assert_eq!(g.broadcast(bytes.clone(), 0).wait(), Ok(bytes.clone()));
+        assert_eq!(g.all_gather(bytes.clone()).wait(), Ok(vec![bytes.clone()]));
+        for op in OPS {
+            let bad = [
+                g.all_reduce(bytes.clone(), op).wait(),
+                g.reduce_scatter(bytes.clone(), op).wait(),
+                g.reduce(bytes.clone(), 0, op).wait(),
+                g.all_reduce_coalesced(vec![Buffer::F32(vec![1.0]), bytes.clone()], op)
+                    .wait()
+                    .map(|mut v| v.remove(0)),
+            ];
+            for r in bad {
+                assert!(
+                    matches!(r, Err(Error::InvalidArgument(_))),
+                    "{op:?} debug={debug}: {r:?}"
+                );
+            }
+        }
+        let stream = g.stream().clone();
+        let host: Vec<u8> = (0..100).collect();
+        let dev = DeviceBuffer::from(upload(&stream, &host));
+        match ProcessGroup::all_reduce_device(&g, dev, ReduceOp::Max).wait() {
+            Err(Error::InvalidArgument(_)) => {}
+            other => panic!("expected InvalidArgument, got {other:?}"),
+        }
+        match g
+            .all_reduce_device(upload(&stream, &host), ReduceOp::Sum)
+            .wait()
+        {
+            Err(Error::InvalidArgument(_)) => {}
+            other => panic!("expected InvalidArgument, got {other:?}"),
+        }
+        let dev = DeviceBuffer::from(upload(&stream, &host));
+        let out: CudaSlice<u8> = ProcessGroup::broadcast_device(&g, dev, 0)
+            .wait()
+            .expect("broadcast_device of bytes")
+            .try_into()
+            .expect("u8 back");
+        assert_eq!(download(&stream, &out), host);
+        assert_eq!(g.failure(), None);
+        assert_eq!(g.barrier().wait(), Ok(()));
+    }
+}
+
+/// The composed collectives (trait defaults over NCCL's point-to-point operations and
+/// all_reduce) at world size 1 give back their input.
+#[test]
+fn gather_scatter_all_to_all_at_world_size_one() {
+    if gpus().is_none() {
+        return;
+    }
+    let xs = [1.0, 2.0, -3.0, 4.5];
+    for debug in [false, true] {
+        let g = one_rank(debug);
+        for dtype in DTYPES {
+            let buf = values(dtype, &xs);
+            assert_eq!(
+                g.reduce(buf.clone(), 0, ReduceOp::Sum).wait(),
+                Ok(buf.clone())
+            );
+            assert_eq!(g.gather(buf.clone(), 0).wait(), Ok(vec![buf.clone()]));
+            let out = Buffer::zeros(buf.dtype(), buf.len());
+            assert_eq!(g.scatter(vec![buf.clone()], out, 0).wait(), Ok(buf.clone()));
+            assert_eq!(g.all_to_all(buf.clone()).wait(), Ok(buf.clone()));
+            assert_eq!(
+                g.all_to_all_split(buf.clone(), vec![xs.len()], vec![xs.len()])
+                    .wait(),
+                Ok(buf.clone())
+            );
+        }
+        let bytes = Buffer::U8(vec![9, 8, 7]);
+        assert_eq!(g.gather(bytes.clone(), 0).wait(), Ok(vec![bytes.clone()]));
+        assert_eq!(g.all_to_all(bytes.clone()).wait(), Ok(bytes.clone()));
+        assert!(matches!(
+            g.gather(bytes.clone(), 1).wait(),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            g.scatter(vec![bytes.clone(), bytes.clone()], bytes.clone(), 0)
+                .wait(),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert_eq!(g.failure(), None);
+    }
+}
+
+/// Device buffers sent to and received from self in one batch, in place on the device
+/// (from a caller's stream), with and without debug mode; a debug-mode mismatch on
+/// device buffers; buffers on their own stream come back intact.
+#[test]
+fn device_point_to_point_round_trip_at_world_size_one() {
+    if gpus().is_none() {
+        return;
+    }
+    let ctx = CudaContext::new(0).expect("context");
+    let stream = ctx.new_stream().expect("stream");
+    let xs = [1.5f32, -2.0, 3.25, 0.0, 7.0];
+    let hs: Vec<bf16> = xs.iter().map(|&x| bf16::from_f32(x)).collect();
+    let bytes: Vec<u8> = (0..200).map(|i| (i * 7 % 256) as u8).collect();
+    for debug in [false, true] {
+        let g = one_rank(debug);
+        assert!(g.device_native());
+        let works = ProcessGroup::batch_isend_irecv_device(
+            &g,
+            vec![
+                P2pOp::send(upload(&stream, &xs).into(), 0, 0),
+                P2pOp::send(upload(&stream, &hs).into(), 0, 0),
+                P2pOp::send(upload(&stream, &bytes).into(), 0, 0),
+                P2pOp::recv(stream.alloc_zeros::<f32>(xs.len()).unwrap().into(), 0, 0),
+                P2pOp::recv(stream.alloc_zeros::<bf16>(hs.len()).unwrap().into(), 0, 0),
+                P2pOp::recv(stream.alloc_zeros::<u8>(bytes.len()).unwrap().into(), 0, 0),
+            ],
+        );
+        let mut got: Vec<DeviceBuffer> = works
+            .into_iter()
+            .map(|w| w.wait().expect("device p2p"))
+            .collect();
+        let recv_u8: CudaSlice<u8> = got.pop().unwrap().try_into().unwrap();
+        let recv_bf16: CudaSlice<bf16> = got.pop().unwrap().try_into().unwrap();
+        let recv_f32: CudaSlice<f32> = got.pop().unwrap().try_into().unwrap();
+        assert_eq!(download(&stream, &recv_u8), bytes);
+        assert_eq!(download(&stream, &recv_bf16), hs);
+        assert_eq!(download(&stream, &recv_f32), xs);
+        let sent_f32: CudaSlice<f32> = got.remove(0).try_into().unwrap();
+        assert_eq!(
+            download(&stream, &sent_f32),
+            xs,
+            "the send comes back unchanged"
+        );
+        if debug {
+            let works = ProcessGroup::batch_isend_irecv_device(
+                &g,
+                vec![
+                    P2pOp::send(upload(&stream, &xs).into(), 0, 0),
+                    P2pOp::recv(
+                        stream.alloc_zeros::<f32>(xs.len() + 1).unwrap().into(),
+                        0,
+                        0,
+                    ),
+                ],
+            );
+            for w in works {
+                assert!(matches!(w.wait(), Err(Error::Mismatch(_))));
+            }
+        }
+        // Bad peer: InvalidArgument at once.
+        let r = ProcessGroup::send_device(&g, upload(&stream, &xs).into(), 2, 0).wait();
+        assert!(matches!(r, Err(Error::InvalidArgument(_))), "{r:?}");
+        assert_eq!(g.failure(), None);
+    }
+}
+
+/// A receive whose send never comes fails with a timeout (or NCCL's own error) within
+/// the group's timeout, and fails the group; in a child process, since the abort of a
+/// communicator with a receive in flight may leave the device context unusable.
+#[test]
+fn a_receive_with_no_send_fails_within_the_timeout() {
+    const TEST: &str = "a_receive_with_no_send_fails_within_the_timeout";
+    if is_child(TEST) {
+        let g = NcclGroup::new(0, 1, 0, NcclId::new().expect("a unique id"), SHORT)
+            .expect("a one-rank group");
+        let start = Instant::now();
+        let r = g.recv(Buffer::F32(vec![0.0; 4]), 0, 0).wait();
+        let took = start.elapsed();
+        assert!(
+            matches!(r, Err(Error::Timeout { .. }) | Err(Error::Nccl { .. })),
+            "{r:?}"
+        );
+        assert!(took < SHORT + Duration::from_secs(20), "took {took:?}");
+        assert!(g.failure().is_some());
+        assert!(g.barrier().wait().is_err());
+        println!("child: the receive failed after {took:?} with {r:?}");
+        return;
+    }
+    if gpus().is_none() {
+        return;
+    }
+    let out = run_child(TEST, &[]);
+    assert!(out.contains("child: the receive failed"), "{out}");
+}
+
 /// Runs `f(rank, group)` on two ranks, one per GPU, joined through a loopback store.
 fn two_ranks<R: Send>(
     timeout: Duration,
@@ -555,8 +850,46 @@ fn two_ranks_checks() {
             Err(e) => panic!("new_group: {e}"),
         }
 
+        // Point-to-point: both ways in one batch (no deadlock), then a gather, a scatter
+        // and an all_to_all composed of it.
+        let peer = 1 - rank;
+        let works = g.batch_isend_irecv(vec![
+            P2pOp::send(mine(3), peer, 5),
+            P2pOp::recv(f32s(0.0, 3), peer, 5),
+        ]);
+        let got: Vec<_> = works.into_iter().map(|w| w.wait()).collect();
+        assert_eq!(got, vec![Ok(mine(3)), Ok(f32s(peer as f32 + 1.0, 3))]);
+        let gathered = g.gather(mine(2), 0).wait();
+        let want = if rank == 0 {
+            vec![f32s(1.0, 2), f32s(2.0, 2)]
+        } else {
+            Vec::new()
+        };
+        assert_eq!(gathered, Ok(want));
+        let chunks = if rank == 1 {
+            vec![f32s(10.0, 2), f32s(11.0, 2)]
+        } else {
+            Vec::new()
+        };
+        assert_eq!(
+            g.scatter(chunks, f32s(0.0, 2), 1).wait(),
+            Ok(f32s(10.0 + rank as f32, 2))
+        );
+        let a2a = Buffer::F32(vec![rank as f32 * 10.0, rank as f32 * 10.0 + 1.0]);
+        assert_eq!(
+            g.all_to_all(a2a).wait(),
+            Ok(Buffer::F32(vec![rank as f32, 10.0 + rank as f32]))
+        );
+
         // Debug mode names both operations on both ranks, and the group stays usable.
         let g = g.with_debug(true);
+        // A receive longer than the send: a mismatch on both ranks.
+        let r = if rank == 0 {
+            g.send(mine(3), 1, 0).wait()
+        } else {
+            g.recv(f32s(0.0, 4), 0, 0).wait()
+        };
+        assert!(matches!(r, Err(Error::Mismatch(_))), "{r:?}");
         let mismatched = if rank == 0 {
             g.all_reduce(mine(4), ReduceOp::Sum).wait()
         } else {

@@ -79,6 +79,7 @@ fn to_f64(b: &Buffer) -> Vec<f64> {
         Buffer::F64(v) => v.clone(),
         Buffer::F16(v) => v.iter().map(|x| x.to_f64()).collect(),
         Buffer::BF16(v) => v.iter().map(|x| x.to_f64()).collect(),
+        Buffer::U8(v) => v.iter().map(|&x| f64::from(x)).collect(),
     }
 }
 

@@ -452,3 +452,157 @@ impl<M: ModuleT + Send> Layer<candle_core::Tensor> for CandleLayer<M> {
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// Crossing ranks.
+
+/// The wire codes of candle's element types (the [`WireMeta::dtype`](crate::WireMeta) of
+/// a candle tensor). Other candle types (`I16`, `I32`, the 8-, 6- and 4-bit floats) do
+/// not cross ranks: [`Wire::write_wire`](crate::Wire::write_wire) refuses them with
+/// candle's `UnsupportedDTypeForOp` (as [`Error::Custom`]).
+///
+/// | code | dtype  |
+/// |------|--------|
+/// | 0    | `F32` (the code [`CpuTensor`](crate::cpu::CpuTensor) uses for its `f32`) |
+/// | 1    | `F64`  |
+/// | 2    | `F16`  |
+/// | 3    | `BF16` |
+/// | 4    | `U8`   |
+/// | 5    | `U32`  |
+/// | 6    | `I64`  |
+pub const WIRE_DTYPES: [(u8, DType); 7] = [
+    (0, DType::F32),
+    (1, DType::F64),
+    (2, DType::F16),
+    (3, DType::BF16),
+    (4, DType::U8),
+    (5, DType::U32),
+    (6, DType::I64),
+];
+
+/// Appends each of `values` as its `N` little-endian bytes (`le`).
+fn put_le<T: Copy, const N: usize>(values: &[T], out: &mut Vec<u8>, le: impl Fn(T) -> [u8; N]) {
+    for &v in values {
+        out.extend_from_slice(&le(v));
+    }
+}
+
+/// Appends `values`, plain old data, little-endian: one copy on a little-endian machine.
+fn put_pod<T: bytemuck::Pod, const N: usize>(
+    values: &[T],
+    out: &mut Vec<u8>,
+    le: impl Fn(T) -> [u8; N],
+) {
+    if cfg!(target_endian = "little") {
+        out.extend_from_slice(bytemuck::cast_slice(values));
+    } else {
+        put_le(values, out, le);
+    }
+}
+
+/// A candle tensor crosses ranks as its elements in row-major order, little-endian, with
+/// its dtype as one of the codes of [`WIRE_DTYPES`]; it arrives in host memory
+/// ([`Device::Cpu`] or [`Device::CpuCore`]). A receiving [`Device::Cuda`] is
+/// [`Error::Device`], as for [`Tensor::to_device`]: this crate makes no candle CUDA
+/// devices. A tensor on a GPU is copied to the host to be written.
+impl crate::wire::Wire for candle_core::Tensor {
+    fn write_wire(&self, out: &mut Vec<u8>) -> Result<crate::wire::WireMeta, Error> {
+        let dtype = self.dtype();
+        let code = WIRE_DTYPES
+            .iter()
+            .find(|(_, d)| *d == dtype)
+            .map(|(code, _)| *code)
+            .ok_or_else(|| {
+                candle(candle_core::Error::UnsupportedDTypeForOp(
+                    dtype,
+                    "write_wire",
+                ))
+            })?;
+        // Row-major and contiguous, in host memory.
+        let flat = c(self
+            .flatten_all()
+            .and_then(|t| candle_core::Tensor::to_device(&t, &candle_core::Device::Cpu))
+            .and_then(|t| t.contiguous()))?;
+        let elements = flat.elem_count();
+        let size = dtype.size_in_bytes();
+        out.try_reserve(elements * size).map_err(|_| Error::Alloc {
+            op: "candle_core::Tensor::write_wire",
+            elements,
+            element_bytes: size,
+        })?;
+        let (storage, layout) = flat.storage_and_layout();
+        let (start, end) = layout.contiguous_offsets().ok_or_else(|| {
+            candle(candle_core::Error::Msg(
+                "write_wire: a contiguous tensor without contiguous offsets".into(),
+            ))
+        })?;
+        use candle_core::{CpuStorage as S, Storage};
+        match &*storage {
+            Storage::Cpu(S::F32(v)) => put_pod(&v[start..end], out, f32::to_le_bytes),
+            Storage::Cpu(S::F64(v)) => put_pod(&v[start..end], out, f64::to_le_bytes),
+            Storage::Cpu(S::U8(v)) => out.extend_from_slice(&v[start..end]),
+            Storage::Cpu(S::U32(v)) => put_pod(&v[start..end], out, u32::to_le_bytes),
+            Storage::Cpu(S::I64(v)) => put_pod(&v[start..end], out, i64::to_le_bytes),
+            // `half`'s bytemuck support is not enabled through candle: through the bits.
+            Storage::Cpu(S::F16(v)) => put_le(&v[start..end], out, |x| x.to_bits().to_le_bytes()),
+            Storage::Cpu(S::BF16(v)) => put_le(&v[start..end], out, |x| x.to_bits().to_le_bytes()),
+            _ => {
+                return Err(candle(candle_core::Error::UnsupportedDTypeForOp(
+                    dtype,
+                    "write_wire (storage not in host memory)",
+                )))
+            }
+        }
+        Ok(crate::wire::WireMeta {
+            dtype: code,
+            shape: self.dims().to_vec(),
+        })
+    }
+
+    fn read_wire(
+        meta: &crate::wire::WireMeta,
+        bytes: &[u8],
+        device: &Device,
+    ) -> Result<Self, Error> {
+        if !device.is_host() {
+            return Err(Error::Device {
+                tensor: "candle_core::Tensor",
+                device: *device,
+            });
+        }
+        let dtype = WIRE_DTYPES
+            .iter()
+            .find(|(code, _)| *code == meta.dtype)
+            .map(|(_, d)| *d)
+            .ok_or(Error::WireType {
+                tensor: "candle_core::Tensor",
+                dtype: meta.dtype,
+            })?;
+        let size = dtype.size_in_bytes();
+        let elements = meta.shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+        if elements.and_then(|n| n.checked_mul(size)) != Some(bytes.len()) {
+            return Err(Error::Shape {
+                op: "candle_core::Tensor::read_wire",
+                expected: meta.shape.clone(),
+                got: vec![bytes.len() / size],
+            });
+        }
+        // Candle reads the machine's own byte order.
+        let native: std::borrow::Cow<'_, [u8]> = if cfg!(target_endian = "little") {
+            bytes.into()
+        } else {
+            bytes
+                .chunks_exact(size)
+                .flat_map(|e| e.iter().rev().copied())
+                .collect::<Vec<u8>>()
+                .into()
+        };
+        Ok(c(candle_core::Tensor::from_raw_buffer(
+            &native,
+            dtype,
+            &meta.shape,
+            &candle_core::Device::Cpu,
+        ))?
+        .detach())
+    }
+}

@@ -244,6 +244,57 @@ pub enum Error {
     /// Concatenating nothing.
     #[error("nothing to concatenate")]
     NothingToConcat,
+    /// A frame from another rank that does not parse (a bug, or ranks running different
+    /// versions of this crate).
+    #[error("a malformed frame between ranks: {0}")]
+    Frame(String),
+    /// The transport between this rank and `peer` failed: the peer is gone, or a wait for
+    /// it passed the pipe's timeout.
+    #[error("rank {rank}: the transport to rank {peer} failed: {source}")]
+    Transport {
+        /// This rank.
+        rank: usize,
+        /// The other rank.
+        peer: usize,
+        /// What the transport said.
+        #[source]
+        source: crate::transport::TransportError,
+    },
+    /// Another rank of the pipe failed: its error, where it happened (the stage, the layer
+    /// and the micro-batch, for a failure inside a run), as that rank reported it.
+    #[error("rank {rank} failed{}: {message}", at_site(.site))]
+    Remote {
+        /// The rank that failed first.
+        rank: usize,
+        /// Where, if inside a layer, the loss or a callback.
+        site: Option<Site>,
+        /// Its error, printed.
+        message: String,
+    },
+    /// The ranks of a pipe disagree: different settings when built, or different runs
+    /// (one calls `step` while another calls `forward`, or their step numbers differ).
+    #[error("rank {rank} disagrees with rank {other}: {why}")]
+    RankMismatch {
+        /// This rank.
+        rank: usize,
+        /// The rank it disagrees with.
+        other: usize,
+        /// What differs.
+        why: String,
+    },
+    /// A placement of stages on ranks that cannot work: a rank out of range, a worker's
+    /// stages on different ranks, this rank's layers not adding up to its partitions.
+    #[error("stages on ranks: {0}")]
+    Placement(String),
+    /// A tensor arrived from another rank with an element type this tensor type does
+    /// not read (the ranks run different tensor types).
+    #[error("{tensor} cannot read elements of wire type {dtype}")]
+    WireType {
+        /// The tensor type.
+        tensor: &'static str,
+        /// The wire type code that arrived.
+        dtype: u8,
+    },
     /// A tensor type that cannot live on a device.
     #[error("{tensor} cannot move to {device}")]
     Device {

@@ -16,11 +16,15 @@ use std::time::{Duration, Instant};
 
 use skip::Moves;
 
+use std::sync::Arc;
+
 use crate::error::Error;
+use crate::frame::Control;
 use crate::memory::Memory;
 use crate::microbatch::{Batch, MicroBatch};
 use crate::portal::{held_bytes, SkipPlan};
 use crate::protocol::{Common, FinalHook, LossFn, Shared, StageSlot, Trackers};
+use crate::ranks::{receive_from, Ranks};
 use crate::record::Span;
 use crate::schedule::Schedule;
 use crate::stage::{panic_message, Kept};
@@ -48,6 +52,9 @@ pub(crate) struct Job<'a, 'l, T> {
     pub record: Option<Instant>,
     pub on_final: Option<&'a FinalHook<T>>,
     pub skips: &'a SkipPlan,
+    /// For a pipe on ranks: where its stages run. Only this rank's stages have workers
+    /// here; messages to the others go over the transport.
+    pub ranks: Option<Arc<Ranks<T>>>,
 }
 
 /// What a successful run leaves.
@@ -72,7 +79,8 @@ pub(crate) fn execute<T: Tensor>(job: Job<'_, '_, T>) -> Result<Outcome<T>, Erro
     let (n, m) = (schedule.stages(), schedule.micro_batches());
     let workers = schedule.workers().len();
     let (senders, receivers): (Vec<_>, Vec<_>) = (0..workers).map(|_| channel()).unzip();
-    let shared = Shared::new(senders);
+    let ranks = job.ranks;
+    let shared = Shared::new(senders, ranks.clone());
     let common = Common {
         schedule,
         devices: job.stages.iter().map(|s| s.device).collect(),
@@ -90,6 +98,9 @@ pub(crate) fn execute<T: Tensor>(job: Job<'_, '_, T>) -> Result<Outcome<T>, Erro
     let mut hosted: Vec<Vec<Hosted<'_, T>>> = (0..workers).map(|_| Vec::new()).collect();
     let (mut inputs, mut grads) = (Some(job.inputs), Some(job.grads));
     for (stage, slot) in job.stages.into_iter().enumerate() {
+        if ranks.as_ref().is_some_and(|r| !r.is_local(stage)) {
+            continue;
+        }
         let worker = schedule.worker_of(stage).unwrap_or(0);
         // Trackers left by a forward-only run hold what the memory already counts.
         let mut skip_bytes = vec![0; m];
@@ -115,6 +126,10 @@ pub(crate) fn execute<T: Tensor>(job: Job<'_, '_, T>) -> Result<Outcome<T>, Erro
     std::thread::scope(|scope| {
         let mut handles = Vec::with_capacity(workers);
         for (index, (stages, inbox)) in hosted.into_iter().zip(receivers).enumerate() {
+            if stages.is_empty() && ranks.is_some() {
+                // Its stages run on other ranks.
+                continue;
+            }
             let loss = if loss_worker == Some(index) {
                 loss.take()
             } else {
@@ -145,9 +160,55 @@ pub(crate) fn execute<T: Tensor>(job: Job<'_, '_, T>) -> Result<Outcome<T>, Erro
                 }
             }
         }
+        // On ranks: one receiver per peer rank, until that peer's part of the run is over.
+        let mut receiving = Vec::new();
+        if let Some(r) = ranks.as_deref() {
+            for peer in r.peers() {
+                let (shared, common) = (&shared, &common);
+                let spawned = std::thread::Builder::new()
+                    .name(format!("pipe-from-rank-{peer}"))
+                    .spawn_scoped(scope, move || {
+                        let run = std::panic::AssertUnwindSafe(|| {
+                            receive_from(r, peer, shared, schedule, &common.devices, common.timeout)
+                        });
+                        if let Err(payload) = std::panic::catch_unwind(run) {
+                            shared.fail(Error::WorkerPanicked {
+                                worker: usize::MAX,
+                                message: panic_message(payload.as_ref()),
+                            });
+                        }
+                    });
+                match spawned {
+                    Ok(handle) => receiving.push(handle),
+                    Err(source) => shared.fail(Error::Spawn {
+                        worker: usize::MAX,
+                        source,
+                    }),
+                }
+            }
+        }
         for handle in handles {
             // Panics are caught inside the thread, so join reports none.
             results.push(handle.join().ok().flatten());
+        }
+        if let Some(r) = ranks.as_deref() {
+            // This rank's part is over (done or failed): every peer hears it, then every
+            // peer's end is awaited, so no frame of this run is left for the next one.
+            for peer in r.peers() {
+                if let Err(e) = r.send_control(peer, &Control::Done) {
+                    shared.fail(e);
+                }
+            }
+            for handle in receiving {
+                let _ = handle.join();
+            }
+            if let Err(source) = r.transport.flush(common.timeout) {
+                shared.fail(Error::Transport {
+                    rank: r.rank(),
+                    peer: r.rank(),
+                    source,
+                });
+            }
         }
     });
     if let Some(error) = shared.take_failure() {

@@ -5,7 +5,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::Sender;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use skip::Tracker;
@@ -15,6 +15,7 @@ use crate::layer::Layer;
 use crate::memory::Memory;
 use crate::microbatch::{Batch, MicroBatch};
 use crate::portal::SkipPlan;
+use crate::ranks::Ranks;
 use crate::schedule::Schedule;
 use crate::stage::Kept;
 use crate::vocab::Device;
@@ -93,20 +94,23 @@ pub(crate) enum Msg<T> {
     Abort,
 }
 
-/// The state all workers share: the stop flag, the first failure, everyone's inbox.
+/// The state all workers share: the stop flag, the first failure, everyone's inbox, and
+/// for a pipe on ranks, the other ranks.
 pub(crate) struct Shared<T> {
     stop: AtomicBool,
     failure: Mutex<Option<Error>>,
     pub senders: Vec<Sender<Msg<T>>>,
+    pub ranks: Option<Arc<Ranks<T>>>,
 }
 
 impl<T> Shared<T> {
     /// No failure yet, every worker's inbox by worker index.
-    pub fn new(senders: Vec<Sender<Msg<T>>>) -> Self {
+    pub fn new(senders: Vec<Sender<Msg<T>>>, ranks: Option<Arc<Ranks<T>>>) -> Self {
         Shared {
             stop: AtomicBool::new(false),
             failure: Mutex::new(None),
             senders,
+            ranks,
         }
     }
 
@@ -114,11 +118,17 @@ impl<T> Shared<T> {
         self.stop.load(Ordering::Acquire)
     }
 
-    /// Records the first failure, raises the stop flag and wakes every worker.
+    /// Records the first failure, raises the stop flag and wakes every worker. On ranks,
+    /// a first failure of this rank's own is sent to every other rank at once.
     pub fn fail(&self, error: Error) {
         {
             let mut failure = self.failure.lock().unwrap_or_else(|p| p.into_inner());
             if failure.is_none() {
+                if let Some(ranks) = &self.ranks {
+                    if !matches!(error, Error::Remote { .. }) {
+                        ranks.abort_peers(&error);
+                    }
+                }
                 *failure = Some(error);
             }
         }

@@ -342,7 +342,7 @@ impl<'a, 'l, 's, T: Tensor> Worker<'a, 'l, 's, T> {
                 .take_outgoing(route.ns, &route.name)
                 .map_err(|e| Self::skip_failure(action, Task::Forward, e))?;
             let value = value
-                .map(|v| v.to_device(&self.common.devices[route.dest]))
+                .map(|v| self.to_stage(v, route.dest))
                 .transpose()
                 .map_err(|e| Self::skip_failure(action, Task::Forward, e))?;
             let msg = Msg::Skip {
@@ -366,7 +366,7 @@ impl<'a, 'l, 's, T: Tensor> Worker<'a, 'l, 's, T> {
                 .take_outgoing_grad(route.ns, &route.name)
                 .map_err(|e| Self::skip_failure(action, Task::Backward, e))?;
             let grad = grad
-                .map(|g| g.to_device(&self.common.devices[route.source]))
+                .map(|g| self.to_stage(g, route.source))
                 .transpose()
                 .map_err(|e| Self::skip_failure(action, Task::Backward, e))?;
             let msg = Msg::SkipGrad {
@@ -485,8 +485,29 @@ impl<'a, 'l, 's, T: Tensor> Worker<'a, 'l, 's, T> {
             }))
     }
 
-    /// Moves a batch to `stage`'s device, naming the sending action on failure.
+    /// Whether `stage` runs on another rank (its device is that rank's business: the
+    /// tensor is read onto it there).
+    fn remote(&self, stage: usize) -> bool {
+        self.shared
+            .ranks
+            .as_ref()
+            .is_some_and(|r| !r.is_local(stage))
+    }
+
+    /// Moves a tensor to `stage`'s device, unless that stage is on another rank.
+    fn to_stage(&self, t: T, stage: usize) -> Result<T, Error> {
+        if self.remote(stage) {
+            return Ok(t);
+        }
+        t.to_device(&self.common.devices[stage])
+    }
+
+    /// Moves a batch to `stage`'s device (unless it runs on another rank), naming the
+    /// sending action on failure.
     fn moved(&self, batch: Batch<T>, stage: usize, action: Action) -> Result<Batch<T>, Halt> {
+        if self.remote(stage) {
+            return Ok(batch);
+        }
         batch.to_device(&self.common.devices[stage]).map_err(|e| {
             Halt::Failed(Error::Failed {
                 site: Site {
@@ -500,8 +521,12 @@ impl<'a, 'l, 's, T: Tensor> Worker<'a, 'l, 's, T> {
         })
     }
 
-    /// Sends a message to the worker of `stage`, or files it here if that is this worker.
+    /// Sends a message to the worker of `stage` (over the transport if it runs on another
+    /// rank), or files it here if that is this worker.
     fn route(&mut self, stage: usize, msg: Msg<T>) -> Result<(), Halt> {
+        if let Some(ranks) = self.shared.ranks.as_ref().filter(|r| !r.is_local(stage)) {
+            return ranks.send_msg(stage, &msg).map_err(Halt::Failed);
+        }
         match self.common.schedule.worker_of(stage) {
             Some(w) if w == self.index => self.deliver(msg),
             // A closed inbox means its worker returned, which before the end of a valid

@@ -408,3 +408,94 @@ fn random_modules_are_refused_under_checkpointing_and_exact_without() {
         "a mask was drawn ({kept} of 128 kept)"
     );
 }
+
+#[test]
+fn wire_round_trips_every_dtype() {
+    use pipe::{Wire, WireMeta};
+    let x = CTensor::from_vec(
+        (0..24).map(|v| v as f32 - 7.0).collect::<Vec<f32>>(),
+        (2, 3, 4),
+        &CandleDevice::Cpu,
+    )
+    .unwrap();
+    let as_f64 = |t: &CTensor| {
+        t.to_dtype(DType::F64)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f64>()
+            .unwrap()
+    };
+    let mut codes = Vec::new();
+    for dtype in [
+        DType::F32,
+        DType::F64,
+        DType::F16,
+        DType::BF16,
+        DType::U8,
+        DType::U32,
+        DType::I64,
+    ] {
+        // Unsigned types get non-negative values.
+        let src = if matches!(dtype, DType::U8 | DType::U32) {
+            x.abs().unwrap()
+        } else {
+            x.clone()
+        };
+        let t = src.to_dtype(dtype).unwrap();
+        // A transposed (non-contiguous) view travels in row-major order too.
+        for t in [t.clone(), t.transpose(1, 2).unwrap()] {
+            let mut frame = vec![0xAB];
+            let meta = t.write_wire(&mut frame).unwrap();
+            assert_eq!(meta.shape, t.dims());
+            assert_eq!(frame.len(), 1 + t.elem_count() * dtype.size_in_bytes());
+            let back = CTensor::read_wire(&meta, &frame[1..], &Device::CpuCore(0)).unwrap();
+            assert_eq!(back.dtype(), dtype);
+            assert_eq!(back.dims(), t.dims());
+            assert_eq!(as_f64(&back), as_f64(&t), "{dtype:?}");
+            codes.push(meta.dtype);
+        }
+    }
+    codes.dedup();
+    assert_eq!(codes, vec![0, 1, 2, 3, 4, 5, 6]);
+
+    // Little-endian bytes on the wire.
+    let one = CTensor::from_vec(vec![1u32, 258], 2, &CandleDevice::Cpu).unwrap();
+    let mut frame = Vec::new();
+    one.write_wire(&mut frame).unwrap();
+    assert_eq!(frame, [1, 0, 0, 0, 2, 1, 0, 0]);
+
+    // Errors, not panics.
+    let meta = WireMeta {
+        dtype: 0,
+        shape: vec![2, 2],
+    };
+    assert!(matches!(
+        CTensor::read_wire(&meta, &[0; 15], &Device::Cpu),
+        Err(Error::Shape { .. })
+    ));
+    let huge = WireMeta {
+        dtype: 1,
+        shape: vec![usize::MAX, 2],
+    };
+    assert!(matches!(
+        CTensor::read_wire(&huge, &[0; 16], &Device::Cpu),
+        Err(Error::Shape { .. })
+    ));
+    let unknown = WireMeta {
+        dtype: 99,
+        shape: vec![1],
+    };
+    assert!(matches!(
+        CTensor::read_wire(&unknown, &[0; 4], &Device::Cpu),
+        Err(Error::WireType { dtype: 99, .. })
+    ));
+    assert!(matches!(
+        CTensor::read_wire(&meta, &[0; 16], &Device::Cuda(0)),
+        Err(Error::Device { .. })
+    ));
+    let back = CTensor::read_wire(&meta, &[0; 16], &Device::Cpu).unwrap();
+    assert_eq!(back.dims(), [2, 2]);
+    let i32s = x.to_dtype(DType::I32).unwrap();
+    assert!(i32s.write_wire(&mut Vec::new()).is_err());
+}

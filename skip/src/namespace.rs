@@ -42,6 +42,14 @@ impl Namespace {
         Namespace(NEXT_ID.fetch_add(1, Ordering::Relaxed))
     }
 
+    /// The namespace numbered `id` (what [`id`](Namespace::id) returns): how a
+    /// declaration that crossed to another process names its namespaces there (a pipe's
+    /// stages on ranks exchange their declarations when the pipe is built). Within one
+    /// process, use [`Namespace::new`]: a number taken from here is not reserved.
+    pub fn from_id(id: u64) -> Self {
+        Namespace(id)
+    }
+
     /// Whether this is [`Namespace::DEFAULT`].
     pub fn is_default(self) -> bool {
         self == Self::DEFAULT

@@ -29,7 +29,8 @@ const KINDS: [Kind; 7] = [
     Kind::NewGroup,
 ];
 const OPS: [ReduceOp; 4] = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min];
-const DTYPES: [DType; 4] = [DType::F32, DType::F16, DType::BF16, DType::F64];
+/// Wire codes of the types (index + 1): new types go at the end, so codes stay put.
+const DTYPES: [DType; 5] = [DType::F32, DType::F16, DType::BF16, DType::F64, DType::U8];
 
 /// One operation as every rank must issue it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -241,9 +242,17 @@ pub(super) fn compare(all: &[u64]) -> Result<(), Error> {
     }
 }
 
-fn dtype_code(d: Option<DType>) -> u64 {
+/// The wire code of a type (`0` for none), as descriptors and point-to-point headers
+/// carry it.
+pub(super) fn dtype_code(d: Option<DType>) -> u64 {
     d.and_then(|d| DTYPES.iter().position(|&x| x == d))
         .map_or(0, |i| i as u64 + 1)
+}
+
+/// The type of a wire code from [`dtype_code`] (`None` for `0` or garbage).
+pub(super) fn dtype_of_code(code: u64) -> Option<DType> {
+    let i = usize::try_from(code.checked_sub(1)?).ok()?;
+    DTYPES.get(i).copied()
 }
 
 /// FNV-1a over 64-bit words: stable across processes and builds, unlike `std`'s hasher.
@@ -261,6 +270,19 @@ fn fnv1a(words: impl Iterator<Item = u64>) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn type_codes_round_trip_and_stay_put() {
+        for (i, d) in DTYPES.iter().enumerate() {
+            assert_eq!(dtype_code(Some(*d)), i as u64 + 1);
+            assert_eq!(dtype_of_code(dtype_code(Some(*d))), Some(*d));
+        }
+        assert_eq!(dtype_code(Some(DType::F32)), 1);
+        assert_eq!(dtype_code(Some(DType::U8)), 5);
+        assert_eq!(dtype_of_code(0), None);
+        assert_eq!(dtype_of_code(6), None);
+        assert_eq!(dtype_of_code(u64::MAX), None);
+    }
 
     #[test]
     fn descriptors_round_trip_and_mismatches_name_both_operations() {

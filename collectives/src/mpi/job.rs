@@ -27,6 +27,8 @@ pub(super) type Start = Box<dyn FnOnce(Result<&SimpleCommunicator>) -> Option<Ru
 pub(super) enum Job {
     /// Run an operation.
     Op(Op),
+    /// A point-to-point operation (outside the order of collectives).
+    P2p(super::pt2pt::P2pJob),
     /// A group handle was dropped: free its communicator once its operations are started.
     Free(CommId),
 }

@@ -97,17 +97,40 @@
 //! Reductions run in `f32` for `f32`, `f16` and `bf16` buffers (MPI has no half types: the
 //! halves are widened, reduced and rounded once, as the thread backend accumulates them)
 //! and in `f64` for `f64`; `Avg` is the sum divided by the group size. Broadcast and
-//! all-gather move halves as their 16-bit patterns. MPI counts are 32-bit, so a buffer
-//! holds at most `i32::MAX` elements: a longer one fails with [`Error::InvalidArgument`]
-//! before communicating (split it, or reduce it with `all_reduce_coalesced` in pieces).
+//! all-gather move halves as their 16-bit patterns, and raw bytes ([`DType::U8`]) as
+//! `MPI_UINT8_T`; a reduction of a `U8` buffer (`all_reduce`, `all_reduce_coalesced`,
+//! `reduce_scatter`, `reduce`) fails with [`Error::InvalidArgument`] before communicating.
+//! MPI counts are 32-bit, so a buffer holds at most `i32::MAX` elements: a longer one
+//! fails with [`Error::InvalidArgument`] before communicating (split it, or reduce it with
+//! `all_reduce_coalesced` in pieces).
+//!
+//! # Point-to-point operations
+//! [`send`](ProcessGroup::send) and [`recv`](ProcessGroup::recv) are `MPI_Isend` and
+//! `MPI_Irecv` on two duplicates of the group's communicator, tested by the progress thread
+//! against the group's timeout like the collectives, but outside their order (and outside
+//! the debug mode's checks: they match by source, destination and tag). Each message is
+//! preceded by a header (its type and length); the receive compares it with its buffer,
+//! receives the payload only if they match, and answers the sender with a verdict, so a
+//! send completes (with its buffer) once the receive has taken it, and a receive of another
+//! type or length fails on both ranks with [`Error::Mismatch`], the data never truncated.
+//! Messages of one tag between two ranks arrive in the order sent; sends never wait for
+//! receives, so [`batch_isend_irecv`](ProcessGroup::batch_isend_irecv) (which posts its
+//! operations in order) cannot deadlock. A receive that times out before its message came
+//! is cancelled, and a message sent later goes to the next receive. `gather`, `scatter`,
+//! `all_to_all`, `all_to_all_split` and `reduce` are the trait's defaults (over these
+//! operations and `all_reduce`), which detect mismatched buffers on every run, where
+//! `MPI_Igather` and its kin would need the debug mode to.
 
 mod debug;
 mod job;
 mod ops;
 mod ordered;
 mod progress;
+mod pt2pt;
 mod raw;
 
+use crate::buffer::unreducible;
+use crate::p2p::check_peer;
 use crate::{
     Buffer, Completer, DType, Error, ProcessGroup, ReduceOp, Result, Work, DEFAULT_TIMEOUT,
 };
@@ -272,6 +295,35 @@ impl MpiGroup {
     }
 }
 
+impl MpiGroup {
+    /// Queues a send or receive (see `pt2pt.rs` for the protocol), after checking what
+    /// this rank can check alone.
+    fn point_to_point(
+        &self,
+        what: &str,
+        buf: Buffer,
+        peer: usize,
+        tag: u32,
+        send: bool,
+    ) -> Work<Buffer> {
+        if let Err(e) = check_peer(what, peer, tag, self.size).and_then(|()| check_len(buf.len())) {
+            return Work::ready(Err(e));
+        }
+        let (work, done) = Work::pending();
+        self.runtime.submit(Job::P2p(pt2pt::P2pJob {
+            comm: self.comm,
+            rank: self.rank,
+            peer,
+            tag,
+            send,
+            buf,
+            timeout: self.timeout,
+            done,
+        }));
+        work
+    }
+}
+
 fn check_timeout(timeout: Duration) -> Result<()> {
     if timeout.is_zero() {
         return Err(Error::InvalidArgument(
@@ -325,6 +377,9 @@ impl ProcessGroup for MpiGroup {
     }
 
     fn all_reduce(&self, buf: Buffer, op: ReduceOp) -> Work<Buffer> {
+        if let Some(e) = unreducible("all_reduce", std::iter::once(buf.dtype())) {
+            return Work::ready(Err(e));
+        }
         if let Err(e) = check_len(buf.len()) {
             return Work::ready(Err(e));
         }
@@ -340,6 +395,9 @@ impl ProcessGroup for MpiGroup {
     fn all_reduce_coalesced(&self, bufs: Vec<Buffer>, op: ReduceOp) -> Work<Vec<Buffer>> {
         // Elements per flat buffer: one per type (deterministic), or `f32` for the 32-
         // and 16-bit types and `f64` (native).
+        if let Some(e) = unreducible("all_reduce_coalesced", bufs.iter().map(Buffer::dtype)) {
+            return Work::ready(Err(e));
+        }
         let mut per_type = [0usize; 4];
         for b in &bufs {
             let i = match b.dtype() {
@@ -347,6 +405,8 @@ impl ProcessGroup for MpiGroup {
                 DType::F16 => 1,
                 DType::BF16 => 2,
                 DType::F64 => 3,
+                // Rejected above.
+                DType::U8 => continue,
             };
             per_type[i] = per_type[i].saturating_add(b.len());
         }
@@ -394,6 +454,9 @@ impl ProcessGroup for MpiGroup {
     }
 
     fn reduce_scatter(&self, buf: Buffer, op: ReduceOp) -> Work<Buffer> {
+        if let Some(e) = unreducible("reduce_scatter", std::iter::once(buf.dtype())) {
+            return Work::ready(Err(e));
+        }
         let size = self.size;
         if !buf.len().is_multiple_of(size) {
             return Work::ready(Err(Error::InvalidArgument(format!(
@@ -417,6 +480,14 @@ impl ProcessGroup for MpiGroup {
 
     fn barrier(&self) -> Work<()> {
         self.submit(Desc::barrier(), ops::barrier)
+    }
+
+    fn send(&self, buf: Buffer, dst: usize, tag: u32) -> Work<Buffer> {
+        self.point_to_point("send", buf, dst, tag, true)
+    }
+
+    fn recv(&self, buf: Buffer, src: usize, tag: u32) -> Work<Buffer> {
+        self.point_to_point("recv", buf, src, tag, false)
     }
 
     fn new_group(&self, ranks: &[usize]) -> Result<Option<Box<dyn ProcessGroup>>> {

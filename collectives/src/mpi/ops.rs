@@ -26,6 +26,9 @@ impl Wide {
             Buffer::F16(v) => Wide::F32(v.into_iter().map(f16::widen).collect()),
             Buffer::BF16(v) => Wide::F32(v.into_iter().map(bf16::widen).collect()),
             Buffer::F64(v) => Wide::F64(v),
+            // Never reduced: the group rejects a reduction of raw bytes before it gets
+            // here (`buffer::unreducible`); widened only so that this match is total.
+            Buffer::U8(v) => Wide::F32(v.into_iter().map(f32::from).collect()),
         }
     }
 
@@ -187,6 +190,7 @@ pub(super) fn broadcast(buf: Buffer, root: usize, done: Completer<Buffer>) -> St
                     Buffer::F64(v) => raw::ibcast(comm, v, root),
                     Buffer::F16(v) => raw::ibcast::<u16>(comm, bytemuck::cast_slice_mut(v), root),
                     Buffer::BF16(v) => raw::ibcast::<u16>(comm, bytemuck::cast_slice_mut(v), root),
+                    Buffer::U8(v) => raw::ibcast(comm, v, root),
                 }
             };
             requests.push(request?);
@@ -214,6 +218,7 @@ pub(super) fn all_gather(
                 match (&*send, recv) {
                     (Buffer::F32(s), Buffer::F32(r)) => raw::iallgather(comm, s, r),
                     (Buffer::F64(s), Buffer::F64(r)) => raw::iallgather(comm, s, r),
+                    (Buffer::U8(s), Buffer::U8(r)) => raw::iallgather(comm, s, r),
                     (Buffer::F16(s), Buffer::F16(r)) => raw::iallgather::<u16>(
                         comm,
                         bytemuck::cast_slice(s),
@@ -254,6 +259,7 @@ fn slice(buf: &Buffer, start: usize, len: usize) -> Buffer {
         Buffer::F16(v) => Buffer::F16(v[range].to_vec()),
         Buffer::BF16(v) => Buffer::BF16(v[range].to_vec()),
         Buffer::F64(v) => Buffer::F64(v[range].to_vec()),
+        Buffer::U8(v) => Buffer::U8(v[range].to_vec()),
     }
 }
 

@@ -36,6 +36,7 @@ macro_rules! on_slices {
         match ($send, $recv) {
             (Buffer::F32($s), Buffer::F32($r)) => $call,
             (Buffer::F64($s), Buffer::F64($r)) => $call,
+            (Buffer::U8($s), Buffer::U8($r)) => $call,
             (Buffer::F16(s), Buffer::F16(r)) => {
                 let ($s, $r): (&[u16], &mut [u16]) = (cast_slice(s), cast_slice_mut(r));
                 $call
@@ -484,6 +485,7 @@ fn cut(flat: &mut Buffer, at: usize, len: usize) -> Result<Buffer> {
         Buffer::F16(v) => Buffer::F16(v.get(range).ok_or_else(short)?.to_vec()),
         Buffer::BF16(v) => Buffer::BF16(v.get(range).ok_or_else(short)?.to_vec()),
         Buffer::F64(v) => Buffer::F64(v.get(range).ok_or_else(short)?.to_vec()),
+        Buffer::U8(v) => Buffer::U8(v.get(range).ok_or_else(short)?.to_vec()),
     })
 }
 

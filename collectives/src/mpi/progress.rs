@@ -21,6 +21,7 @@
 
 use super::debug::{self, WORDS};
 use super::job::{Action, CommId, Job, Joined, Op, Running, WORLD};
+use super::pt2pt::{Links, P2p};
 use super::raw::{self, Request};
 use crate::{Error, Result};
 use mpi::environment::Universe;
@@ -88,10 +89,13 @@ impl Runtime {
             Some(tx) => tx.send(job).err().map(|e| e.0),
             None => Some(job),
         };
-        if let Some(Job::Op(op)) = unsent {
-            op.action.fail(Error::Gone {
-                what: "the MPI progress thread has stopped".into(),
-            });
+        let gone = || Error::Gone {
+            what: "the MPI progress thread has stopped".into(),
+        };
+        match unsent {
+            Some(Job::Op(op)) => op.action.fail(gone()),
+            Some(Job::P2p(job)) => job.fail(gone()),
+            _ => {}
         }
     }
 }
@@ -162,6 +166,8 @@ fn progress_thread(rx: Receiver<Job>, ready: mpsc::SyncSender<Result<(usize, usi
 struct Comm {
     main: SimpleCommunicator,
     ctrl: SimpleCommunicator,
+    /// The point-to-point duplicates.
+    links: Links,
     rank: usize,
     /// Why the communicator can no longer be used, after an operation was abandoned.
     broken: Option<Error>,
@@ -179,7 +185,9 @@ struct Comm {
 impl Comm {
     fn new(main: SimpleCommunicator) -> Comm {
         let ctrl = main.duplicate();
+        let links = Links::of(&main);
         Comm {
+            links,
             rank: main.rank() as usize,
             main,
             ctrl,
@@ -221,7 +229,7 @@ struct Check {
 
 /// Abandoned operations whose buffers MPI may still use: kept until their requests
 /// complete (or forever).
-struct Graveyard {
+pub(super) struct Graveyard {
     graves: Vec<Grave>,
     last_poll: Instant,
 }
@@ -234,7 +242,7 @@ struct Grave {
 }
 
 impl Graveyard {
-    fn bury(&mut self, requests: Vec<Request>, bufs: Box<dyn Any>, grace: Duration) {
+    pub(super) fn bury(&mut self, requests: Vec<Request>, bufs: Box<dyn Any>, grace: Duration) {
         self.graves.push(Grave {
             requests,
             bufs,
@@ -257,6 +265,8 @@ struct Engine {
     comms: HashMap<CommId, Comm>,
     next_id: CommId,
     running: Vec<(Running, Instant, CommId, Duration)>,
+    /// Point-to-point operations: outside the communicators' queues of collectives.
+    p2p: P2p,
     graveyard: Graveyard,
 }
 
@@ -268,6 +278,7 @@ impl Engine {
             comms,
             next_id: WORLD + 1,
             running: Vec::new(),
+            p2p: P2p::default(),
             graveyard: Graveyard {
                 graves: Vec::new(),
                 last_poll: Instant::now(),
@@ -276,7 +287,9 @@ impl Engine {
     }
 
     fn idle(&self) -> bool {
-        self.running.is_empty() && self.comms.values().all(|c| c.queue.is_empty())
+        self.running.is_empty()
+            && self.comms.values().all(|c| c.queue.is_empty())
+            && self.p2p.idle()
     }
 
     /// Runs jobs until the channel is closed and everything issued has finished.
@@ -324,6 +337,7 @@ impl Engine {
 
     fn accept(&mut self, job: Job) {
         match job {
+            Job::P2p(job) => self.p2p.accept(job),
             Job::Free(id) => {
                 if let Some(comm) = self.comms.get_mut(&id) {
                     comm.freed = true;
@@ -373,6 +387,10 @@ impl Engine {
     /// Starts what can start, tests what runs; whether anything happened.
     fn poll(&mut self) -> bool {
         let mut progressed = false;
+        let comms = &self.comms;
+        progressed |= self
+            .p2p
+            .poll(|id| comms.get(&id).map(|c| &c.links), &mut self.graveyard);
         if self.comms.values().any(|c| !c.queue.is_empty()) {
             let ids: Vec<CommId> = self.comms.keys().copied().collect();
             for id in ids {
@@ -573,9 +591,13 @@ impl Engine {
     /// Frees the communicators whose handles are gone and whose queues are empty
     /// (operations still running on them complete normally: MPI defers the free).
     fn collect_freed(&mut self) {
-        // A held communicator has an operation with stages left to start on it.
-        self.comms
-            .retain(|_, c| !(c.freed && c.queue.is_empty() && !c.held));
+        // A held communicator has an operation with stages left to start on it; one with
+        // point-to-point operations in flight or waiting still needs its links.
+        let p2p = &self.p2p;
+        self.comms.retain(|&id, c| {
+            let unused = c.freed && c.queue.is_empty() && !c.held;
+            !unused || p2p.uses(id)
+        });
     }
 
     /// Frees the communicators and finalises MPI, unless abandoned operations are still
@@ -609,7 +631,7 @@ impl Engine {
 
 /// Runs `f` (which completes work, so runs continuations), containing a panic in one so
 /// that it cannot take down the progress thread of every other operation.
-fn guarded<R>(what: &str, f: impl FnOnce() -> R) -> Option<R> {
+pub(super) fn guarded<R>(what: &str, f: impl FnOnce() -> R) -> Option<R> {
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(r) => Some(r),
         Err(_) => {

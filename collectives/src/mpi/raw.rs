@@ -335,3 +335,76 @@ pub(super) fn ibarrier(comm: &SimpleCommunicator) -> Result<Request> {
         unsafe { ffi::MPI_Ibarrier(comm.as_raw(), req) }
     })
 }
+
+/// Starts `MPI_Isend` of `buf` to rank `dst` with `tag`.
+///
+/// # Safety
+/// `buf` must stay allocated and unwritten until the request completes.
+pub(super) unsafe fn isend<T: Equivalence>(
+    comm: &SimpleCommunicator,
+    buf: &[T],
+    dst: usize,
+    tag: u32,
+) -> Result<Request> {
+    let n = count(buf.len())?;
+    let (dst, tag) = (count(dst)?, count(tag as usize)?);
+    start("MPI_Isend", |req| {
+        // SAFETY: a valid pointer for `n` elements of `T`'s datatype; its lifetime is the
+        // caller's promise.
+        unsafe {
+            ffi::MPI_Isend(
+                buf.as_ptr().cast::<c_void>(),
+                n,
+                datatype::<T>(),
+                dst,
+                tag,
+                comm.as_raw(),
+                req,
+            )
+        }
+    })
+}
+
+/// Starts `MPI_Irecv` into `buf` (at most `buf.len()` elements) from rank `src` with
+/// `tag`.
+///
+/// # Safety
+/// `buf` must stay allocated and untouched until the request completes.
+pub(super) unsafe fn irecv<T: Equivalence>(
+    comm: &SimpleCommunicator,
+    buf: &mut [T],
+    src: usize,
+    tag: u32,
+) -> Result<Request> {
+    let n = count(buf.len())?;
+    let (src, tag) = (count(src)?, count(tag as usize)?);
+    start("MPI_Irecv", |req| {
+        // SAFETY: as in `isend`; MPI writes at most `n` elements.
+        unsafe {
+            ffi::MPI_Irecv(
+                buf.as_mut_ptr().cast::<c_void>(),
+                n,
+                datatype::<T>(),
+                src,
+                tag,
+                comm.as_raw(),
+                req,
+            )
+        }
+    })
+}
+
+impl Request {
+    /// Asks MPI to cancel the operation (`MPI_Cancel`): it still has to be tested to
+    /// completion, and may complete normally if it matched a message first. Only for
+    /// receives: a cancelled send is deprecated in MPI 4.
+    pub(super) fn cancel(&mut self) -> Result<()> {
+        if self.0 == request_null() {
+            return Ok(());
+        }
+        // SAFETY: `self.0` is a live request handle (checked above); cancelling does not
+        // free it, so the request is still tested (and its buffers kept) as before.
+        let code = unsafe { ffi::MPI_Cancel(&mut self.0) };
+        check(code, "MPI_Cancel")
+    }
+}

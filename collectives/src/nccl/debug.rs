@@ -21,6 +21,9 @@ pub(super) enum Kind {
     Barrier,
     /// `new_group`, with a hash of the rank list.
     Split(u64),
+    /// A point-to-point batch (`send`, `recv`, `batch_isend_irecv`): not compared by the
+    /// all-gather (only the peers take part) but pairwise, see [`Leg`].
+    P2p,
 }
 
 /// One operation as debug mode compares it: its kind and each buffer's type and length.
@@ -28,6 +31,9 @@ pub(super) enum Kind {
 pub(super) struct Desc {
     pub kind: Kind,
     pub parts: Vec<(DType, usize)>,
+    /// The point-to-point operations of a [`Kind::P2p`] descriptor, in posting order
+    /// (empty for collectives).
+    pub legs: Vec<Leg>,
 }
 
 impl Desc {
@@ -36,6 +42,16 @@ impl Desc {
         Desc {
             kind,
             parts: parts.into_iter().collect(),
+            legs: Vec::new(),
+        }
+    }
+
+    /// The descriptor of a point-to-point batch.
+    pub fn p2p(legs: Vec<Leg>) -> Desc {
+        Desc {
+            kind: Kind::P2p,
+            parts: legs.iter().map(|l| (l.dtype, l.len)).collect(),
+            legs,
         }
     }
 
@@ -137,6 +153,7 @@ fn kind_code(kind: Kind) -> (u64, u64) {
         Kind::ReduceScatter(op) => (5, op_code(op)),
         Kind::Barrier => (6, 0),
         Kind::Split(hash) => (7, hash),
+        Kind::P2p => (8, 0),
     }
 }
 
@@ -149,6 +166,7 @@ fn kind_name(code: u64) -> &'static str {
         5 => "reduce_scatter",
         6 => "barrier",
         7 => "new_group",
+        8 => "point-to-point",
         _ => "an unknown operation",
     }
 }
@@ -175,6 +193,7 @@ fn dtype_code(dtype: DType) -> u64 {
         DType::F16 => 2,
         DType::BF16 => 3,
         DType::F64 => 4,
+        DType::U8 => 5,
     }
 }
 
@@ -184,8 +203,163 @@ fn dtype_name(code: u64) -> &'static str {
         2 => "f16",
         3 => "bf16",
         4 => "f64",
+        5 => "u8",
         _ => "?",
     }
+}
+
+fn code_dtype(code: u64) -> Option<DType> {
+    [DType::F32, DType::F16, DType::BF16, DType::F64, DType::U8]
+        .into_iter()
+        .find(|&d| dtype_code(d) == code)
+}
+
+/// One point-to-point operation as debug mode checks it against its peer's.
+///
+/// NCCL matches sends and receives by posting order per peer and direction, and has no
+/// tags. Debug mode exchanges, for every peer of a batch, first a [`header`] (how many
+/// sends to and receives from that peer the batch holds), then the [`list`] of their
+/// types, lengths and tags, and checks that the `k`-th send of one side meets a `k`-th
+/// receive of the same type, length and tag on the other. Both sides see both lists, so
+/// both fail alike with [`Error::Mismatch`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Leg {
+    /// A send (else a receive).
+    pub send: bool,
+    /// The peer rank.
+    pub peer: usize,
+    /// The tag.
+    pub tag: u32,
+    /// The buffer's type.
+    pub dtype: DType,
+    /// The buffer's length.
+    pub len: usize,
+}
+
+/// Words of a point-to-point [`header`].
+pub(super) const HEADER_WORDS: usize = 4;
+/// Words of one operation in a point-to-point [`list`].
+pub(super) const LEG_WORDS: usize = 3;
+/// The first word of a point-to-point header.
+const P2P_TAG: u64 = 0x636f_6c6c_2d70_3270;
+
+/// The distinct peers of a batch, in order of first appearance.
+pub(super) fn peers(legs: &[Leg]) -> Vec<usize> {
+    let mut out: Vec<usize> = Vec::new();
+    for l in legs {
+        if !out.contains(&l.peer) {
+            out.push(l.peer);
+        }
+    }
+    out
+}
+
+fn count(legs: &[Leg], peer: usize, send: bool) -> u64 {
+    legs.iter()
+        .filter(|l| l.peer == peer && l.send == send)
+        .count() as u64
+}
+
+/// What a batch tells `peer` first: how many sends to it and receives from it it holds.
+pub(super) fn header(legs: &[Leg], peer: usize) -> [u64; HEADER_WORDS] {
+    [
+        P2P_TAG,
+        count(legs, peer, true),
+        count(legs, peer, false),
+        0,
+    ]
+}
+
+/// Checks this rank's header for `peer` against the one `peer` sent: its receives must
+/// answer our sends and its sends our receives.
+pub(super) fn check_header(me: usize, peer: usize, mine: &[u64], theirs: &[u64]) -> Result<()> {
+    if theirs.len() != HEADER_WORDS || theirs[0] != P2P_TAG {
+        return Err(Error::Mismatch(format!(
+            "rank {me} posted point-to-point operations with rank {peer}, which was in \
+             another operation (NCCL debug mode)"
+        )));
+    }
+    if mine.len() != HEADER_WORDS {
+        return Err(Error::Internal(format!(
+            "debug mode: a header of {} words",
+            mine.len()
+        )));
+    }
+    let (sends, recvs) = (mine[1], mine[2]);
+    let (their_sends, their_recvs) = (theirs[1], theirs[2]);
+    if sends != their_recvs || recvs != their_sends {
+        return Err(Error::Mismatch(format!(
+            "rank {me} posted {sends} send(s) to and {recvs} receive(s) from rank {peer} in \
+             one batch, which posted {their_recvs} receive(s) from and {their_sends} send(s) \
+             to rank {me} (NCCL debug mode: the two sides of an exchange must post it in \
+             matching batches)"
+        )));
+    }
+    Ok(())
+}
+
+/// What a batch tells `peer` next: type, length and tag of each send to it, in order,
+/// then of each receive from it.
+pub(super) fn list(legs: &[Leg], peer: usize) -> Vec<u64> {
+    let mut out = Vec::new();
+    for send in [true, false] {
+        for l in legs.iter().filter(|l| l.peer == peer && l.send == send) {
+            out.extend([dtype_code(l.dtype), l.len as u64, u64::from(l.tag)]);
+        }
+    }
+    out
+}
+
+/// Checks this rank's operations with `peer` against the [`list`] `peer` sent (its
+/// sends to this rank, then its receives from it; the headers matched, so there are as
+/// many as this rank has receives and sends).
+pub(super) fn check_list(me: usize, peer: usize, legs: &[Leg], theirs: &[u64]) -> Result<()> {
+    let garbled = || Error::Internal(format!("debug mode: a garbled list from rank {peer}"));
+    let decode = |w: &[u64]| -> Result<(DType, usize, u32)> {
+        let dtype = code_dtype(w[0]).ok_or_else(garbled)?;
+        let len = usize::try_from(w[1]).map_err(|_| garbled())?;
+        let tag = u32::try_from(w[2]).map_err(|_| garbled())?;
+        Ok((dtype, len, tag))
+    };
+    let mine = |send: bool| {
+        legs.iter()
+            .filter(move |l| l.peer == peer && l.send == send)
+    };
+    let (my_sends, my_recvs) = (count(legs, peer, true), count(legs, peer, false));
+    if theirs.len() as u64 != (my_sends + my_recvs) * LEG_WORDS as u64 {
+        return Err(garbled());
+    }
+    let (their_sends, their_recvs) = theirs.split_at(my_recvs as usize * LEG_WORDS);
+    // Our receives meet their sends; our sends meet their receives.
+    let pairs = mine(false)
+        .zip(their_sends.chunks_exact(LEG_WORDS))
+        .map(|(l, w)| (l, w, false))
+        .chain(
+            mine(true)
+                .zip(their_recvs.chunks_exact(LEG_WORDS))
+                .map(|(l, w)| (l, w, true)),
+        );
+    for (l, w, i_send) in pairs {
+        let (dtype, len, tag) = decode(w)?;
+        let (src, dst) = if i_send { (me, peer) } else { (peer, me) };
+        let (sent, posted) = if i_send {
+            ((l.dtype, l.len), (dtype, len))
+        } else {
+            ((dtype, len), (l.dtype, l.len))
+        };
+        let (sent_tag, posted_tag) = if i_send { (l.tag, tag) } else { (tag, l.tag) };
+        if sent != posted {
+            return Err(crate::p2p::mismatch(src, dst, sent_tag, sent, posted));
+        }
+        if sent_tag != posted_tag {
+            return Err(Error::Mismatch(format!(
+                "rank {src} sent with tag {sent_tag} to rank {dst}, whose receive in the same \
+                 position has tag {posted_tag} (NCCL has no tags and matches by posting \
+                 order; NCCL debug mode)"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// 64-bit FNV-1a over words: a stable hash, the same on every rank and build.
@@ -263,5 +437,91 @@ mod tests {
             "barrier",
             "a barrier has no buffers"
         );
+    }
+
+    fn leg(send: bool, peer: usize, tag: u32, dtype: DType, len: usize) -> Leg {
+        Leg {
+            send,
+            peer,
+            tag,
+            dtype,
+            len,
+        }
+    }
+
+    /// Runs both sides' checks of an exchange between ranks 0 and 1.
+    fn pair(a: &[Leg], b: &[Leg]) -> (Result<()>, Result<()>) {
+        let (ha, hb) = (header(a, 1), header(b, 0));
+        let heads = (check_header(0, 1, &ha, &hb), check_header(1, 0, &hb, &ha));
+        if heads.0.is_err() || heads.1.is_err() {
+            return heads;
+        }
+        (
+            check_list(0, 1, a, &list(b, 0)),
+            check_list(1, 0, b, &list(a, 1)),
+        )
+    }
+
+    #[test]
+    fn matching_p2p_batches_pass_on_both_sides() {
+        let a = [
+            leg(true, 1, 3, DType::F32, 4),
+            leg(false, 1, 3, DType::U8, 9),
+        ];
+        // The other side posts its receive and send in the other order: NCCL matches
+        // sends with receives, each direction on its own.
+        let b = [
+            leg(true, 0, 3, DType::U8, 9),
+            leg(false, 0, 3, DType::F32, 4),
+        ];
+        assert_eq!(pair(&a, &b), (Ok(()), Ok(())));
+        assert_eq!(peers(&a), vec![1]);
+    }
+
+    #[test]
+    fn a_send_to_self_meets_a_receive_from_self() {
+        let me = [
+            leg(true, 0, 0, DType::F16, 5),
+            leg(false, 0, 0, DType::F16, 5),
+        ];
+        let h = header(&me, 0);
+        assert_eq!(check_header(0, 0, &h, &h), Ok(()));
+        assert_eq!(check_list(0, 0, &me, &list(&me, 0)), Ok(()));
+        let bad = [
+            leg(true, 0, 0, DType::F16, 5),
+            leg(false, 0, 0, DType::F16, 6),
+        ];
+        let h = header(&bad, 0);
+        assert!(matches!(
+            check_list(0, 0, &bad, &list(&bad, 0)),
+            Err(Error::Mismatch(_))
+        ));
+        assert_eq!(check_header(0, 0, &h, &h), Ok(()));
+    }
+
+    #[test]
+    fn p2p_lengths_types_tags_and_counts_fail_on_both_sides() {
+        let send = [leg(true, 1, 2, DType::F32, 4)];
+        for recv in [
+            leg(false, 0, 2, DType::F32, 5),
+            leg(false, 0, 2, DType::F64, 4),
+            leg(false, 0, 7, DType::F32, 4),
+        ] {
+            let (x, y) = pair(&send, &[recv]);
+            for r in [x, y] {
+                match r {
+                    Err(Error::Mismatch(m)) => assert!(m.contains("rank 0"), "{m}"),
+                    other => panic!("expected a mismatch, got {other:?}"),
+                }
+            }
+        }
+        let two = [
+            leg(false, 0, 2, DType::F32, 4),
+            leg(false, 0, 2, DType::F32, 4),
+        ];
+        let (x, y) = pair(&send, &two);
+        assert!(matches!(x, Err(Error::Mismatch(_))) && matches!(y, Err(Error::Mismatch(_))));
+        let m = crate::p2p::mismatch(0, 1, 2, (DType::F32, 4), (DType::F32, 5));
+        assert!(m.to_string().contains("F32 x 4"), "{m}");
     }
 }

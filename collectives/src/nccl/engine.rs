@@ -159,7 +159,7 @@ impl Engine {
     }
 
     /// Runs one operation: at once an error if the communicator is gone; in debug mode
-    /// after every rank's descriptor matched; and on any failure of the operation aborts
+    /// after every rank's descriptor matched (a point-to-point batch's: its peers'); and on any failure of the operation aborts
     /// the communicator, so that this and every later operation fail (a mismatch found by
     /// debug mode is not a failure of the communicator).
     pub fn run<T>(
@@ -188,7 +188,12 @@ impl Engine {
             stop: &shared.stop,
         };
         if debug {
-            match self.check_descriptor(desc, &watch) {
+            // Point-to-point operations involve their peers alone: checked pairwise.
+            let checked = match desc.kind {
+                debug::Kind::P2p => self.check_p2p(&desc.legs, &watch),
+                _ => self.check_descriptor(desc, &watch),
+            };
+            match checked {
                 Ok(Ok(())) => {}
                 Ok(Err(mismatch)) => return Err(mismatch),
                 Err(fault) => return Err(self.fail(fault)),
@@ -317,7 +322,8 @@ impl Engine {
                 // Unordered, the free could run under a kernel that still uses the
                 // memory: leak the buffer instead (the context is broken anyway).
                 tracing::warn!(
-                    "ordering a buffer's release after the NCCL stream failed ({e:?});                      its {} elements are leaked",
+                    "ordering a buffer's release after the NCCL stream failed ({e:?}); \
+                     its {} elements are leaked",
                     buf.len()
                 );
                 std::mem::forget(buf);

@@ -3,8 +3,8 @@
 //!
 //! [`NcclGroup`] takes host [`Buffer`](crate::Buffer)s (staged through device buffers on the group's
 //! stream) and, through its own `*_device` methods, `cudarc` [`CudaSlice`]s of any
-//! [`NcclElement`] (`f32`, `f64`, `f16`, `bf16`), reduced in place or into new buffers on
-//! the group's stream. Through the trait ([`ProcessGroup::all_reduce_device`],
+//! [`NcclElement`] (`f32`, `f64`, `f16`, `bf16`, and `u8`, which is moved but never
+//! reduced), reduced in place or into new buffers on the group's stream. Through the trait ([`ProcessGroup::all_reduce_device`],
 //! [`ProcessGroup::broadcast_device`]) it takes [`DeviceBuffer`](crate::DeviceBuffer)s the same way, with no
 //! host copy ([`ProcessGroup::device_native`] is `true`); the inherent typed methods of
 //! the same names shadow them on a concrete `NcclGroup` (call the trait's through
@@ -50,6 +50,15 @@
 //!   their own timeout, or with `ncclRemoteError` where the transport notices.
 //! - **Abort on request.** [`NcclGroup::abort`] aborts the communicator from any thread;
 //!   the operation in flight and every later one fail with [`Error::Aborted`].
+//! - **Point-to-point natively.** `send`, `recv` and `batch_isend_irecv` (and their
+//!   `_device` forms, on device memory with no host copy) are `ncclSend` / `ncclRecv`,
+//!   a batch in one `ncclGroupStart` / `ncclGroupEnd`. NCCL has no tags: messages match
+//!   by posting order per peer, and outside debug mode NCCL cannot see a receive whose
+//!   length or type differs from the send's; see [`p2p`] for exactly what
+//!   holds. `reduce`, `gather`, `scatter` and `all_to_all` are the trait's defaults,
+//!   composed of these and of `all_reduce`.
+//! - **Raw bytes.** [`U8`](crate::DType::U8) buffers travel as `ncclUint8`; every
+//!   reduction of one is [`Error::InvalidArgument`] before anything is queued.
 //! - **Mismatches in debug mode.** With [`NcclGroup::with_debug`] (or
 //!   `COLLECTIVES_DEBUG=1`) every rank all-gathers a small descriptor before each
 //!   operation; different collectives, roots, reductions, types or lengths fail on every
@@ -78,6 +87,9 @@
 //! the pip wheel's NCCL linked as `libnccl.so`, the library checks, [`library_version`],
 //! [`NcclId::new`] (`ncclGetUniqueId`) and the missing-library errors run; every other
 //! test skips.
+//! The point-to-point operations, `U8` buffers and the composed collectives (2026-12-01)
+//! have been compiled, not yet run on a GPU: their tests in `tests/nccl.rs` wait for the
+//! next `cargo xtask gpu-check`.
 //! Asynchronous errors from a real network fault go through the same path as a timeout
 //! but no test provokes one.
 
@@ -86,6 +98,7 @@ mod debug;
 mod engine;
 mod group;
 mod ops;
+pub mod p2p;
 
 pub use comm::{check_libraries, NcclId};
 pub use ops::NcclElement;
@@ -356,7 +369,7 @@ impl NcclGroup {
     pub fn abort(&self) {
         self.shared.stop.store(true, Ordering::Release);
         // Wakes an idle progress thread, which then aborts.
-        self.send(Box::new(|_: &mut Engine| {}));
+        self.post(Box::new(|_: &mut Engine| {}));
     }
 
     /// Why the communicator was aborted, once it was (the first failure, or the abort).
@@ -368,7 +381,7 @@ impl NcclGroup {
             .clone()
     }
 
-    fn send(&self, job: Job) {
+    fn post(&self, job: Job) {
         if let Some(tx) = &self.jobs {
             // A send fails only if the progress thread is gone; the job is then dropped,
             // and with it the completer, which fails its work.
@@ -384,7 +397,7 @@ impl NcclGroup {
     ) -> Work<T> {
         let (work, completer) = Work::pending_on(self.progress_thread());
         let debug = self.debug();
-        self.send(Box::new(move |engine| {
+        self.post(Box::new(move |engine| {
             completer.complete(engine.run(&desc, debug, op))
         }));
         work
@@ -401,7 +414,7 @@ impl NcclGroup {
     ) -> Work<(B, T)> {
         let (work, completer) = Work::pending_on(self.progress_thread());
         let debug = self.debug();
-        self.send(Box::new(move |engine| {
+        self.post(Box::new(move |engine| {
             let mut bufs = bufs;
             let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 engine.run(&desc, debug, |e, w| op(e, w, &mut bufs))
@@ -469,7 +482,10 @@ impl NcclGroup {
         buf: CudaSlice<T>,
         op: ReduceOp,
     ) -> Work<CudaSlice<T>> {
-        if let Err(e) = self.same_device(&buf) {
+        if let Err(e) = self
+            .same_device(&buf)
+            .and_then(|()| reducible::<T>("all_reduce"))
+        {
             return Work::ready(Err(e));
         }
         let desc = Desc::new(Kind::AllReduce(op), [(T::DTYPE, buf.len())]);
@@ -489,7 +505,11 @@ impl NcclGroup {
         bufs: Vec<CudaSlice<T>>,
         op: ReduceOp,
     ) -> Work<Vec<CudaSlice<T>>> {
-        if let Some(e) = bufs.iter().find_map(|b| self.same_device(b).err()) {
+        if let Some(e) = bufs
+            .iter()
+            .find_map(|b| self.same_device(b).err())
+            .or_else(|| reducible::<T>("all_reduce_coalesced").err())
+        {
             return Work::ready(Err(e));
         }
         let desc = Desc::new(
@@ -543,6 +563,7 @@ impl NcclGroup {
     ) -> Work<CudaSlice<T>> {
         if let Err(e) = self
             .same_device(&buf)
+            .and_then(|()| reducible::<T>("reduce_scatter"))
             .and_then(|()| self.check_divisible(buf.len()))
         {
             return Work::ready(Err(e));
@@ -614,6 +635,15 @@ impl NcclGroup {
         self.worker
             .as_ref()
             .is_some_and(|w| w.thread().id() == thread::current().id())
+    }
+}
+
+/// Errors ([`Error::InvalidArgument`]) unless NCCL's reduction `what` may reduce `T`
+/// (every element type but `u8`).
+fn reducible<T: NcclElement>(what: &str) -> Result<()> {
+    match crate::buffer::unreducible(what, std::iter::once(T::DTYPE)) {
+        Some(e) => Err(e),
+        None => Ok(()),
     }
 }
 

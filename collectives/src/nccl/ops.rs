@@ -14,8 +14,10 @@ use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZero
 use cudarc::nccl::{result, sys};
 use half::{bf16, f16};
 
-/// An element type NCCL reduces natively: `f32`, `f64`, `f16` and `bf16`, the types of
-/// [`Buffer`]. Sealed.
+/// An element type of [`Buffer`] that NCCL moves natively: `f32`, `f64`, `f16` and
+/// `bf16`, which it also reduces, and `u8` (raw bytes, [`DType::U8`]), which it only
+/// moves: a reduction of `u8` buffers is [`Error::InvalidArgument`], before anything is
+/// queued. Sealed.
 pub trait NcclElement:
     DeviceRepr + ValidAsZeroBits + Copy + Send + Sync + 'static + sealed::Sealed
 {
@@ -36,11 +38,13 @@ macro_rules! elements {
     )*};
 }
 
-elements!(f32 => F32, f64 => F64, f16 => F16, bf16 => BF16);
+elements!(f32 => F32, f64 => F64, f16 => F16, bf16 => BF16, u8 => U8);
 
-/// NCCL's name for a type.
-fn nccl_type(dtype: DType) -> sys::ncclDataType_t {
+/// NCCL's name for a type (`U8` travels as `ncclUint8`; the reductions reject it before
+/// they get here).
+pub(super) fn nccl_type(dtype: DType) -> sys::ncclDataType_t {
     match dtype {
+        DType::U8 => sys::ncclDataType_t::ncclUint8,
         DType::F32 => sys::ncclDataType_t::ncclFloat32,
         DType::F64 => sys::ncclDataType_t::ncclFloat64,
         DType::F16 => sys::ncclDataType_t::ncclFloat16,
@@ -59,24 +63,29 @@ fn nccl_op(op: ReduceOp) -> sys::ncclRedOp_t {
 }
 
 /// Device addresses as NCCL takes them.
-fn src(ptr: u64) -> *const std::ffi::c_void {
+pub(super) fn src(ptr: u64) -> *const std::ffi::c_void {
     ptr as *const std::ffi::c_void
 }
 
-fn dst(ptr: u64) -> *mut std::ffi::c_void {
+pub(super) fn dst(ptr: u64) -> *mut std::ffi::c_void {
     ptr as *mut std::ffi::c_void
 }
 
 impl Engine {
     /// A device copy of `bytes` (not empty) on the group's stream.
-    fn upload(&self, bytes: &[u8]) -> Result<CudaSlice<u8>> {
+    pub(super) fn upload(&self, bytes: &[u8]) -> Result<CudaSlice<u8>> {
         self.stream
             .clone_htod(bytes)
             .map_err(driver("copying a buffer to the device"))
     }
 
     /// Copies `src` (as long as `dst`) back to the host, and waits for the copy.
-    fn download(&self, src: &CudaSlice<u8>, dst: &mut [u8], watch: &Watch<'_>) -> Result<()> {
+    pub(super) fn download(
+        &self,
+        src: &CudaSlice<u8>,
+        dst: &mut [u8],
+        watch: &Watch<'_>,
+    ) -> Result<()> {
         self.stream
             .memcpy_dtoh(src, dst)
             .map_err(driver("copying a result to the host"))?;

@@ -16,12 +16,16 @@
 //! staging path of the workspace, `collectives::device::staged`), so several ranks can
 //! share one GPU in tests, where NCCL refuses more than one rank per device.
 
+mod mailbox;
 mod reduce;
 mod rounding;
 mod world;
 
+use crate::buffer::unreducible;
+use crate::p2p::check_peer;
 use crate::sync::Arc;
 use crate::{Buffer, DType, Error, ProcessGroup, ReduceOp, Result, Work, DEFAULT_TIMEOUT};
+use mailbox::Side;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
@@ -73,6 +77,7 @@ impl ThreadGroup {
 
     fn join(world: Arc<World>, rank: usize) -> Result<ThreadGroup> {
         let (tx, rx) = mpsc::channel::<Job>();
+        world.mailbox.register(rank, tx.clone());
         let shared = world.clone();
         let worker = std::thread::Builder::new()
             .name(format!("collectives-rank-{rank}"))
@@ -119,6 +124,23 @@ impl ThreadGroup {
             Some(tx) => drop(tx.send(job)),
             None => drop(job),
         }
+        work
+    }
+
+    /// Posts a send or receive in the group's mailbox, from the calling thread: the
+    /// operation posted second copies the data and completes both (see `mailbox`).
+    fn point_to_point(&self, side: Side, buf: Buffer, peer: usize, tag: u32) -> Work<Buffer> {
+        let what = match side {
+            Side::Send => "send",
+            Side::Recv => "recv",
+        };
+        if let Err(e) = check_peer(what, peer, tag, self.size()) {
+            return Work::ready(Err(e));
+        }
+        let (work, done) = Work::pending();
+        self.world
+            .mailbox
+            .post(side, self.rank, peer, tag, buf, done);
         work
     }
 
@@ -265,6 +287,9 @@ impl ProcessGroup for ThreadGroup {
     }
 
     fn all_reduce(&self, buf: Buffer, op: ReduceOp) -> Work<Buffer> {
+        if let Some(e) = unreducible("all_reduce", [buf.dtype()].into_iter()) {
+            return self.reject(e);
+        }
         self.submit(move |world, rank| {
             let mut bufs = all_reduce_in_place(world, rank, Kind::AllReduce(op), vec![buf], op)?;
             bufs.pop()
@@ -298,6 +323,9 @@ impl ProcessGroup for ThreadGroup {
     }
 
     fn all_reduce_coalesced(&self, bufs: Vec<Buffer>, op: ReduceOp) -> Work<Vec<Buffer>> {
+        if let Some(e) = unreducible("all_reduce_coalesced", bufs.iter().map(Buffer::dtype)) {
+            return self.reject(e);
+        }
         self.submit(move |world, rank| {
             all_reduce_in_place(world, rank, Kind::Coalesced(op), bufs, op)
         })
@@ -373,6 +401,9 @@ impl ProcessGroup for ThreadGroup {
     }
 
     fn reduce_scatter(&self, mut buf: Buffer, op: ReduceOp) -> Work<Buffer> {
+        if let Some(e) = unreducible("reduce_scatter", [buf.dtype()].into_iter()) {
+            return self.reject(e);
+        }
         let size = self.size();
         if !buf.len().is_multiple_of(size) {
             return self.reject(Error::InvalidArgument(format!(
@@ -409,6 +440,14 @@ impl ProcessGroup for ThreadGroup {
             });
             settle(buf, outcome).map(|(out, _buf)| out)
         })
+    }
+
+    fn send(&self, buf: Buffer, dst: usize, tag: u32) -> Work<Buffer> {
+        self.point_to_point(Side::Send, buf, dst, tag)
+    }
+
+    fn recv(&self, buf: Buffer, src: usize, tag: u32) -> Work<Buffer> {
+        self.point_to_point(Side::Recv, buf, src, tag)
     }
 
     fn barrier(&self) -> Work<()> {
@@ -471,6 +510,7 @@ impl Drop for ThreadGroup {
             rank: self.rank,
             why: why.into(),
         });
+        self.world.mailbox.unregister(self.rank);
         drop(self.jobs.take());
         if let Some(worker) = self.worker.take() {
             if worker.thread().id() == std::thread::current().id() {

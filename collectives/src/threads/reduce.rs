@@ -33,6 +33,10 @@ pub(crate) unsafe fn reduce(
             DType::F16 => reduce_typed::<f16>(addrs, range, op, out),
             DType::BF16 => reduce_typed::<bf16>(addrs, range, op, out),
             DType::F64 => reduce_typed::<f64>(addrs, range, op, out),
+            // The collectives that reduce reject U8 buffers before posting anything
+            // (`buffer::unreducible`); were one to get here, the panic is contained by
+            // the rendezvous and fails the group, never leaving a buffer unreduced.
+            DType::U8 => panic!("a U8 buffer reached a reduction"),
         }
     }
 }
@@ -147,7 +151,7 @@ pub(crate) unsafe fn reduce_wire(wire: DType, addrs: &[Addr], range: Range<usize
             DType::F16 => reduce_wire_typed::<f16>(addrs, range, op),
             DType::BF16 => reduce_wire_typed::<bf16>(addrs, range, op),
             // F32 wires are plain reductions (checked by the caller); F64 is refused.
-            DType::F32 | DType::F64 => reduce(DType::F32, addrs, range, op, None),
+            DType::F32 | DType::F64 | DType::U8 => reduce(DType::F32, addrs, range, op, None),
         }
     }
 }

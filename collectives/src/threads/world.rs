@@ -18,6 +18,7 @@
 //! Under `cfg(loom)` the clock is gone: spins are bounded by a count and waits have no
 //! deadline, so the loom models (tests/loom.rs) explore the protocol's interleavings.
 
+use super::mailbox::Mailbox;
 use crate::sync::{Arc, AtomicBool, AtomicU64, Condvar, Mutex, MutexGuard, Ordering};
 use crate::{Buffer, DType, Error, ReduceOp, Result};
 use std::collections::HashMap;
@@ -117,6 +118,8 @@ pub(crate) struct World {
     poisoned: AtomicBool,
     /// Subgroups by the index of the `new_group` call that made them.
     pub subgroups: Mutex<HashMap<usize, Subgroup>>,
+    /// The point-to-point operations' mailbox, failed with the group.
+    pub mailbox: Mailbox,
 }
 
 impl World {
@@ -140,6 +143,7 @@ impl World {
             all_left: AtomicU64::new(0),
             poisoned: AtomicBool::new(false),
             subgroups: Mutex::new(HashMap::new()),
+            mailbox: Mailbox::new(size, timeout),
         })
     }
 
@@ -154,9 +158,15 @@ impl World {
     /// module docs).
     pub fn fail(&self, e: Error) {
         let mut st = self.lock();
-        Self::record(&mut st, e);
+        Self::record(&mut st, e.clone());
         self.poisoned.store(true, Ordering::Release);
         self.changed.notify_all();
+        drop(st);
+        // A rank that panicked or left fails the point-to-point operations waiting for
+        // it (other failures concern the collectives alone).
+        if let Error::PeerLost { rank, .. } = &e {
+            self.mailbox.depart(*rank, e.clone());
+        }
     }
 
     fn record(st: &mut State, e: Error) {

@@ -84,6 +84,18 @@ pub enum PipelineError {
     /// this rank, so no peer waited) or written back.
     #[error("{}", faults(.0))]
     Gradients(Vec<Fault>),
+    /// A [`Mesh`](super::Mesh) that does not fit the world group, or its groups could not
+    /// be made.
+    #[error(transparent)]
+    Mesh(#[from] super::MeshError),
+    /// On a mesh: this rank's step went through, but the step failed on these world
+    /// ranks (each returns its own error), so this rank's gradients were not written
+    /// back (they are this rank's own, as the pipe left them).
+    #[error("the step failed on world ranks {ranks:?}; the gradients here were not written back")]
+    PeersFailed {
+        /// The world ranks whose step failed, ascending.
+        ranks: Vec<usize>,
+    },
 }
 
 fn faults(list: &[Fault]) -> String {

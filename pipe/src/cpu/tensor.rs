@@ -6,6 +6,7 @@ use crate::error::Error;
 use crate::storage;
 use crate::tensor::Tensor;
 use crate::vocab::Device;
+use crate::wire::{Wire, WireMeta};
 
 /// A dense `f32` array in host memory; the first axis is the batch dimension.
 ///
@@ -199,6 +200,52 @@ impl Tensor for CpuTensor {
                 device: *device,
             })
         }
+    }
+}
+
+/// The element type code of [`CpuTensor`] on the wire: `f32`.
+const WIRE_F32: u8 = 0;
+
+impl Wire for CpuTensor {
+    fn write_wire(&self, out: &mut Vec<u8>) -> Result<WireMeta, Error> {
+        let bytes = self.data.len() * size_of::<f32>();
+        out.try_reserve(bytes).map_err(|_| Error::Alloc {
+            op: "CpuTensor::write_wire",
+            elements: self.data.len(),
+            element_bytes: size_of::<f32>(),
+        })?;
+        match self.data.as_slice() {
+            // Row-major and contiguous (every tensor the crate's layers make): one copy.
+            Some(elements) => out.extend_from_slice(bytemuck::cast_slice(elements)),
+            None => self
+                .data
+                .iter()
+                .for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
+        }
+        Ok(WireMeta {
+            dtype: WIRE_F32,
+            shape: self.data.shape().to_vec(),
+        })
+    }
+
+    fn read_wire(meta: &WireMeta, bytes: &[u8], device: &Device) -> Result<Self, Error> {
+        if meta.dtype != WIRE_F32 {
+            return Err(Error::WireType {
+                tensor: "CpuTensor",
+                dtype: meta.dtype,
+            });
+        }
+        let elements = storage::element_count("CpuTensor::read_wire", &meta.shape)?;
+        if elements.checked_mul(size_of::<f32>()) != Some(bytes.len()) {
+            return Err(Error::Shape {
+                op: "CpuTensor::read_wire",
+                expected: meta.shape.clone(),
+                got: vec![bytes.len() / size_of::<f32>()],
+            });
+        }
+        let mut data = storage::zeros("CpuTensor::read_wire", elements)?;
+        bytemuck::cast_slice_mut::<f32, u8>(&mut data).copy_from_slice(bytes);
+        CpuTensor::from_shape_vec(&meta.shape, data)?.to_device(device)
     }
 }
 

@@ -1,6 +1,7 @@
 //! [`Pipe`]: a sequence of layers split into partitions, each on its own worker, run over
 //! micro-batches by a schedule.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use skip::Moves;
@@ -12,6 +13,7 @@ use crate::memory::Memory;
 use crate::microbatch::{Batch, MicroBatch};
 use crate::portal::{moves_of, SkipPlan};
 use crate::protocol::{FinalHook, LossFn, StageSlot, Trackers};
+use crate::ranks::Ranks;
 use crate::record::Record;
 use crate::schedule::{Schedule, ScheduleKind};
 use crate::stage::{Checkpoint, Kept};
@@ -19,6 +21,7 @@ use crate::tensor::Tensor;
 use crate::vocab::{Action, Device, Pass};
 
 mod builder;
+mod ranks;
 
 pub use builder::{PipeBuilder, DEFAULT_TIMEOUT};
 
@@ -50,6 +53,8 @@ impl<T: Tensor> PipeBuilder<T> {
             skips: c.skips,
             moves: Moves::default(),
             defer_weight_grads: c.defer_weight_grads,
+            balance: c.balance,
+            ranks: c.ranks,
         })
     }
 }
@@ -117,6 +122,11 @@ pub struct Pipe<T: Tensor> {
     skips: SkipPlan,
     moves: Moves,
     defer_weight_grads: bool,
+    /// Layers per partition, over every rank.
+    balance: Vec<usize>,
+    /// For stages on ranks: where each runs (the partitions of other ranks are empty
+    /// here).
+    ranks: Option<Arc<Ranks<T>>>,
 }
 
 impl<T: Tensor> Pipe<T> {
@@ -130,6 +140,9 @@ impl<T: Tensor> Pipe<T> {
     /// the micro-batches' state is kept for [`backward`](Pipe::backward) (a previous pending
     /// forward is discarded).
     pub fn forward(&mut self, input: Batch<T>) -> Result<Batch<T>, Error> {
+        if let Some(ranks) = self.ranks.clone() {
+            return self.forward_on_ranks(&ranks, input);
+        }
         self.check_poison()?;
         self.discard_pending();
         let n = self.partitions.len();
@@ -157,6 +170,9 @@ impl<T: Tensor> Pipe<T> {
     /// output, and returns the gradient of its input. Parameter gradients accumulate in the
     /// layers.
     pub fn backward(&mut self, grad_output: Batch<T>) -> Result<Batch<T>, Error> {
+        if let Some(ranks) = self.ranks.clone() {
+            return self.backward_on_ranks(&ranks, grad_output);
+        }
         self.check_poison()?;
         let n = self.partitions.len();
         if n == 0 {
@@ -197,6 +213,9 @@ impl<T: Tensor> Pipe<T> {
         L: Send,
         F: FnMut(MicroBatch, &Batch<T>) -> Result<(L, Batch<T>), Error> + Send,
     {
+        if let Some(ranks) = self.ranks.clone() {
+            return self.step_on_ranks(&ranks, None, input, loss);
+        }
         let plan = self.micro_batches(input.batch_len()?)?;
         let schedule = self
             .schedule
@@ -217,6 +236,9 @@ impl<T: Tensor> Pipe<T> {
         L: Send,
         F: FnMut(MicroBatch, &Batch<T>) -> Result<(L, Batch<T>), Error> + Send,
     {
+        if let Some(ranks) = self.ranks.clone() {
+            return self.step_on_ranks(&ranks, Some(schedule), input, loss);
+        }
         self.run_step(schedule, None, input, loss)
     }
 
@@ -357,6 +379,7 @@ impl<T: Tensor> Pipe<T> {
             record: origin,
             on_final: self.on_final.as_deref(),
             skips: &self.skips,
+            ranks: self.ranks.clone(),
         };
         match execute(job) {
             Ok(mut outcome) => {
@@ -524,9 +547,16 @@ impl<T: Tensor> Pipe<T> {
         self.partitions.into_iter().flatten().collect()
     }
 
-    /// Layers per partition.
+    /// Layers per partition (over every rank, for stages on ranks: the partitions of
+    /// other ranks are empty in [`partitions`](Pipe::partitions)).
     pub fn balance(&self) -> Vec<usize> {
-        self.partitions.iter().map(Vec::len).collect()
+        self.balance.clone()
+    }
+
+    /// For stages on ranks: the rank of each partition; `None` for a pipe in one
+    /// process.
+    pub fn stage_ranks(&self) -> Option<&[usize]> {
+        self.ranks.as_deref().map(|r| r.stage_rank.as_slice())
     }
 
     /// One device per partition.

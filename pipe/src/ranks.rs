@@ -1,0 +1,208 @@
+//! A pipe's stages on ranks: where each stage runs ([`Ranks`]), how a worker's messages
+//! to a stage on another rank become frames on the [`Transport`], and the receiving side
+//! of a run ([`receive_from`]: one thread per peer rank, filing what arrives in the local
+//! workers' inboxes until that peer's `Done`).
+//!
+//! Every run is framed the same way on every stream between two ranks: the data frames
+//! of the run, possibly one `Abort`, then one `Done`. Each rank sends `Done` to every peer
+//! when its workers have ended (after a failure too) and waits for every peer's `Done`
+//! before the run returns, so the streams stay aligned from one run to the next and no
+//! thread outlives the run. A failure on one rank reaches the others as an `Abort` at
+//! once (not at the end), and stops their workers as a local failure does.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::error::Error;
+use crate::frame::{self, Control, Frame};
+use crate::protocol::{Msg, Shared};
+use crate::schedule::Schedule;
+use crate::transport::Transport;
+use crate::vocab::Device;
+use crate::wire::Wire;
+
+/// Encodes a worker's message as a frame.
+pub(crate) type Encode<T> = fn(&Msg<T>) -> Result<Vec<u8>, Error>;
+/// Decodes a frame; tensors land on the device the closure gives for their stage.
+pub(crate) type Decode<T> =
+    fn(&[u8], &dyn Fn(usize) -> Result<Device, Error>) -> Result<Frame<T>, Error>;
+
+/// Where the stages of a pipe run, and the transport between them.
+pub(crate) struct Ranks<T> {
+    pub transport: Arc<dyn Transport>,
+    /// `stage_rank[j]`: the rank that runs stage `j`.
+    pub stage_rank: Vec<usize>,
+    encode: Encode<T>,
+    decode: Decode<T>,
+}
+
+fn decode_dyn<T: Wire>(
+    bytes: &[u8],
+    device_of: &dyn Fn(usize) -> Result<Device, Error>,
+) -> Result<Frame<T>, Error> {
+    frame::decode(bytes, device_of)
+}
+
+impl<T: Wire> Ranks<T> {
+    /// The stages of `stage_rank` over `transport`, for a tensor type that crosses ranks.
+    pub fn new(transport: Arc<dyn Transport>, stage_rank: Vec<usize>) -> Self {
+        Ranks {
+            transport,
+            stage_rank,
+            encode: frame::encode_msg::<T>,
+            decode: decode_dyn::<T>,
+        }
+    }
+}
+
+impl<T> Ranks<T> {
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.transport.rank()
+    }
+
+    /// Whether stage `stage` runs on this rank.
+    pub fn is_local(&self, stage: usize) -> bool {
+        self.stage_rank.get(stage) == Some(&self.rank())
+    }
+
+    /// The other ranks that run stages, in order.
+    pub fn peers(&self) -> Vec<usize> {
+        let me = self.rank();
+        let mut peers: Vec<usize> = self
+            .stage_rank
+            .iter()
+            .copied()
+            .filter(|&r| r != me)
+            .collect();
+        peers.sort_unstable();
+        peers.dedup();
+        peers
+    }
+
+    fn transport_error(&self, peer: usize, source: crate::transport::TransportError) -> Error {
+        Error::Transport {
+            rank: self.rank(),
+            peer,
+            source,
+        }
+    }
+
+    /// Sends a worker's message to the rank of its stage.
+    pub fn send_msg(&self, stage: usize, msg: &Msg<T>) -> Result<(), Error> {
+        let to = self.stage_rank[stage];
+        let frame = (self.encode)(msg)?;
+        self.transport
+            .send(to, frame)
+            .map_err(|e| self.transport_error(to, e))
+    }
+
+    /// Sends a control frame to `to`.
+    pub fn send_control(&self, to: usize, control: &Control) -> Result<(), Error> {
+        let frame = frame::encode_control(control)?;
+        self.transport
+            .send(to, frame)
+            .map_err(|e| self.transport_error(to, e))
+    }
+
+    /// The next frame from `from`, its tensors on `device_of(stage)`.
+    pub fn recv(
+        &self,
+        from: usize,
+        timeout: Duration,
+        device_of: &dyn Fn(usize) -> Result<Device, Error>,
+    ) -> Result<Frame<T>, Error> {
+        let bytes = self
+            .transport
+            .recv(from, timeout)
+            .map_err(|e| self.transport_error(from, e))?;
+        (self.decode)(&bytes, device_of)
+    }
+
+    /// The next frame from `from`, which must be a control frame.
+    pub fn recv_control(&self, from: usize, timeout: Duration) -> Result<Control, Error> {
+        match self.recv(from, timeout, &|_| Ok(Device::Cpu))? {
+            Frame::Control(c) => Ok(c),
+            Frame::Msg(_) => Err(Error::Frame(format!(
+                "rank {from} sent a worker's message where a control frame was due"
+            ))),
+        }
+    }
+
+    /// Tells every peer that this rank failed with `error` (best effort: a peer that is
+    /// gone learns nothing, and its own failure reaches this rank).
+    pub fn abort_peers(&self, error: &Error) {
+        let abort = Control::Abort {
+            rank: self.rank(),
+            site: error.site().cloned(),
+            message: error.to_string(),
+        };
+        for peer in self.peers() {
+            let _ = self.send_control(peer, &abort);
+        }
+    }
+}
+
+/// The receiving side of a run for the frames of `peer`: files each message in the inbox
+/// of the local worker of its stage, records a peer's failure (which stops the local
+/// workers), and returns at the peer's `Done`. A transport failure or a frame that does
+/// not belong is this rank's failure, and ends the stream.
+pub(crate) fn receive_from<T>(
+    ranks: &Ranks<T>,
+    peer: usize,
+    shared: &Shared<T>,
+    schedule: &Schedule,
+    devices: &[Device],
+    timeout: Duration,
+) {
+    let device_of = |stage: usize| -> Result<Device, Error> {
+        if ranks.is_local(stage) {
+            Ok(devices[stage])
+        } else {
+            Err(Error::Frame(format!(
+                "rank {peer} sent data for stage {stage}, which does not run on rank {}",
+                ranks.rank()
+            )))
+        }
+    };
+    loop {
+        let frame = match ranks.recv(peer, timeout, &device_of) {
+            Ok(frame) => frame,
+            Err(e) => {
+                shared.fail(e);
+                return;
+            }
+        };
+        match frame {
+            Frame::Msg(msg) => {
+                let stage = match &msg {
+                    Msg::Activation { stage, .. }
+                    | Msg::Gradient { stage, .. }
+                    | Msg::Skip { stage, .. }
+                    | Msg::SkipGrad { stage, .. } => *stage,
+                    Msg::Abort => continue,
+                };
+                if let Some(w) = schedule.worker_of(stage) {
+                    // A worker that has returned has dropped its inbox: the run is ending.
+                    let _ = shared.senders[w].send(msg);
+                }
+            }
+            Frame::Control(Control::Abort {
+                rank,
+                site,
+                message,
+            }) => shared.fail(Error::Remote {
+                rank,
+                site,
+                message,
+            }),
+            Frame::Control(Control::Done) => return,
+            Frame::Control(other) => {
+                shared.fail(Error::Frame(format!(
+                    "rank {peer} sent {other:?} in the middle of a run"
+                )));
+                return;
+            }
+        }
+    }
+}
