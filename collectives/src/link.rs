@@ -120,6 +120,11 @@ pub enum LinkOp {
     Broadcast(usize),
     /// Barrier.
     Barrier,
+    /// A point-to-point send of this many bytes: latency plus bytes over the bandwidth.
+    Send(usize),
+    /// A point-to-point receive of this many bytes: charged as its send is (the data
+    /// arrives that long after it left), and sends nothing.
+    Recv(usize),
 }
 
 impl Link {
@@ -131,6 +136,7 @@ impl Link {
             LinkOp::ReduceScatter(b) => self.reduce_scatter(n, b),
             LinkOp::Broadcast(b) => self.broadcast(n, b),
             LinkOp::Barrier => self.barrier(n),
+            LinkOp::Send(b) | LinkOp::Recv(b) => self.time(b as f64, 1.0),
         }
     }
 }
@@ -142,8 +148,9 @@ impl LinkOp {
             LinkOp::AllReduce(b)
             | LinkOp::AllGather(b)
             | LinkOp::ReduceScatter(b)
-            | LinkOp::Broadcast(b) => b,
-            LinkOp::Barrier => 0,
+            | LinkOp::Broadcast(b)
+            | LinkOp::Send(b) => b,
+            LinkOp::Barrier | LinkOp::Recv(_) => 0,
         }
     }
 }
@@ -250,6 +257,45 @@ crate::forward_group! {
             let rec = LinkOp::Broadcast(buf.len() * buf.dtype().size());
             self.charge(self.inner.broadcast_device(buf, root), rec)
         }
+        #[cfg(feature = "cuda")]
+        fn send_device(
+            &self,
+            buf: crate::DeviceBuffer,
+            dst: usize,
+            tag: u32,
+        ) -> Work<crate::DeviceBuffer> {
+            let rec = LinkOp::Send(buf.len() * buf.dtype().size());
+            self.charge(self.inner.send_device(buf, dst, tag), rec)
+        }
+        #[cfg(feature = "cuda")]
+        fn recv_device(
+            &self,
+            buf: crate::DeviceBuffer,
+            src: usize,
+            tag: u32,
+        ) -> Work<crate::DeviceBuffer> {
+            let rec = LinkOp::Recv(buf.len() * buf.dtype().size());
+            self.charge(self.inner.recv_device(buf, src, tag), rec)
+        }
+        #[cfg(feature = "cuda")]
+        fn batch_isend_irecv_device(
+            &self,
+            ops: Vec<crate::P2pOp<crate::DeviceBuffer>>,
+        ) -> Vec<Work<crate::DeviceBuffer>> {
+            let recs: Vec<LinkOp> = ops
+                .iter()
+                .map(|op| match op {
+                    crate::P2pOp::Send { buf, .. } => LinkOp::Send(buf.len() * buf.dtype().size()),
+                    crate::P2pOp::Recv { buf, .. } => LinkOp::Recv(buf.len() * buf.dtype().size()),
+                })
+                .collect();
+            self.inner
+                .batch_isend_irecv_device(ops)
+                .into_iter()
+                .zip(recs)
+                .map(|(w, rec)| self.charge(w, rec))
+                .collect()
+        }
         /// `None`: a caller that narrowed on the device would hand the inner group's
         /// inner group the buffer, past this group's charge and log.
         fn narrowed(&self) -> Option<crate::Narrowed<'_>> {
@@ -269,6 +315,53 @@ crate::forward_group! {
         }
         fn barrier(&self) -> Work<()> {
             self.charge(self.inner.barrier(), LinkOp::Barrier)
+        }
+        fn send(&self, buf: Buffer, dst: usize, tag: u32) -> Work<Buffer> {
+            let rec = LinkOp::Send(bytes(&buf));
+            self.charge(self.inner.send(buf, dst, tag), rec)
+        }
+        fn recv(&self, buf: Buffer, src: usize, tag: u32) -> Work<Buffer> {
+            let rec = LinkOp::Recv(bytes(&buf));
+            self.charge(self.inner.recv(buf, src, tag), rec)
+        }
+        /// The inner group's batch (NCCL must group it), each work charged as a send or
+        /// receive of its buffer.
+        fn batch_isend_irecv(&self, ops: Vec<crate::P2pOp>) -> Vec<Work<Buffer>> {
+            let recs: Vec<LinkOp> = ops
+                .iter()
+                .map(|op| match op {
+                    crate::P2pOp::Send { buf, .. } => LinkOp::Send(bytes(buf)),
+                    crate::P2pOp::Recv { buf, .. } => LinkOp::Recv(bytes(buf)),
+                })
+                .collect();
+            self.inner
+                .batch_isend_irecv(ops)
+                .into_iter()
+                .zip(recs)
+                .map(|(w, rec)| self.charge(w, rec))
+                .collect()
+        }
+        // The composed collectives run over this group's own operations, so that each of
+        // their messages is charged (the inner group's would bypass the link).
+        fn reduce(&self, buf: Buffer, root: usize, op: ReduceOp) -> Work<Buffer> {
+            crate::compose::reduce(self, buf, root, op)
+        }
+        fn gather(&self, buf: Buffer, root: usize) -> Work<Vec<Buffer>> {
+            crate::compose::gather(self, buf, root)
+        }
+        fn scatter(&self, chunks: Vec<Buffer>, out: Buffer, root: usize) -> Work<Buffer> {
+            crate::compose::scatter(self, chunks, out, root)
+        }
+        fn all_to_all(&self, buf: Buffer) -> Work<Buffer> {
+            crate::compose::all_to_all(self, buf)
+        }
+        fn all_to_all_split(
+            &self,
+            buf: Buffer,
+            send_counts: Vec<usize>,
+            recv_counts: Vec<usize>,
+        ) -> Work<Buffer> {
+            crate::compose::all_to_all_split(self, buf, send_counts, recv_counts)
         }
         fn new_group(&self, ranks: &[usize]) -> Result<Option<Box<dyn ProcessGroup>>> {
             // Subgroups inherit the link; their charges are accounted separately.

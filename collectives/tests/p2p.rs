@@ -302,3 +302,31 @@ fn all_to_all_rejects_counts_that_do_not_add_up() {
         assert!(matches!(r.unwrap(), Err(Error::InvalidArgument(_))));
     }
 }
+
+#[test]
+fn a_linked_group_charges_point_to_point_messages() {
+    use collectives::link::{Charge, Link, LinkOp, Linked};
+    let link = Link::gbit(1.0, Duration::from_micros(20)).unwrap();
+    let out = run_local(2, |g| {
+        let g = Linked::new(g, link, Charge::Account);
+        if g.rank() == 0 {
+            g.send(f32s(&[1.0; 1000]), 1, 0).wait().unwrap();
+        } else {
+            g.recv(f32s(&[0.0; 1000]), 0, 0).wait().unwrap();
+        }
+        // The composed gather sends over the wrapper's own (charged) operations.
+        g.gather(f32s(&[2.0; 10]), 0).wait().unwrap();
+        (g.take_log(), g.charged())
+    })
+    .unwrap();
+    let (log0, charged0) = out[0].as_ref().unwrap();
+    let (log1, charged1) = out[1].as_ref().unwrap();
+    assert_eq!(log0, &vec![LinkOp::Send(4000), LinkOp::Recv(40)]);
+    assert_eq!(log1, &vec![LinkOp::Recv(4000), LinkOp::Send(40)]);
+    assert_eq!(LinkOp::Recv(4000).bytes(), 0);
+    // 4000 bytes at 1 Gbit/s (32 us) plus 20 us of latency, then 40 bytes (0.32 us + 20 us).
+    let want = Duration::from_nanos(32_000 + 20_000 + 320 + 20_000);
+    for c in [charged0, charged1] {
+        assert!(c.abs_diff(want) < Duration::from_nanos(10), "{c:?}");
+    }
+}

@@ -86,7 +86,9 @@ pub fn run(o: Options) -> Result<(), Failure> {
 
 /// The `pipe` crate's benchmark (speedup over the unpipelined model per schedule,
 /// checkpoint mode and micro-batch count, the per-action overhead, the timeline picture),
-/// then pipeline × data parallel (`ddp-hooks --features pipe`: 2 ranks × 2 partitions,
+/// then stages on ranks (`pipe --features collectives`, with `mpi` where `mpirun` is on
+/// `PATH`: the same stack on two thread ranks and two processes against the in-process
+/// pipe), then pipeline × data parallel (`ddp-hooks --features pipe`: 2 ranks × 2 partitions,
 /// exposed communication with a sleeping link, per-partition against after-backward
 /// launch).
 fn pipe(quick: bool, json: bool) -> Result<(), Failure> {
@@ -101,6 +103,22 @@ fn pipe(quick: bool, json: bool) -> Result<(), Failure> {
     };
     run_status(cargo(&flags(vec![
         "bench", "-q", "-p", "pipe", "--bench", "pipe", "--",
+    ])))?;
+    let features = if crate::on_path("mpirun") {
+        "collectives,mpi"
+    } else {
+        "collectives"
+    };
+    run_status(cargo(&flags(vec![
+        "bench",
+        "-q",
+        "-p",
+        "pipe",
+        "--features",
+        features,
+        "--bench",
+        "ranks",
+        "--",
     ])))?;
     run_status(cargo(&flags(vec![
         "bench",
