@@ -140,7 +140,10 @@ fn in_process(tiny: bool, schedule: ScheduleKind, reps: usize) -> Duration {
         .build()
         .expect("a valid pipe");
     let x = batch_of(tiny);
-    steps(&mut pipe, &x, true, reps).into_iter().min().unwrap_or_default()
+    steps(&mut pipe, &x, true, reps)
+        .into_iter()
+        .min()
+        .unwrap_or_default()
 }
 
 fn thread_ranks(tiny: bool, schedule: ScheduleKind, reps: usize) -> Duration {
@@ -172,7 +175,10 @@ fn mpi_child(reps: usize) {
             .build()
             .expect("a valid pipe on ranks");
         let times = steps(&mut pipe, &batch_of(tiny), rank == 0, reps);
-        let us: Vec<String> = times.iter().map(|t| format!("{:.1}", t.as_secs_f64() * 1e6)).collect();
+        let us: Vec<String> = times
+            .iter()
+            .map(|t| format!("{:.1}", t.as_secs_f64() * 1e6))
+            .collect();
         println!(
             "{{\"mpi_child\":{rank},\"tiny\":{tiny},\"schedule\":\"{schedule}\",\"times_us\":[{}]}}",
             us.join(",")
@@ -209,7 +215,15 @@ fn mpi(reps: usize) -> Option<Vec<((bool, ScheduleKind), Duration)>> {
     }
     let exe = std::env::current_exe().ok()?;
     let out = std::process::Command::new("mpirun")
-        .args(["-np", "2", "--oversubscribe", "--bind-to", "none", "--timeout", "600"])
+        .args([
+            "-np",
+            "2",
+            "--oversubscribe",
+            "--bind-to",
+            "none",
+            "--timeout",
+            "600",
+        ])
         .arg(exe)
         .args(["--mpi-child", "--reps", &reps.to_string()])
         .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
@@ -244,7 +258,10 @@ fn mpi(reps: usize) -> Option<Vec<((bool, ScheduleKind), Duration)>> {
             );
         }
         if per_rank.len() != 2 {
-            eprintln!("ranks bench: mpirun printed {} rank(s) for {schedule}", per_rank.len());
+            eprintln!(
+                "ranks bench: mpirun printed {} rank(s) for {schedule}",
+                per_rank.len()
+            );
             return None;
         }
         rows.push((config, slower(&per_rank)));
@@ -297,8 +314,18 @@ fn main() {
     let mut rows: Vec<(&str, ScheduleKind, bool, Duration)> = Vec::new();
     for (tiny, schedule) in configurations() {
         let reps = if tiny { tiny_reps } else { a.reps };
-        rows.push(("in-process", schedule, tiny, in_process(tiny, schedule, reps)));
-        rows.push(("thread-ranks", schedule, tiny, thread_ranks(tiny, schedule, reps)));
+        rows.push((
+            "in-process",
+            schedule,
+            tiny,
+            in_process(tiny, schedule, reps),
+        ));
+        rows.push((
+            "thread-ranks",
+            schedule,
+            tiny,
+            thread_ranks(tiny, schedule, reps),
+        ));
         if let Some(m) = &mpi_rows {
             if let Some((_, t)) = m.iter().find(|(c, _)| *c == (tiny, schedule)) {
                 rows.push(("mpi", schedule, tiny, *t));

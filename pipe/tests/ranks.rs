@@ -585,3 +585,62 @@ fn ranks_that_disagree_fail_instead_of_hanging() {
         ran[0]
     );
 }
+
+#[test]
+fn deferred_batch_norm_and_the_gradients_final_callback_work_on_ranks() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let balance = [1, 3];
+    let s = Setup {
+        chunks: 3,
+        mode: Checkpoint::ExceptLast,
+        drive: Drive::Step(ScheduleKind::OneFOneB),
+        defer: true,
+        batch: 10,
+    };
+    // One process: deferred batch norm, then evaluation (which uses the running stats).
+    let mut one = configure(Pipe::builder(bn_model(), &balance), s)
+        .deferred_batch_norm(true)
+        .build()
+        .unwrap();
+    let (_, _, _, want) = train(&mut one, s, true, true);
+    let transports = LocalTransport::create(2);
+    let mut all = bn_model().into_iter();
+    let parts: Vec<Layers> = vec![all.by_ref().take(1).collect(), all.collect()];
+    let got = std::thread::scope(|scope| {
+        let handles: Vec<_> = parts
+            .into_iter()
+            .zip(transports)
+            .enumerate()
+            .map(|(rank, (layers, t))| {
+                scope.spawn(move || {
+                    let mut pipe = configure(Pipe::builder(layers, &balance), s)
+                        .deferred_batch_norm(true)
+                        .record(true)
+                        .stages_on_ranks(Arc::new(t))
+                        .build()
+                        .unwrap();
+                    let calls = Arc::new(AtomicUsize::new(0));
+                    let seen = calls.clone();
+                    pipe.on_gradients_final(move |stage, layers| {
+                        assert_eq!(stage, rank, "only this rank's stage reports");
+                        assert!(!layers.is_empty());
+                        seen.fetch_add(1, Ordering::Relaxed);
+                    });
+                    let (_, _, _, evaluated) = train(&mut pipe, s, rank == 0, rank == 1);
+                    // Spans were recorded for this rank's stage only.
+                    let record = pipe.take_record().unwrap();
+                    let spans: usize = record.workers().iter().map(Vec::len).sum();
+                    assert!(spans > 0);
+                    (evaluated, calls.load(Ordering::Relaxed))
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .collect::<Vec<_>>()
+    });
+    assert_eq!(got[0].1, 1);
+    assert_eq!(got[1].1, 1);
+    assert_eq!(got[1].0, want);
+}

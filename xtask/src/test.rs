@@ -44,7 +44,9 @@ const OPTIONAL: &[Optional] = &[Optional {
 /// per rank, `harness = false`) and runs it under `mpirun` on two processes, then on four
 /// (oversubscribed: its bit-for-bit checks against the thread backend's order need three
 /// or more ranks for the order of additions to matter); then short `cargo xtask train
-/// --backend mpi` runs (2 and 4 processes) that must end bit-identical to thread ranks.
+/// --backend mpi` runs (2 and 4 processes) that must end bit-identical to thread ranks,
+/// after pipe's `stages_on_ranks` example on two processes (`--mpi`), which checks a
+/// two-stage pipe bit for bit against the same pipe in one process.
 fn mpi_suite() -> Result<(), Failure> {
     run_status(cargo(&[
         "test",
@@ -66,8 +68,45 @@ fn mpi_suite() -> Result<(), Failure> {
         cmd.arg(&exe);
         run_status(cmd)?;
     }
+    // Pipe stages on the two processes of `mpirun`, bit for bit against one process.
+    let exe = pipe_example("stages_on_ranks", "mpi")?;
+    let mut cmd = crate::mpirun(2);
+    cmd.arg(&exe).arg("--mpi");
+    run_status(cmd)?;
     // The training example across processes, against the same run on thread ranks.
     crate::train::mpi_check()
+}
+
+/// Builds `cargo build -p pipe --features FEATURES --example NAME` (the dev profile: the
+/// example runs in well under a second there, and `cargo test --workspace` has already
+/// built most of what it needs) and returns the binary.
+fn pipe_example(name: &str, features: &str) -> Result<std::path::PathBuf, Failure> {
+    let args = [
+        "build",
+        "-p",
+        "pipe",
+        "--features",
+        features,
+        "--example",
+        name,
+    ];
+    let mut cmd = cargo(&args);
+    cmd.arg("--message-format=json-render-diagnostics")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    eprintln!("xtask: running {cmd:?}");
+    let out = cmd
+        .output()
+        .map_err(|e| Failure(format!("could not start {cmd:?}: {e}")))?;
+    if !out.status.success() {
+        return Err(Failure(format!("{cmd:?} failed with {}", out.status)));
+    }
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter(|m| m["reason"] == "compiler-artifact" && m["target"]["name"] == name)
+        .find_map(|m| m["executable"].as_str().map(std::path::PathBuf::from))
+        .ok_or_else(|| Failure(format!("{cmd:?} named no executable for `{name}`")))
 }
 
 pub fn run(args: &[String]) -> Result<(), Failure> {
@@ -139,6 +178,22 @@ pub fn run(args: &[String]) -> Result<(), Failure> {
         "--test",
         "candle",
     ]))?;
+    // Stages on the ranks of a `collectives` group: the transport's tests (the `ranks`
+    // tests need no feature and ran above), then two stages on two thread ranks, bit for
+    // bit against the same pipe in one process.
+    run_status(cargo(&[
+        "test",
+        "-p",
+        "pipe",
+        "--features",
+        "collectives",
+        "--test",
+        "group_transport",
+    ]))?;
+    run_status(Command::new(pipe_example(
+        "stages_on_ranks",
+        "collectives",
+    )?))?;
     let mut skipped = Vec::new();
     for suite in OPTIONAL {
         if suite.needs.iter().all(|p| on_path(p)) {

@@ -160,6 +160,12 @@ impl Mailbox {
             deadline: crate::group::deadline_after(self.inner.timeout),
         };
         let mut st = self.lock();
+        if let Some(e) = st.gone.get(rank).cloned().flatten() {
+            // This rank has left (its progress thread panicked): it posts no more.
+            drop(st);
+            self.complete(posted, e);
+            return;
+        }
         let queues = st.pending.entry(key).or_default();
         let theirs = match side {
             Side::Send => &mut queues.recvs,
