@@ -100,4 +100,3 @@ pub fn load() -> String {
 pub fn zero(layers: &mut [Box<dyn Layer<CpuTensor>>]) {
     layers.iter_mut().for_each(|l| l.zero_grad());
 }
-
