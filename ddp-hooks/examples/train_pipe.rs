@@ -1,8 +1,11 @@
-//! Pipeline × data parallel training of the teacher-student regression task: each thread
-//! rank runs its model as an N-partition `pipe::Pipe` (micro-batches, checkpointing,
-//! GPipe or 1F1B), and each partition's gradient buckets go to the communication hook as
-//! soon as that partition's backward pass is done (`ddp_hooks::pipeline`).
-//! `cargo xtask train --pipe 2` builds and drives it; it also runs on its own:
+//! Pipeline × data parallel training of the teacher-student regression task on a mesh of
+//! thread ranks: `--ranks R --pipe P` is P pipeline stages × R/P data-parallel replicas
+//! (`ddp_hooks::pipeline::Mesh`; world rank = stage * replicas + replica, Megatron's
+//! layout). Each rank holds one stage (one partition of a `pipe::Pipe` whose stages run
+//! on the ranks of its replica's pipeline: micro-batches, checkpointing, GPipe or 1F1B),
+//! and each stage's gradient buckets go to the communication hook over that stage's
+//! replicas as soon as its backward pass is done (`ddp_hooks::pipeline`).
+//! `cargo xtask train --pipe 2 --ranks 4` builds and drives it; it also runs on its own:
 //!
 //! ```sh
 //! cargo run --release -p ddp-hooks --features pipe --example train_pipe -- --pipe 2
@@ -11,13 +14,16 @@
 //! ```
 //!
 //! MLP 64 -> 128 -> 128 -> 32 (ReLU; `pipe`'s layers), teacher a fixed random model of
-//! the same shape, inputs N(0, I), target noise 0.01, 2048 samples and batch 64 per rank,
-//! SGD lr 0.05 momentum 0.9; 4 ranks and 1000 steps by default. Prints the final loss on
-//! 512 held-out samples, the bytes each rank sent, and the step time predicted at 1 and
-//! 10 Gbit/s as the `train` example does (measured step time plus the link time of every
-//! collective, which ignores the overlap; `benches/pipeline.rs` measures that). With
-//! `--json`, the same events as `train` (`start`, `step`, `done`), with the pipe's
-//! settings added. `--help` lists the arguments; a bad one exits with status 2.
+//! the same shape, inputs N(0, I), target noise 0.01, 2048 samples and batch 64 per
+//! replica, SGD lr 0.05 momentum 0.9; 4 ranks as 2 stages × 2 replicas and 1000 steps by
+//! default. Prints the final loss on 512 held-out samples, the gradient bytes a rank sent
+//! (over its stage's data-parallel group; the activations between stages are not
+//! counted), and the step time predicted at 1 and 10 Gbit/s as the `train` example does
+//! (measured step time plus the link time of the slowest stage's collectives, which
+//! ignores the overlap; `benches/pipeline.rs` measures that). The running loss is the
+//! last stage's of replica 0. With `--json`, the same events as `train` (`start`,
+//! `step`, `done`), with the pipe's and the mesh's settings added. `--help` lists the
+//! arguments; a bad one exits with status 2.
 
 #[path = "mlp/args.rs"]
 mod args;
@@ -26,7 +32,7 @@ use accum::Accumulator;
 use args::{positive, text};
 use collectives::link::{Charge, Link, LinkOp, Linked};
 use collectives::{run_local, ProcessGroup, ThreadGroup};
-use ddp_hooks::pipeline::DistributedPipe;
+use ddp_hooks::pipeline::{DistributedPipe, Mesh};
 use ddp_hooks::{HookSpec, ReducerConfig};
 use lowrank::{CpuBackend, NormalRng};
 use pipe::cpu::{CpuTensor, Linear, ReLU};
@@ -40,14 +46,15 @@ use std::time::{Duration, Instant};
 
 const USAGE: &str = "\
 arguments:
-  --ranks N          thread ranks (default 4)
+  --ranks N          thread ranks: --pipe stages x (N / --pipe) replicas (default 4)
   --steps N          optimizer steps (default 1000)
   --hook SPEC        a registry spec: allreduce, fp16, bf16, powersgd:rank=2,start_iter=10,
                      ... (default allreduce)
   --accumulate K     pipelined mini-batches per optimizer step, synchronising only the last
                      (default 1)
-  --batch N          samples per mini-batch and rank (default 64; divides 2048)
-  --pipe N           partitions per rank, 1 to 5 (default 2)
+  --batch N          samples per mini-batch and replica (default 64; divides 2048)
+  --pipe N           pipeline stages, one partition on each rank; 1 to 5, dividing
+                     --ranks (default 2)
   --chunks N         micro-batches per mini-batch (default 4)
   --checkpoint-mode MODE
                      activation checkpointing: always, except_last or never
@@ -134,9 +141,15 @@ fn parse(args: &[String]) -> Result<(Config, Vec<String>, bool), String> {
             layers_of(&WIDTHS)
         ));
     }
+    if !c.ranks.is_multiple_of(c.pipe) {
+        return Err(format!(
+            "--ranks {} --pipe {}: the ranks must divide into {} stages of equally many replicas",
+            c.ranks, c.pipe, c.pipe
+        ));
+    }
     if !SAMPLES.is_multiple_of(c.batch) {
         return Err(format!(
-            "--batch {}: must divide the {SAMPLES} samples of each rank",
+            "--batch {}: must divide the {SAMPLES} samples of each replica",
             c.batch
         ));
     }
@@ -176,6 +189,16 @@ fn mlp(widths: &[usize], seed: u64) -> Vec<Box<dyn Layer<CpuTensor>>> {
         layers.push(Box::new(Linear::new(w[0], w[1], seed + l as u64)));
     }
     layers
+}
+
+/// The layers of partition `stage` of `balance`.
+fn stage_layers(
+    all: Vec<Box<dyn Layer<CpuTensor>>>,
+    balance: &[usize],
+    stage: usize,
+) -> Vec<Box<dyn Layer<CpuTensor>>> {
+    let first: usize = balance[..stage].iter().sum();
+    all.into_iter().skip(first).take(balance[stage]).collect()
 }
 
 /// `layers` split into `parts` consecutive partitions whose sizes differ by at most one.
@@ -233,72 +256,132 @@ enum Event {
     Step { step: usize, loss: f32 },
 }
 
-struct Outcome {
-    final_loss: f32,
-    initial_loss: f32,
+/// What one rank of the mesh ends with.
+struct RankOutcome {
+    stage: usize,
+    replica: usize,
+    /// The held-out losses, on the last stage's ranks.
+    final_loss: Option<f32>,
+    initial_loss: Option<f32>,
     ops: Vec<LinkOp>,
     hook_calls: u64,
     elapsed: Duration,
+    /// Of this rank's stage's parameters.
+    digest: u64,
+}
+
+/// The run, over every rank of the mesh.
+struct Outcome {
+    final_loss: f32,
+    initial_loss: f32,
+    /// Gradient bytes sent, over every rank.
+    bytes: usize,
+    /// The slowest stage's link time for its collectives, at 1 and 10 Gbit/s.
+    comm: [Duration; 2],
+    /// Hook calls of replica 0's stages together (one model's buckets).
+    hook_calls: u64,
+    elapsed: Duration,
+    /// Replica 0's stages' digests, chained: the whole model's.
     digest: u64,
 }
 
 impl Outcome {
     fn bytes_per_step(&self, c: &Config) -> f64 {
-        self.ops.iter().map(LinkOp::bytes).sum::<usize>() as f64 / c.steps as f64
+        self.bytes as f64 / c.ranks as f64 / c.steps as f64
     }
 
-    /// Measured step time plus the link time of every collective (no overlap counted).
-    fn step_ms_at(&self, c: &Config, gbit: f64) -> f64 {
-        let link = Link::gbit(gbit, LATENCY).expect("positive link speeds");
-        let comm: Duration = self.ops.iter().map(|&op| link.cost(c.ranks, op)).sum();
-        (self.elapsed + comm).as_secs_f64() * 1e3 / c.steps as f64
+    /// Measured step time plus the link time of the slowest stage's collectives (no
+    /// overlap counted).
+    fn step_ms_at(&self, c: &Config, which: usize) -> f64 {
+        (self.elapsed + self.comm[which]).as_secs_f64() * 1e3 / c.steps as f64
     }
 }
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
+/// The held-out loss of the model on the mesh: every rank of the pipeline runs the
+/// forward pass, stage 0 with the inputs; the value on the last stage's ranks.
 fn held_out_loss(
     pipe: &mut Pipe<CpuTensor>,
     x: &CpuTensor,
     t: &CpuTensor,
-) -> Result<f32, BoxError> {
+    first: bool,
+    last: bool,
+) -> Result<Option<f32>, BoxError> {
     pipe.eval();
-    let y = pipe.forward(Batch::single(x.clone()))?.into_single()?;
+    let input = if first {
+        Batch::single(x.clone())
+    } else {
+        Batch::new(Vec::new())
+    };
+    let y = pipe.forward(input);
     pipe.train();
+    let y = y?;
+    if !last {
+        return Ok(None);
+    }
+    let y = y.into_single()?;
     let d = y.array() - t.array();
-    Ok(0.5 * d.iter().map(|v| v * v).sum::<f32>() / x.shape()[0] as f32)
+    Ok(Some(
+        0.5 * d.iter().map(|v| v * v).sum::<f32>() / x.shape()[0] as f32,
+    ))
 }
 
-/// FNV-1a over the bits of every parameter.
+/// FNV-1a over the bits of every parameter this rank holds.
 fn digest(pipe: &Pipe<CpuTensor>) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for layer in pipe.partitions().iter().flatten() {
         for p in layer.parameters() {
             for x in p.value.array().iter() {
-                for b in x.to_bits().to_le_bytes() {
-                    h ^= b as u64;
-                    h = h.wrapping_mul(0x0100_0000_01b3);
-                }
+                h = fnv(h, x.to_bits().to_le_bytes());
             }
         }
     }
     h
 }
 
-fn run_rank(c: &Config, group: ThreadGroup, on_event: &dyn Fn(Event)) -> Result<Outcome, BoxError> {
-    let rank = group.rank();
-    let (x, t) = teacher_data(SAMPLES, 2 * rank as u64 + 10)?;
+fn fnv<const K: usize>(mut h: u64, bytes: [u8; K]) -> u64 {
+    for b in bytes {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+fn run_rank(
+    c: &Config,
+    world: ThreadGroup,
+    on_event: &dyn Fn(Event),
+) -> Result<RankOutcome, BoxError> {
+    let mesh = Mesh::new(c.pipe, c.ranks / c.pipe);
+    let (stage, replica) = mesh
+        .coords(world.rank())
+        .ok_or("the world group is larger than the mesh")?;
+    let (first, last) = (stage == 0, stage + 1 == c.pipe);
+    let (x, t) = teacher_data(SAMPLES, 2 * replica as u64 + 10)?;
     let (hx, ht) = teacher_data(HELD_OUT, 7)?;
-    let pipe = Pipe::builder(mlp(&WIDTHS, 2), &even_balance(layers_of(&WIDTHS), c.pipe))
+    let balance = even_balance(layers_of(&WIDTHS), c.pipe);
+    let builder = Pipe::builder(stage_layers(mlp(&WIDTHS, 2), &balance, stage), &balance)
         .chunks(c.chunks)
         .checkpoint(c.checkpoint)
-        .schedule(c.schedule)
-        .build()?;
-    let linked = Linked::new(group, Link::gbit(1.0, LATENCY)?, Charge::Account);
-    let log = linked.log_handle();
+        .schedule(c.schedule);
     let backend = Arc::new(CpuBackend::new().with_threads(1)?);
-    let hook = c.hook.build(backend.clone(), Arc::new(linked))?;
-    let mut ddp = DistributedPipe::new(pipe, backend, hook, ReducerConfig::default())?;
+    let link = Link::gbit(1.0, LATENCY)?;
+    let mut log = None;
+    let mut ddp = DistributedPipe::on_mesh_with(
+        builder,
+        mesh,
+        Arc::new(world),
+        backend.clone(),
+        |data| {
+            // The stage's data-parallel group, logged.
+            let linked = Linked::new(data, link, Charge::Account);
+            log = Some(linked.log_handle());
+            Ok(c.hook.build(backend.clone(), Arc::new(linked))?)
+        },
+        ReducerConfig::default(),
+    )?;
+    let log = log.ok_or("the hook was not built")?;
     let mut velocity: Vec<CpuTensor> = ddp
         .pipe()
         .partitions()
@@ -310,8 +393,9 @@ fn run_rank(c: &Config, group: ThreadGroup, on_event: &dyn Fn(Event)) -> Result<
                 .map(|p| CpuTensor::zeros(p.value.shape()))
         })
         .collect();
-    let initial_loss = held_out_loss(ddp.pipe_mut(), &hx, &ht)?;
+    let initial_loss = held_out_loss(ddp.pipe_mut(), &hx, &ht, first, last)?;
     let report_every = (c.steps / 200).max(1);
+    let reports = last && replica == 0;
     let mut acc = Accumulator::new(c.accumulate)?;
     let (mut step, mut running) = (0, None::<f32>);
     let started = Instant::now();
@@ -319,11 +403,14 @@ fn run_rank(c: &Config, group: ThreadGroup, on_event: &dyn Fn(Event)) -> Result<
         let s = (micro * c.batch) % SAMPLES;
         let target = rows(&t, s, c.batch);
         let scale = micro_step.loss_scale();
+        let input = if first {
+            Batch::single(rows(&x, s, c.batch))
+        } else {
+            Batch::new(Vec::new())
+        };
         let out = micro_step
             .apply(&mut ddp)
-            .step(Batch::single(rows(&x, s, c.batch)), |mb, y| {
-                mse(&target, c.batch, scale, mb, y)
-            })?;
+            .step(input, |mb, y| mse(&target, c.batch, scale, mb, y))?;
         let loss: f32 = out.losses.iter().sum();
         running = Some(running.map_or(loss, |r| 0.98 * r + 0.02 * loss));
         if !micro_step.sync_gradients() {
@@ -341,7 +428,7 @@ fn run_rank(c: &Config, group: ThreadGroup, on_event: &dyn Fn(Event)) -> Result<
         }
         ddp.zero_grad();
         step += 1;
-        if rank == 0 && (step % report_every == 0 || step == c.steps) {
+        if reports && (step % report_every == 0 || step == c.steps) {
             on_event(Event::Step {
                 step,
                 loss: running.unwrap_or(f32::NAN),
@@ -349,9 +436,11 @@ fn run_rank(c: &Config, group: ThreadGroup, on_event: &dyn Fn(Event)) -> Result<
         }
     }
     let elapsed = started.elapsed();
-    let final_loss = held_out_loss(ddp.pipe_mut(), &hx, &ht)?;
+    let final_loss = held_out_loss(ddp.pipe_mut(), &hx, &ht, first, last)?;
     let ops = std::mem::take(&mut *log.lock().unwrap_or_else(|p| p.into_inner()));
-    Ok(Outcome {
+    Ok(RankOutcome {
+        stage,
+        replica,
         final_loss,
         initial_loss,
         ops,
@@ -361,8 +450,8 @@ fn run_rank(c: &Config, group: ThreadGroup, on_event: &dyn Fn(Event)) -> Result<
     })
 }
 
-/// Trains on `c.ranks` thread ranks; rank 0's outcome, after checking that every rank
-/// ends with the same model.
+/// Trains on `c.ranks` thread ranks as a mesh; the run's outcome, after checking that
+/// the replicas of every stage end with the same parameters.
 fn run_threads(c: &Config, on_event: &(dyn Fn(Event) + Sync)) -> Result<Outcome, String> {
     let outcomes = run_local(c.ranks, |g| {
         run_rank(c, g, on_event).map_err(|e| e.to_string())
@@ -372,14 +461,57 @@ fn run_threads(c: &Config, on_event: &(dyn Fn(Event) + Sync)) -> Result<Outcome,
     for (r, o) in outcomes.into_iter().enumerate() {
         all.push(o.map_err(|e| format!("rank {r}: {e}"))??);
     }
-    let first = all.remove(0);
-    if let Some(r) = all.iter().position(|o| o.digest != first.digest) {
-        return Err(format!(
-            "rank {} ended with a different model than rank 0",
-            r + 1
-        ));
+    let replicas = c.ranks / c.pipe;
+    let (links, latency) = ([1.0, 10.0], LATENCY);
+    let mut comm = [Duration::ZERO; 2];
+    let mut digest = 0xcbf2_9ce4_8422_2325;
+    let mut hook_calls = 0;
+    for stage in 0..c.pipe {
+        let of_stage = &all[stage * replicas..(stage + 1) * replicas];
+        let lead = &of_stage[0];
+        if lead.stage != stage || lead.replica != 0 {
+            return Err(format!(
+                "rank {} is not stage {stage} of replica 0",
+                stage * replicas
+            ));
+        }
+        if let Some(o) = of_stage.iter().find(|o| o.digest != lead.digest) {
+            return Err(format!(
+                "replica {} of stage {stage} ended with other parameters than replica 0",
+                o.replica
+            ));
+        }
+        for (slot, gbit) in comm.iter_mut().zip(links) {
+            let link = Link::gbit(gbit, latency).map_err(|e| e.to_string())?;
+            let stage_comm = of_stage
+                .iter()
+                .map(|o| {
+                    o.ops
+                        .iter()
+                        .map(|&op| link.cost(replicas, op))
+                        .sum::<Duration>()
+                })
+                .max()
+                .unwrap_or_default();
+            *slot = (*slot).max(stage_comm);
+        }
+        digest = fnv(digest, lead.digest.to_le_bytes());
+        hook_calls += lead.hook_calls;
     }
-    Ok(first)
+    let last = &all[(c.pipe - 1) * replicas];
+    let loss = |l: Option<f32>| l.ok_or("the last stage reported no held-out loss");
+    Ok(Outcome {
+        final_loss: loss(last.final_loss)?,
+        initial_loss: loss(last.initial_loss)?,
+        bytes: all
+            .iter()
+            .map(|o| o.ops.iter().map(LinkOp::bytes).sum::<usize>())
+            .sum(),
+        comm,
+        hook_calls,
+        elapsed: all.iter().map(|o| o.elapsed).max().unwrap_or_default(),
+        digest,
+    })
 }
 
 fn emit(line: &str) {
@@ -413,6 +545,8 @@ fn main() -> ExitCode {
         let balance = even_balance(layers_of(&WIDTHS), c.pipe);
         let pipe_json = json!({
             "partitions": c.pipe,
+            "stages": c.pipe,
+            "replicas": c.ranks / c.pipe,
             "balance": balance,
             "chunks": c.chunks,
             "checkpoint": c.checkpoint.to_string(),
@@ -434,10 +568,11 @@ fn main() -> ExitCode {
             );
         } else {
             emit(&format!(
-                "{}: {} thread ranks x {} partitions {balance:?} ({} chunks, checkpoint {}, {}), {} steps, accumulate {}, batch {}",
+                "{}: {} thread ranks = {} stages {balance:?} x {} replicas ({} chunks, checkpoint {}, {}), {} steps, accumulate {}, batch {}",
                 c.hook_text,
                 c.ranks,
                 c.pipe,
+                c.ranks / c.pipe,
                 c.chunks,
                 c.checkpoint,
                 c.schedule,
@@ -473,12 +608,12 @@ fn main() -> ExitCode {
                     "final_loss": out.final_loss,
                     "initial_loss": out.initial_loss,
                     "bytes_per_step": out.bytes_per_step(&c),
-                    "step_ms_1gbit": out.step_ms_at(&c, 1.0),
-                    "step_ms_10gbit": out.step_ms_at(&c, 10.0),
+                    "step_ms_1gbit": out.step_ms_at(&c, 0),
+                    "step_ms_10gbit": out.step_ms_at(&c, 1),
                     "seconds": out.elapsed.as_secs_f64(),
                     "digest": format!("{:016x}", out.digest),
                     "hook_calls": out.hook_calls,
-                    "backend": format!(" (threads, {} partitions)", c.pipe),
+                    "backend": format!(" (threads, {} stages x {} replicas)", c.pipe, c.ranks / c.pipe),
                     "pipe": pipe_json,
                 })
                 .to_string(),
@@ -491,8 +626,8 @@ fn main() -> ExitCode {
                 out.initial_loss,
                 out.bytes_per_step(&c),
                 out.hook_calls,
-                out.step_ms_at(&c, 1.0),
-                out.step_ms_at(&c, 10.0),
+                out.step_ms_at(&c, 0),
+                out.step_ms_at(&c, 1),
                 out.digest,
                 out.elapsed.as_secs_f64()
             ));

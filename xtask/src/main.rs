@@ -40,9 +40,9 @@ commands:
                             --compare: allreduce vs PowerSGD ranks 1, 2, 4 as a table;
                             --resume-at K: save at step K, restart from the files, check the end
                             is identical; --backend mpi: the same under mpirun -np N, checked
-                            against the thread ranks; --pipe P: each rank's model as a
-                            P-partition pipe, each partition's buckets reduced as soon as its
-                            gradients are final
+                            against the thread ranks; --pipe P: a P-stage pipe on a mesh of
+                            P stages x N/P replicas (stages on ranks), each stage's buckets
+                            reduced over its replicas as soon as its gradients are final
   sanitize                  the collectives and lowrank tests under AddressSanitizer (needs
                             nightly; skipped with a message where it is not installed)
   loom                      the loom models of the thread backend's rendezvous and work handles

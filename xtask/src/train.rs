@@ -58,7 +58,8 @@ pub struct Options {
     compare: bool,
     resume_at: Option<usize>,
     backend: Backend,
-    /// `--pipe N`: each rank's model as an N-partition pipe (the `train_pipe` example).
+    /// `--pipe P`: the `train_pipe` example on a mesh of P pipeline stages × `ranks / P`
+    /// data-parallel replicas, one stage on each rank (P must divide `--ranks`).
     pipe: Option<usize>,
     /// Every other argument, for the example (`--steps`, `--accumulate`, `--batch`, and
     /// `train_pipe`'s `--chunks`, `--schedule`, ...).
@@ -161,6 +162,14 @@ pub fn parse(args: &[String]) -> Result<Options, String> {
             "--pipe trains on thread ranks without checkpoints: drop --resume-at and --backend mpi"
                 .into(),
         );
+    }
+    if let Some(p) = o.pipe {
+        if !o.ranks.is_multiple_of(p) {
+            return Err(format!(
+                "--ranks {} --pipe {p}: --pipe stages of --ranks / --pipe replicas each, so --pipe must divide --ranks",
+                o.ranks
+            ));
+        }
     }
     Ok(o)
 }
@@ -555,6 +564,17 @@ mod tests {
         assert_eq!((o.ranks, o.hook.as_str()), (4, "allreduce"));
         assert_eq!(o.backend, Backend::Threads);
         assert!(o.example_args.is_empty());
+    }
+
+    /// `--pipe P` trains on P stages × ranks / P replicas: P must divide the ranks.
+    #[test]
+    fn pipe_must_divide_the_ranks() {
+        let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert!(parse(&args(&["--pipe", "2", "--ranks", "4"])).is_ok());
+        let Err(e) = parse(&args(&["--pipe", "3", "--ranks", "4"])) else {
+            panic!("3 stages do not divide 4 ranks")
+        };
+        assert!(e.contains("--pipe must divide --ranks"), "{e}");
     }
 
     /// The example's flags reach it as given, in order (its parser checks them).

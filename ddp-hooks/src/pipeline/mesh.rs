@@ -131,7 +131,9 @@ impl Mesh {
         let rank = world.rank();
         let mut pipeline = None;
         for d in 0..self.replicas {
-            let group = world.new_group(&self.pipeline_ranks(d)).map_err(crate::Error::from)?;
+            let group = world
+                .new_group(&self.pipeline_ranks(d))
+                .map_err(crate::Error::from)?;
             if d == replica {
                 pipeline = group;
             }

@@ -95,19 +95,51 @@
 //! succeeded averaged with this rank's zeros, as DDP peers would; a failed step on one
 //! rank calls for a fresh start (or a re-broadcast of the parameters) on all of them.
 //!
+//! # On a mesh: stages on ranks
+//!
+//! [`DistributedPipe::on_mesh`] runs a [`Mesh`] of `stages × replicas` ranks: each rank
+//! holds one stage (one partition) of one replica's pipeline, the stages of a replica
+//! talk over their pipeline group ([`pipe::GroupTransport`], stage `s` on the group's
+//! rank `s`), and the replicas of a stage reduce that stage's gradients over their
+//! data-parallel group. World rank `r` is stage `r / replicas` of replica
+//! `r % replicas` (Megatron-LM's default; the table is in [`mesh`]'s docs). Each rank
+//! passes only its own partition's layers, in a builder with the global balance
+//! ([`Pipe::builder`]`(layers, &balance)`, settings the same on every rank); the pipe's
+//! other partitions are empty on this rank ([`Pipe::partitions`]), hold no parameters
+//! here and get no buckets. Each rank then calls the same methods in the same order: the
+//! rank of stage 0 passes its replica's inputs, the others `Batch::new(Vec::new())`; the
+//! loss runs on the last stage's rank, where the outputs and losses come back (empty
+//! elsewhere), and the input gradients come back on stage 0's rank.
+//!
+//! The hook averages over the replicas: with each replica's loss the mean over its own
+//! samples, the gradients are those of the mean over all replicas' samples.
+//!
+//! A synchronised step on a mesh ends with one more collective, over the world group:
+//! the ranks agree on whether every rank's step went through (one `f32` per rank). A
+//! rank whose step failed returns its own error; every other rank returns
+//! [`PipelineError::PeersFailed`] naming it, without writing back, so a failure anywhere
+//! is an error everywhere (within the pipe's timeout) instead of a silent average with
+//! zeros. An unsynchronised step (under `no_sync`) communicates only along its pipeline:
+//! its failure reaches the other replicas at the next synchronised step's agreement.
+//!
 //! [`CommHook`]: crate::CommHook
 
 mod error;
 mod grad;
+pub mod mesh;
 
 pub use error::{Fault, PipelineError, Problem, Result};
 pub use grad::GradTensor;
+pub use mesh::{Mesh, MeshError, MeshGroups};
 
 use crate::{CommHook, HookSpec, Reducer, ReducerConfig};
-use collectives::ProcessGroup;
+use collectives::{Buffer, ProcessGroup, ReduceOp};
 use lowrank::CpuBackend;
 use pipe::cpu::CpuTensor;
-use pipe::{Batch, Layer, MicroBatch, Pipe, Schedule, StepOutput};
+use pipe::{
+    Batch, GroupTransport, Layer, MicroBatch, Pipe, PipeBuilder, Schedule, StepOutput, Transport,
+    Wire,
+};
 use std::fmt;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -249,6 +281,15 @@ pub struct DistributedPipe<T: GradTensor = CpuTensor, H = Box<dyn CommHook<CpuBa
     sync: bool,
     launch: Launch,
     times: Option<StepTimes>,
+    /// On a mesh: the world group (for the agreement) and this rank's groups.
+    mesh: Option<OnMesh>,
+}
+
+/// What a [`DistributedPipe`] on a mesh keeps.
+struct OnMesh {
+    mesh: Mesh,
+    world: Arc<dyn ProcessGroup>,
+    groups: MeshGroups,
 }
 
 impl<T: GradTensor, H> fmt::Debug for DistributedPipe<T, H> {
@@ -258,6 +299,7 @@ impl<T: GradTensor, H> fmt::Debug for DistributedPipe<T, H> {
             .field("params", &self.shared.shapes.len())
             .field("sync", &self.sync)
             .field("launch", &self.launch)
+            .field("mesh", &self.mesh.as_ref().map(|m| (m.mesh, &m.groups)))
             .finish_non_exhaustive()
     }
 }
@@ -269,6 +311,100 @@ impl<T: GradTensor> DistributedPipe<T> {
         let backend = Arc::new(CpuBackend::new());
         let hook = spec.build(backend.clone(), group)?;
         DistributedPipe::new(pipe, backend, hook, ReducerConfig::default())
+    }
+}
+
+impl<T: GradTensor + Wire> DistributedPipe<T> {
+    /// This rank's part of a pipeline × data-parallel `mesh` over `world` (see the
+    /// [module docs](self#on-a-mesh-stages-on-ranks) and [`mesh`]): `builder` is
+    /// [`Pipe::builder`] with this rank's stage's layers and the global balance
+    /// (`mesh.stages` partitions), with the settings of every rank; the stages are put on
+    /// the ranks of this replica's pipeline group here. The hook `spec` runs over this
+    /// stage's data-parallel group, with DDP's default bucket sizes.
+    ///
+    /// Every rank of `world` must call it at the same point (it creates the mesh's groups
+    /// with [`ProcessGroup::new_group`], then builds the pipe, which meets the other stages).
+    ///
+    /// ```
+    /// use collectives::{run_local, ProcessGroup};
+    /// use ddp_hooks::pipeline::{DistributedPipe, Mesh, PipelineError};
+    /// use ddp_hooks::HookSpec;
+    /// use pipe::cpu::{CpuTensor, Linear, ReLU};
+    /// use pipe::{Batch, Layer, Pipe};
+    /// use std::sync::Arc;
+    ///
+    /// // 2 stages × 2 replicas on 4 thread ranks: rank = stage * 2 + replica.
+    /// let grads = run_local(4, |world| -> Result<Vec<f32>, PipelineError> {
+    ///     let (stage, replica) = (world.rank() / 2, world.rank() % 2);
+    ///     let layers: Vec<Box<dyn Layer<CpuTensor>>> = if stage == 0 {
+    ///         vec![Box::new(Linear::new(3, 4, 1)), Box::new(ReLU)]
+    ///     } else {
+    ///         vec![Box::new(Linear::new(4, 2, 2))]
+    ///     };
+    ///     let builder = Pipe::builder(layers, &[2, 1]).chunks(2);
+    ///     let mesh = Mesh::new(2, 2);
+    ///     let mut ddp = DistributedPipe::on_mesh(builder, mesh, Arc::new(world), &HookSpec::AllReduce)?;
+    ///     // Stage 0 passes its replica's inputs; loss: the sum of the outputs.
+    ///     let x = CpuTensor::from_shape_vec(&[4, 3], vec![replica as f32 + 1.0; 12])?;
+    ///     let input = if stage == 0 { Batch::single(x) } else { Batch::new(Vec::new()) };
+    ///     ddp.step(input, |_mb, y| {
+    ///         let y = y.tensor(0)?;
+    ///         Ok((y.array().sum(), Batch::single(CpuTensor::ones(y.shape()))))
+    ///     })?;
+    ///     // The last layer's bias gradient, on the last stage's ranks: 4 ones, averaged.
+    ///     Ok(match ddp.pipe().partitions()[1].first() {
+    ///         Some(last) => last.parameters()[1].grad.to_vec(),
+    ///         None => Vec::new(),
+    ///     })
+    /// })
+    /// .unwrap();
+    /// let grads: Vec<Vec<f32>> = grads.into_iter().map(|g| g.unwrap().unwrap()).collect();
+    /// assert_eq!(grads[2], vec![4.0, 4.0]);
+    /// assert_eq!(grads[3], vec![4.0, 4.0]);
+    /// ```
+    pub fn on_mesh(
+        builder: PipeBuilder<T>,
+        mesh: Mesh,
+        world: Arc<dyn ProcessGroup>,
+        spec: &HookSpec,
+    ) -> Result<Self> {
+        let backend = Arc::new(CpuBackend::new());
+        let for_hook = backend.clone();
+        DistributedPipe::on_mesh_with(
+            builder,
+            mesh,
+            world,
+            backend,
+            |data| Ok(spec.build(for_hook, data)?),
+            ReducerConfig::default(),
+        )
+    }
+}
+
+impl<T: GradTensor + Wire, H: CommHook<CpuBackend> + 'static> DistributedPipe<T, H> {
+    /// [`on_mesh`](DistributedPipe::on_mesh) with a hook of the caller's, made by `hook`
+    /// from this stage's data-parallel group (wrap it first, in a
+    /// [`collectives::link::Linked`] say), on `backend`, buckets sized by `config`.
+    pub fn on_mesh_with(
+        builder: PipeBuilder<T>,
+        mesh: Mesh,
+        world: Arc<dyn ProcessGroup>,
+        backend: Arc<CpuBackend>,
+        hook: impl FnOnce(Arc<dyn ProcessGroup>) -> Result<H>,
+        config: ReducerConfig,
+    ) -> Result<Self> {
+        let groups = mesh.groups(&*world)?;
+        let transport: Arc<dyn Transport> = Arc::new(GroupTransport::new(groups.pipeline.clone()));
+        let stage_ranks: Vec<usize> = (0..mesh.stages).collect();
+        let pipe = builder.on_ranks(transport, &stage_ranks).build()?;
+        let hook = hook(groups.data.clone())?;
+        let mut ddp = DistributedPipe::new(pipe, backend, hook, config)?;
+        ddp.mesh = Some(OnMesh {
+            mesh,
+            world,
+            groups,
+        });
+        Ok(ddp)
     }
 }
 
@@ -324,6 +460,7 @@ impl<T: GradTensor, H: CommHook<CpuBackend> + 'static> DistributedPipe<T, H> {
             sync: true,
             launch: Launch::default(),
             times: None,
+            mesh: None,
         })
     }
 
@@ -411,8 +548,14 @@ impl<T: GradTensor, H: CommHook<CpuBackend> + 'static> DistributedPipe<T, H> {
         // Whatever happened, every bucket launches and is waited for: no peer waits.
         let finished = reducer.finish();
         let faults = std::mem::take(&mut *shared.faults());
-        let value = match ran {
-            Ok(value) => value,
+        let outcome = match ran {
+            Ok(_) if !faults.is_empty() => {
+                if let Err(also) = finished {
+                    tracing::warn!("the step whose gradients could not be handed over also failed to reduce: {also}");
+                }
+                Err(PipelineError::Gradients(faults))
+            }
+            Ok(value) => finished.map(|()| value).map_err(PipelineError::from),
             Err(e) => {
                 match finished {
                     // The partitions the failure stopped were reduced as zeros: expected.
@@ -421,16 +564,13 @@ impl<T: GradTensor, H: CommHook<CpuBackend> + 'static> DistributedPipe<T, H> {
                         "the pipe step that failed with `{e}` also failed to reduce: {also}"
                     ),
                 }
-                return Err(PipelineError::Pipe(e));
+                Err(PipelineError::Pipe(e))
             }
         };
-        if !faults.is_empty() {
-            if let Err(also) = finished {
-                tracing::warn!("the step whose gradients could not be handed over also failed to reduce: {also}");
-            }
-            return Err(PipelineError::Gradients(faults));
-        }
-        finished?;
+        let value = match &self.mesh {
+            Some(mesh) => agree(mesh, outcome, self.pipe.timeout())?,
+            None => outcome?,
+        };
         write_back(shared, &reducer, &mut self.pipe)?;
         self.times = Some(StepTimes {
             pipe: ended - started,
@@ -472,6 +612,16 @@ impl<T: GradTensor, H: CommHook<CpuBackend> + 'static> DistributedPipe<T, H> {
 }
 
 impl<T: GradTensor, H> DistributedPipe<T, H> {
+    /// The mesh, where this rank is part of one ([`on_mesh`](DistributedPipe::on_mesh)).
+    pub fn mesh(&self) -> Option<Mesh> {
+        self.mesh.as_ref().map(|m| m.mesh)
+    }
+
+    /// This rank's stage, replica and groups on its mesh (`None` off a mesh).
+    pub fn mesh_groups(&self) -> Option<&MeshGroups> {
+        self.mesh.as_ref().map(|m| &m.groups)
+    }
+
     /// The pipe (layers, parameters and their gradients).
     pub fn pipe(&self) -> &Pipe<T> {
         &self.pipe
@@ -518,6 +668,43 @@ impl<T: GradTensor, H> accum::GradSync for DistributedPipe<T, H> {
 
     fn sync_enabled(&self) -> bool {
         self.sync
+    }
+}
+
+/// The ranks of a mesh agree on a synchronised step's outcome: one world all-reduce of a
+/// flag per rank (1 where the step failed). This rank's own error comes first; a step
+/// that went through here but failed elsewhere is [`PipelineError::PeersFailed`].
+fn agree<R>(mesh: &OnMesh, outcome: Result<R>, timeout: Duration) -> Result<R> {
+    let world = &mesh.world;
+    let mut flags = vec![0.0f32; world.size()];
+    if outcome.is_err() {
+        if let Some(flag) = flags.get_mut(world.rank()) {
+            *flag = 1.0;
+        }
+    }
+    let agreed = world
+        .all_reduce(Buffer::F32(flags), ReduceOp::Sum)
+        .wait_timeout(timeout);
+    let value = outcome?;
+    match agreed.map_err(crate::Error::from)? {
+        Buffer::F32(flags) => {
+            let ranks: Vec<usize> = flags
+                .iter()
+                .enumerate()
+                .filter(|(_, &f)| f != 0.0)
+                .map(|(r, _)| r)
+                .collect();
+            if ranks.is_empty() {
+                Ok(value)
+            } else {
+                Err(PipelineError::PeersFailed { ranks })
+            }
+        }
+        other => Err(crate::Error::Comm(collectives::Error::Mismatch(format!(
+            "the step's agreement came back as {:?}, not f32",
+            other.dtype()
+        )))
+        .into()),
     }
 }
 
