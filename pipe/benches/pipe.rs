@@ -48,9 +48,7 @@ use std::time::{Duration, Instant};
 use pipe::cpu::{CpuTensor, Linear};
 use stack::{avx512, best, direct_step, input, load, ones_loss, stack, zero, Layers};
 
-use pipe::{
-    Batch, Checkpoint, Context, Device, Layer, MicroBatch, Phase, Pipe, ScheduleKind,
-};
+use pipe::{Batch, Checkpoint, Context, Device, Layer, MicroBatch, Phase, Pipe, ScheduleKind};
 
 const BATCH: usize = 256;
 const WIDTH: usize = 1024;

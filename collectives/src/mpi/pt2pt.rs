@@ -204,6 +204,15 @@ impl P2p {
             && self.waiting.values().all(VecDeque::is_empty)
     }
 
+    /// Whether data is moving: a send in flight, or a receive whose header has come (its
+    /// payload's fragments move only while the engine tests them). Otherwise every
+    /// operation waits for a peer's message to begin.
+    pub(super) fn data_in_flight(&self) -> bool {
+        !self.fresh.is_empty()
+            || !self.sends.is_empty()
+            || self.recvs.iter().any(|r| r.phase == Phase::Body)
+    }
+
     /// Whether an operation on communicator `comm` is in flight or waiting (so its links
     /// must not be freed yet).
     pub(super) fn uses(&self, comm: CommId) -> bool {
