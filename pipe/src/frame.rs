@@ -258,10 +258,10 @@ fn get_items<T: Wire>(
         .collect()
 }
 
-/// A worker's message as a frame.
-pub(crate) fn encode_msg<T: Wire>(msg: &Msg<T>) -> Result<Vec<u8>, Error> {
+/// A worker's message as a frame, built in `payload` (emptied first).
+pub(crate) fn encode_msg<T: Wire>(msg: &Msg<T>, mut payload: Vec<u8>) -> Result<Vec<u8>, Error> {
     let mut h = Header::default();
-    let mut payload = Vec::new();
+    payload.clear();
     match msg {
         Msg::Activation { stage, mb, batch } | Msg::Gradient { stage, mb, batch } => {
             h.u8(if matches!(msg, Msg::Activation { .. }) {

@@ -48,6 +48,46 @@ enum Pending {
     Body(Receiver<Done>, usize),
 }
 
+/// Buffers of finished frames, kept for the next ones (see [`Transport::buffer`]).
+#[derive(Default)]
+struct Pool(Vec<Vec<u8>>);
+
+impl Pool {
+    /// How many buffers are kept at most.
+    const KEEP: usize = 16;
+    /// Buffers smaller than this are not worth keeping (malloc serves them from memory it
+    /// already holds).
+    const SMALLEST: usize = 16 << 10;
+
+    fn put(&mut self, v: Vec<u8>) {
+        if v.capacity() >= Self::SMALLEST && self.0.len() < Self::KEEP {
+            self.0.push(v);
+        }
+    }
+
+    /// The kept buffer with the least room of at least `capacity` bytes, emptied.
+    fn take(&mut self, capacity: usize) -> Option<Vec<u8>> {
+        let best = (0..self.0.len())
+            .filter(|&i| self.0[i].capacity() >= capacity)
+            .min_by_key(|&i| self.0[i].capacity())?;
+        let mut v = self.0.swap_remove(best);
+        v.clear();
+        Some(v)
+    }
+
+    /// A buffer of exactly `len` bytes to receive into: a kept one (its old bytes are
+    /// overwritten by the receive, which takes exactly `len`), or a fresh zeroed one.
+    fn buffer_of(&mut self, len: usize) -> Vec<u8> {
+        match self.take(len) {
+            Some(mut v) => {
+                v.resize(len, 0);
+                v
+            }
+            None => vec![0; len],
+        }
+    }
+}
+
 /// The sends posted and not yet known to be complete.
 struct Sends {
     /// Where each send's continuation reports its result.
@@ -57,6 +97,8 @@ struct Sends {
     outstanding: usize,
     /// The first send that failed and has not yet been reported by `flush`.
     failed: Option<TransportError>,
+    /// Buffers of finished frames (sent, or received and read).
+    pool: Pool,
 }
 
 impl Sends {
@@ -72,9 +114,13 @@ impl Sends {
 
     fn settle(&mut self, r: Done) {
         self.outstanding -= 1;
-        // A completed send's buffer comes back: dropped here.
-        if let Err(e) = r {
-            self.failed.get_or_insert_with(|| map_error(e));
+        match r {
+            // A completed send's buffer comes back: kept for a later frame.
+            Ok(Buffer::U8(v)) => self.pool.put(v),
+            Ok(_) => {}
+            Err(e) => {
+                self.failed.get_or_insert_with(|| map_error(e));
+            }
         }
     }
 }
@@ -155,10 +201,10 @@ fn forward(work: Work<Buffer>, tx: Sender<Done>) {
     }));
 }
 
-/// A receive of `len` bytes from `from`, reporting to the returned channel.
-fn post_recv<G: ProcessGroup>(group: &G, len: usize, from: usize, tag: u32) -> Receiver<Done> {
+/// A receive into `buf` from `from`, reporting to the returned channel.
+fn post_recv<G: ProcessGroup>(group: &G, buf: Vec<u8>, from: usize, tag: u32) -> Receiver<Done> {
     let (tx, rx) = channel();
-    forward(group.recv(Buffer::U8(vec![0; len]), from, tag), tx);
+    forward(group.recv(Buffer::U8(buf), from, tag), tx);
     rx
 }
 
@@ -177,6 +223,7 @@ impl<G: ProcessGroup> GroupTransport<G> {
                 done_rx,
                 outstanding: 0,
                 failed: None,
+                pool: Pool::default(),
             }),
         }
     }
@@ -284,7 +331,8 @@ impl<G: ProcessGroup> Transport for GroupTransport<G> {
         loop {
             match std::mem::replace(&mut *pending, Pending::Idle) {
                 Pending::Idle => {
-                    *pending = Pending::Header(post_recv(&self.group, HEADER, from, self.tag));
+                    *pending =
+                        Pending::Header(post_recv(&self.group, vec![0; HEADER], from, self.tag));
                 }
                 Pending::Header(rx) => match self.wait(&rx, deadline, from) {
                     None => {
@@ -314,7 +362,8 @@ impl<G: ProcessGroup> Transport for GroupTransport<G> {
                                 "a frame of {len} bytes does not fit this machine's memory"
                             ))
                         })?;
-                        *pending = Pending::Body(post_recv(&self.group, len, from, self.tag), len);
+                        let buf = lock(&self.sends).pool.buffer_of(len);
+                        *pending = Pending::Body(post_recv(&self.group, buf, from, self.tag), len);
                     }
                 },
                 Pending::Body(rx, len) => match self.wait(&rx, deadline, from) {
@@ -335,6 +384,19 @@ impl<G: ProcessGroup> Transport for GroupTransport<G> {
                 },
             }
         }
+    }
+
+    fn buffer(&self, capacity: usize) -> Vec<u8> {
+        let mut sends = lock(&self.sends);
+        sends.prune();
+        sends
+            .pool
+            .take(capacity)
+            .unwrap_or_else(|| Vec::with_capacity(capacity))
+    }
+
+    fn recycle(&self, frame: Vec<u8>) {
+        lock(&self.sends).pool.put(frame);
     }
 
     fn flush(&self, timeout: Duration) -> Result<(), TransportError> {

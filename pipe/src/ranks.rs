@@ -21,8 +21,8 @@ use crate::transport::Transport;
 use crate::vocab::Device;
 use crate::wire::Wire;
 
-/// Encodes a worker's message as a frame.
-pub(crate) type Encode<T> = fn(&Msg<T>) -> Result<Vec<u8>, Error>;
+/// Encodes a worker's message as a frame, in a buffer from the transport.
+pub(crate) type Encode<T> = fn(&Msg<T>, &dyn Transport) -> Result<Vec<u8>, Error>;
 /// Decodes a frame; tensors land on the device the closure gives for their stage.
 pub(crate) type Decode<T> =
     fn(&[u8], &dyn Fn(usize) -> Result<Device, Error>) -> Result<Frame<T>, Error>;
@@ -34,6 +34,10 @@ pub(crate) struct Ranks<T> {
     pub stage_rank: Vec<usize>,
     encode: Encode<T>,
     decode: Decode<T>,
+}
+
+fn encode_dyn<T: Wire>(msg: &Msg<T>, transport: &dyn Transport) -> Result<Vec<u8>, Error> {
+    frame::encode_msg(msg, transport.buffer(msg_bytes(msg)))
 }
 
 fn decode_dyn<T: Wire>(
@@ -49,7 +53,7 @@ impl<T: Wire> Ranks<T> {
         Ranks {
             transport,
             stage_rank,
-            encode: frame::encode_msg::<T>,
+            encode: encode_dyn::<T>,
             decode: decode_dyn::<T>,
         }
     }
@@ -91,7 +95,7 @@ impl<T> Ranks<T> {
     /// Sends a worker's message to the rank of its stage.
     pub fn send_msg(&self, stage: usize, msg: &Msg<T>) -> Result<(), Error> {
         let to = self.stage_rank[stage];
-        let frame = (self.encode)(msg)?;
+        let frame = (self.encode)(msg, &*self.transport)?;
         self.transport
             .send(to, frame)
             .map_err(|e| self.transport_error(to, e))
@@ -116,7 +120,9 @@ impl<T> Ranks<T> {
             .transport
             .recv(from, timeout)
             .map_err(|e| self.transport_error(from, e))?;
-        (self.decode)(&bytes, device_of)
+        let frame = (self.decode)(&bytes, device_of);
+        self.transport.recycle(bytes);
+        frame
     }
 
     /// The next frame from `from`, which must be a control frame.
@@ -141,6 +147,19 @@ impl<T> Ranks<T> {
             let _ = self.send_control(peer, &abort);
         }
     }
+}
+
+/// About how many bytes `msg`'s frame takes: its tensors' storage and room for the
+/// header (a capacity hint; the frame grows if it needs more).
+fn msg_bytes<T: crate::tensor::Tensor>(msg: &Msg<T>) -> usize {
+    let tensors = match msg {
+        Msg::Activation { batch, .. } | Msg::Gradient { batch, .. } => batch.size_bytes(),
+        Msg::Skip { value: t, .. } | Msg::SkipGrad { grad: t, .. } => {
+            t.as_ref().map_or(0, crate::tensor::Tensor::size_bytes)
+        }
+        Msg::Abort => 0,
+    };
+    tensors + 256
 }
 
 /// The receiving side of a run for the frames of `peer`: files each message in the inbox

@@ -61,6 +61,19 @@ pub trait Transport: Send + Sync {
         let _ = timeout;
         Ok(())
     }
+    /// An empty buffer with room for `capacity` bytes, to build a frame in. A transport
+    /// that keeps the buffers of finished frames hands one back here, so that a steady
+    /// stream of frames maps no fresh memory (a fresh buffer of a large frame costs a
+    /// page fault per 4 KiB when it is first written). The default allocates.
+    fn buffer(&self, capacity: usize) -> Vec<u8> {
+        Vec::with_capacity(capacity)
+    }
+    /// Gives back a received frame's buffer once it has been read, for
+    /// [`buffer`](Transport::buffer) and the transport's own receives. The default drops
+    /// it.
+    fn recycle(&self, frame: Vec<u8>) {
+        drop(frame);
+    }
 }
 
 impl<X: Transport + ?Sized> Transport for std::sync::Arc<X> {
@@ -78,6 +91,12 @@ impl<X: Transport + ?Sized> Transport for std::sync::Arc<X> {
     }
     fn flush(&self, timeout: Duration) -> Result<(), TransportError> {
         (**self).flush(timeout)
+    }
+    fn buffer(&self, capacity: usize) -> Vec<u8> {
+        (**self).buffer(capacity)
+    }
+    fn recycle(&self, frame: Vec<u8>) {
+        (**self).recycle(frame)
     }
 }
 

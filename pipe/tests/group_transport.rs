@@ -199,3 +199,31 @@ fn oversized_header_is_invalid() {
         }
     });
 }
+
+#[test]
+fn kept_buffers_are_reused_and_never_leak_old_bytes() {
+    two(|t| {
+        let peer = 1 - t.rank();
+        // Frames of shrinking sizes: each receive may land in a kept buffer of an earlier,
+        // larger frame, whose old bytes must not show through.
+        for (i, len) in [200_000usize, 150_000, 150_000, 64 << 10, 7]
+            .into_iter()
+            .enumerate()
+        {
+            let fill = (t.rank() * 16 + i) as u8;
+            let mut frame = t.buffer(len);
+            assert!(frame.is_empty() && frame.capacity() >= len);
+            frame.resize(len, fill);
+            t.send(peer, frame).unwrap();
+            let got = t.recv(peer, WAIT).unwrap();
+            let want = (peer * 16 + i) as u8;
+            assert_eq!(got.len(), len);
+            assert!(got.iter().all(|&b| b == want), "frame {i} of {len} bytes");
+            t.recycle(got);
+        }
+        t.flush(WAIT).unwrap();
+        // After the flush the sent buffers are back: a frame's buffer comes from them.
+        let again = t.buffer(100_000);
+        assert!(again.capacity() >= 100_000 && again.is_empty());
+    });
+}
