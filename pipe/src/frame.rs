@@ -10,8 +10,8 @@
 //! frame that does not parse is [`Error::Frame`], never a panic or a wrong tensor.
 
 use crate::error::{Error, Site};
+use crate::message::Msg;
 use crate::microbatch::{Batch, Item};
-use crate::protocol::Msg;
 use crate::vocab::{Device, Task};
 use crate::wire::{Wire, WireMeta};
 

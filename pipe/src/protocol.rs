@@ -13,6 +13,7 @@ use skip::Tracker;
 use crate::error::Error;
 use crate::layer::Layer;
 use crate::memory::Memory;
+use crate::message::Msg;
 use crate::microbatch::{Batch, MicroBatch};
 use crate::portal::SkipPlan;
 use crate::ranks::Ranks;
@@ -59,39 +60,6 @@ pub(crate) struct Common<'a> {
     pub timeout: Duration,
     pub record: Option<Instant>,
     pub skips: &'a SkipPlan,
-}
-
-/// A message between workers.
-pub(crate) enum Msg<T> {
-    /// A stage's input for a micro-batch, from the previous stage.
-    Activation {
-        stage: usize,
-        mb: usize,
-        batch: Batch<T>,
-    },
-    /// A stage's output gradient for a micro-batch, from the next stage.
-    Gradient {
-        stage: usize,
-        mb: usize,
-        batch: Batch<T>,
-    },
-    /// A skip value (or the stash of nothing) for micro-batch `mb`, straight from the
-    /// stashing stage to the popping `stage`, along `skips.routes[route]`.
-    Skip {
-        stage: usize,
-        mb: usize,
-        route: usize,
-        value: Option<T>,
-    },
-    /// A skip's gradient (or none), back from the popping stage to the stashing `stage`.
-    SkipGrad {
-        stage: usize,
-        mb: usize,
-        route: usize,
-        grad: Option<T>,
-    },
-    /// Stop: another worker failed.
-    Abort,
 }
 
 /// The state all workers share: the stop flag, the first failure, everyone's inbox, and

@@ -1,7 +1,6 @@
-//! A pipe's stages on ranks: where each stage runs ([`Ranks`]), how a worker's messages
-//! to a stage on another rank become frames on the [`Transport`], and the receiving side
-//! of a run ([`receive_from`]: one thread per peer rank, filing what arrives in the local
-//! workers' inboxes until that peer's `Done`).
+//! A pipe's stages on ranks: where each stage runs ([`Ranks`]), and how a worker's
+//! messages to a stage on another rank become frames on the [`Transport`] and back (the
+//! receiving side of a run is `receiver.rs`).
 //!
 //! Every run is framed the same way on every stream between two ranks: the data frames
 //! of the run, possibly one `Abort`, then one `Done`. Each rank sends `Done` to every peer
@@ -15,8 +14,7 @@ use std::time::Duration;
 
 use crate::error::Error;
 use crate::frame::{self, Control, Frame};
-use crate::protocol::{Msg, Shared};
-use crate::schedule::Schedule;
+use crate::message::Msg;
 use crate::transport::Transport;
 use crate::vocab::Device;
 use crate::wire::Wire;
@@ -160,68 +158,4 @@ fn msg_bytes<T: crate::tensor::Tensor>(msg: &Msg<T>) -> usize {
         Msg::Abort => 0,
     };
     tensors + 256
-}
-
-/// The receiving side of a run for the frames of `peer`: files each message in the inbox
-/// of the local worker of its stage, records a peer's failure (which stops the local
-/// workers), and returns at the peer's `Done`. A transport failure or a frame that does
-/// not belong is this rank's failure, and ends the stream.
-pub(crate) fn receive_from<T>(
-    ranks: &Ranks<T>,
-    peer: usize,
-    shared: &Shared<T>,
-    schedule: &Schedule,
-    devices: &[Device],
-    timeout: Duration,
-) {
-    let device_of = |stage: usize| -> Result<Device, Error> {
-        if ranks.is_local(stage) {
-            Ok(devices[stage])
-        } else {
-            Err(Error::Frame(format!(
-                "rank {peer} sent data for stage {stage}, which does not run on rank {}",
-                ranks.rank()
-            )))
-        }
-    };
-    loop {
-        let frame = match ranks.recv(peer, timeout, &device_of) {
-            Ok(frame) => frame,
-            Err(e) => {
-                shared.fail(e);
-                return;
-            }
-        };
-        match frame {
-            Frame::Msg(msg) => {
-                let stage = match &msg {
-                    Msg::Activation { stage, .. }
-                    | Msg::Gradient { stage, .. }
-                    | Msg::Skip { stage, .. }
-                    | Msg::SkipGrad { stage, .. } => *stage,
-                    Msg::Abort => continue,
-                };
-                if let Some(w) = schedule.worker_of(stage) {
-                    // A worker that has returned has dropped its inbox: the run is ending.
-                    let _ = shared.senders[w].send(msg);
-                }
-            }
-            Frame::Control(Control::Abort {
-                rank,
-                site,
-                message,
-            }) => shared.fail(Error::Remote {
-                rank,
-                site,
-                message,
-            }),
-            Frame::Control(Control::Done) => return,
-            Frame::Control(other) => {
-                shared.fail(Error::Frame(format!(
-                    "rank {peer} sent {other:?} in the middle of a run"
-                )));
-                return;
-            }
-        }
-    }
 }

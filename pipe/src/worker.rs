@@ -8,10 +8,11 @@ use skip::{Moves, Tracker};
 
 use crate::error::{Error, Site};
 use crate::memory::Memory;
+use crate::message::Msg;
 use crate::microbatch::Batch;
 use crate::pin::pin_current_thread;
 use crate::portal::{held_bytes, new_tracker};
-use crate::protocol::{Common, FinalHook, LossFn, Msg, Shared, StageSlot, Trackers};
+use crate::protocol::{Common, FinalHook, LossFn, Shared, StageSlot, Trackers};
 use crate::record::{Span, SpanKind};
 use crate::stage::{deferred_bytes, flush, guard, Keep, Kept, StageCall};
 use crate::tensor::Tensor;

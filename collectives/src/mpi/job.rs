@@ -13,11 +13,7 @@ use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::Duration;
 
-/// A communicator of the progress thread, named by the group handles.
-pub(super) type CommId = usize;
-
-/// `MPI_COMM_WORLD`'s id.
-pub(super) const WORLD: CommId = 0;
+pub(super) use super::shared::{CommId, WORLD};
 
 /// Starts a collective on a communicator and returns what it left in flight; given an
 /// error instead, fails the operation's work without communicating.

@@ -128,6 +128,7 @@ mod ordered;
 mod progress;
 mod pt2pt;
 mod raw;
+mod shared;
 
 use crate::buffer::unreducible;
 use crate::p2p::check_peer;

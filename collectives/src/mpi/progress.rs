@@ -20,14 +20,14 @@
 //! locally.
 
 use super::debug::{self, WORDS};
-use super::job::{Action, CommId, Job, Joined, Op, Running, WORLD};
+use super::job::{Action, Job, Joined, Op, Running};
 use super::pt2pt::{Links, P2p};
 use super::raw::{self, Request};
+use super::shared::{guarded, CommId, Graveyard, WORLD};
 use crate::{Error, Result};
 use mpi::environment::Universe;
 use mpi::topology::{Color, Communicator, SimpleCommunicator};
 use mpi::Threading;
-use std::any::Any;
 use std::collections::{HashMap, VecDeque};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, TryRecvError};
@@ -36,9 +36,6 @@ use std::time::{Duration, Instant};
 
 /// How often abandoned operations are tested for completion.
 const GRAVEYARD_POLL: Duration = Duration::from_millis(10);
-
-/// The longest shutdown waits for abandoned operations to complete.
-const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 
 /// The handle side of the progress thread, shared by every group of the process.
 pub(super) struct Runtime {
@@ -227,40 +224,6 @@ struct Check {
     bufs: (Vec<u64>, Vec<u64>),
 }
 
-/// Abandoned operations whose buffers MPI may still use: kept until their requests
-/// complete (or forever).
-pub(super) struct Graveyard {
-    graves: Vec<Grave>,
-    last_poll: Instant,
-}
-
-struct Grave {
-    requests: Vec<Request>,
-    bufs: Box<dyn Any>,
-    /// How long shutdown waits for it.
-    deadline: Instant,
-}
-
-impl Graveyard {
-    pub(super) fn bury(&mut self, requests: Vec<Request>, bufs: Box<dyn Any>, grace: Duration) {
-        self.graves.push(Grave {
-            requests,
-            bufs,
-            deadline: Instant::now() + grace.min(SHUTDOWN_GRACE),
-        });
-    }
-
-    /// Tests the abandoned requests; frees the buffers of those that completed.
-    fn poll(&mut self) {
-        self.last_poll = Instant::now();
-        self.graves.retain_mut(|g| {
-            // An error ends a request as surely as completion does.
-            g.requests.retain_mut(|r| matches!(r.test(), Ok(false)));
-            !g.requests.is_empty()
-        });
-    }
-}
-
 struct Engine {
     comms: HashMap<CommId, Comm>,
     next_id: CommId,
@@ -279,10 +242,7 @@ impl Engine {
             next_id: WORLD + 1,
             running: Vec::new(),
             p2p: P2p::default(),
-            graveyard: Graveyard {
-                graves: Vec::new(),
-                last_poll: Instant::now(),
-            },
+            graveyard: Graveyard::default(),
         }
     }
 
@@ -635,18 +595,6 @@ impl Engine {
                 std::mem::forget(g.bufs);
             }
             std::mem::forget(universe);
-        }
-    }
-}
-
-/// Runs `f` (which completes work, so runs continuations), containing a panic in one so
-/// that it cannot take down the progress thread of every other operation.
-pub(super) fn guarded<R>(what: &str, f: impl FnOnce() -> R) -> Option<R> {
-    match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(r) => Some(r),
-        Err(_) => {
-            tracing::error!("a continuation of {what} panicked");
-            None
         }
     }
 }

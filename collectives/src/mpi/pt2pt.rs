@@ -30,9 +30,8 @@
 //! graveyard with their buffers, as abandoned collectives are.
 
 use super::debug::{dtype_code, dtype_of_code};
-use super::job::CommId;
-use super::progress::{guarded, Graveyard};
 use super::raw::{self, Request};
+use super::shared::{guarded, CommId, Graveyard};
 use crate::p2p::mismatch;
 use crate::{Buffer, Completer, DType, Error, Result};
 use mpi::topology::SimpleCommunicator;

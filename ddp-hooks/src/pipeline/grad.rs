@@ -61,3 +61,25 @@ fn same_len(op: &'static str, t: &CpuTensor, len: usize) -> Result<(), pipe::Err
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pipe::cpu::CpuTensor;
+
+    #[test]
+    fn cpu_tensors_copy_in_and_out_and_refuse_other_lengths() {
+        let mut t = CpuTensor::from_shape_vec(&[2, 2], vec![1.0, 2.0, 3.0, 4.0]).unwrap();
+        let mut out = vec![0.0; 4];
+        t.copy_to(&mut out).unwrap();
+        assert_eq!(out, vec![1.0, 2.0, 3.0, 4.0]);
+        t.copy_from(&[5.0, 6.0, 7.0, 8.0]).unwrap();
+        assert_eq!(t.to_vec(), vec![5.0, 6.0, 7.0, 8.0]);
+        assert!(t.copy_to(&mut [0.0; 3]).is_err());
+        assert!(t.copy_from(&[0.0; 5]).is_err());
+        // A transposed (non-contiguous) view copies in logical row-major order.
+        let tr = CpuTensor::new(t.array().clone().reversed_axes());
+        tr.copy_to(&mut out).unwrap();
+        assert_eq!(out, vec![5.0, 7.0, 6.0, 8.0]);
+    }
+}

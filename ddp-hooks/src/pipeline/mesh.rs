@@ -18,7 +18,7 @@
 //! data-parallel groups of stages `0..stages`.
 
 use super::{PipelineError, Result};
-use collectives::ProcessGroup;
+use collectives::{Buffer, ProcessGroup, ReduceOp};
 use std::sync::Arc;
 
 /// The shape of a pipeline × data-parallel job: `stages` pipeline stages (one partition
@@ -178,5 +178,45 @@ impl std::fmt::Debug for MeshGroups {
             .field("pipeline_size", &self.pipeline.size())
             .field("data_size", &self.data.size())
             .finish()
+    }
+}
+
+/// The ranks of a mesh agree on a synchronised step's outcome: one world all-reduce of a
+/// flag per rank (1 where the step failed). This rank's own error comes first; a step
+/// that went through here but failed elsewhere is [`PipelineError::PeersFailed`].
+pub(super) fn agree<R>(
+    world: &dyn ProcessGroup,
+    outcome: Result<R>,
+    timeout: std::time::Duration,
+) -> Result<R> {
+    let mut flags = vec![0.0f32; world.size()];
+    if outcome.is_err() {
+        if let Some(flag) = flags.get_mut(world.rank()) {
+            *flag = 1.0;
+        }
+    }
+    let agreed = world
+        .all_reduce(Buffer::F32(flags), ReduceOp::Sum)
+        .wait_timeout(timeout);
+    let value = outcome?;
+    match agreed.map_err(crate::Error::from)? {
+        Buffer::F32(flags) => {
+            let ranks: Vec<usize> = flags
+                .iter()
+                .enumerate()
+                .filter(|(_, &f)| f != 0.0)
+                .map(|(r, _)| r)
+                .collect();
+            if ranks.is_empty() {
+                Ok(value)
+            } else {
+                Err(PipelineError::PeersFailed { ranks })
+            }
+        }
+        other => Err(crate::Error::Comm(collectives::Error::Mismatch(format!(
+            "the step's agreement came back as {:?}, not f32",
+            other.dtype()
+        )))
+        .into()),
     }
 }

@@ -124,6 +124,7 @@
 //!
 //! [`CommHook`]: crate::CommHook
 
+mod buckets;
 mod error;
 mod grad;
 pub mod mesh;
@@ -133,7 +134,8 @@ pub use grad::GradTensor;
 pub use mesh::{Mesh, MeshError, MeshGroups};
 
 use crate::{CommHook, HookSpec, Reducer, ReducerConfig};
-use collectives::{Buffer, ProcessGroup, ReduceOp};
+use buckets::partition_buckets;
+use collectives::ProcessGroup;
 use lowrank::CpuBackend;
 use pipe::cpu::CpuTensor;
 use pipe::{
@@ -568,7 +570,7 @@ impl<T: GradTensor, H: CommHook<CpuBackend> + 'static> DistributedPipe<T, H> {
             }
         };
         let value = match &self.mesh {
-            Some(mesh) => agree(mesh, outcome, self.pipe.timeout())?,
+            Some(mesh) => mesh::agree(&*mesh.world, outcome, self.pipe.timeout())?,
             None => outcome?,
         };
         write_back(shared, &reducer, &mut self.pipe)?;
@@ -671,43 +673,6 @@ impl<T: GradTensor, H> accum::GradSync for DistributedPipe<T, H> {
     }
 }
 
-/// The ranks of a mesh agree on a synchronised step's outcome: one world all-reduce of a
-/// flag per rank (1 where the step failed). This rank's own error comes first; a step
-/// that went through here but failed elsewhere is [`PipelineError::PeersFailed`].
-fn agree<R>(mesh: &OnMesh, outcome: Result<R>, timeout: Duration) -> Result<R> {
-    let world = &mesh.world;
-    let mut flags = vec![0.0f32; world.size()];
-    if outcome.is_err() {
-        if let Some(flag) = flags.get_mut(world.rank()) {
-            *flag = 1.0;
-        }
-    }
-    let agreed = world
-        .all_reduce(Buffer::F32(flags), ReduceOp::Sum)
-        .wait_timeout(timeout);
-    let value = outcome?;
-    match agreed.map_err(crate::Error::from)? {
-        Buffer::F32(flags) => {
-            let ranks: Vec<usize> = flags
-                .iter()
-                .enumerate()
-                .filter(|(_, &f)| f != 0.0)
-                .map(|(r, _)| r)
-                .collect();
-            if ranks.is_empty() {
-                Ok(value)
-            } else {
-                Err(PipelineError::PeersFailed { ranks })
-            }
-        }
-        other => Err(crate::Error::Comm(collectives::Error::Mismatch(format!(
-            "the step's agreement came back as {:?}, not f32",
-            other.dtype()
-        )))
-        .into()),
-    }
-}
-
 /// Overwrites every layer's gradients with the reduced ones.
 fn write_back<T: GradTensor, H: CommHook<CpuBackend>>(
     shared: &Shared<H>,
@@ -749,82 +714,5 @@ fn write_back<T: GradTensor, H: CommHook<CpuBackend>>(
         Ok(())
     } else {
         Err(PipelineError::Gradients(faults))
-    }
-}
-
-/// DDP's assignment by size over the parameters in backward order (the last partition's
-/// last parameter first), the first bucket's cap [`ReducerConfig::first_cap_mb`], the
-/// others' `bucket_cap_mb` (a bucket closes once its bytes reach its cap), and a bucket also
-/// closes at the end of each partition.
-fn partition_buckets(bounds: &[usize], lens: &[usize], config: &ReducerConfig) -> Vec<Vec<usize>> {
-    let bytes = |mb: f64| (mb * (1u64 << 20) as f64) as usize;
-    let (first, rest) = (bytes(config.first_cap_mb()), bytes(config.bucket_cap_mb));
-    let mut buckets: Vec<Vec<usize>> = Vec::new();
-    for j in (0..bounds.len().saturating_sub(1)).rev() {
-        let mut current = Vec::new();
-        let mut size = 0usize;
-        for p in (bounds[j]..bounds[j + 1]).rev() {
-            current.push(p);
-            size = size.saturating_add(lens[p].saturating_mul(size_of::<f32>()));
-            let cap = if buckets.is_empty() { first } else { rest };
-            if size >= cap {
-                buckets.push(std::mem::take(&mut current));
-                size = 0;
-            }
-        }
-        if !current.is_empty() {
-            buckets.push(current);
-        }
-    }
-    buckets
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn buckets_close_at_caps_and_at_partition_ends() {
-        // Two partitions: params 0..3 and 3..5, 1 MiB each (262144 floats).
-        let lens = vec![1 << 18; 5];
-        let config = ReducerConfig {
-            first_bucket_mb: 1.5,
-            bucket_cap_mb: 2.5,
-            ..ReducerConfig::default()
-        };
-        let got = partition_buckets(&[0, 3, 5], &lens, &config);
-        assert_eq!(got, vec![vec![4, 3], vec![2, 1, 0]]);
-        let config = ReducerConfig {
-            first_bucket_mb: 0.5,
-            ..config
-        };
-        let got = partition_buckets(&[0, 3, 5], &lens, &config);
-        assert_eq!(got, vec![vec![4], vec![3], vec![2, 1, 0]]);
-        // DDP: a bucket_cap_mb of the user's caps the first bucket too.
-        let config = ReducerConfig {
-            bucket_cap_mb: 2.5,
-            ..ReducerConfig::default()
-        };
-        let got = partition_buckets(&[0, 3, 5], &lens, &config);
-        assert_eq!(got, vec![vec![4, 3], vec![2, 1, 0]]);
-        // A partition without parameters gets no bucket.
-        let got = partition_buckets(&[0, 2, 2, 3], &[1, 1, 1], &ReducerConfig::default());
-        assert_eq!(got, vec![vec![2], vec![1, 0]]);
-    }
-
-    #[test]
-    fn cpu_tensors_copy_in_and_out_and_refuse_other_lengths() {
-        let mut t = CpuTensor::from_shape_vec(&[2, 2], vec![1.0, 2.0, 3.0, 4.0]).unwrap();
-        let mut out = vec![0.0; 4];
-        t.copy_to(&mut out).unwrap();
-        assert_eq!(out, vec![1.0, 2.0, 3.0, 4.0]);
-        t.copy_from(&[5.0, 6.0, 7.0, 8.0]).unwrap();
-        assert_eq!(t.to_vec(), vec![5.0, 6.0, 7.0, 8.0]);
-        assert!(t.copy_to(&mut [0.0; 3]).is_err());
-        assert!(t.copy_from(&[0.0; 5]).is_err());
-        // A transposed (non-contiguous) view copies in logical row-major order.
-        let tr = CpuTensor::new(t.array().clone().reversed_axes());
-        tr.copy_to(&mut out).unwrap();
-        assert_eq!(out, vec![5.0, 7.0, 6.0, 8.0]);
     }
 }
