@@ -124,6 +124,27 @@ fn finish(
     (output, input_grad, losses, evaluated)
 }
 
+/// Runs `f(rank, its layers, its transport)` on one thread per part, the ranks of one
+/// in-process transport; the results in rank order.
+fn per_rank<R: Send>(
+    parts: Vec<Layers>,
+    f: impl Fn(usize, Layers, Arc<dyn Transport>) -> R + Sync,
+) -> Vec<R> {
+    let transports = LocalTransport::create(parts.len());
+    let f = &f;
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = parts
+            .into_iter()
+            .zip(transports)
+            .enumerate()
+            .map(|(rank, (layers, t))| {
+                scope.spawn(move || f(rank, layers, Arc::new(t) as Arc<dyn Transport>))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
 fn width_in() -> usize {
     5
 }
@@ -322,7 +343,6 @@ fn several_stages_on_one_rank_and_stages_out_of_rank_order() {
 #[test]
 fn shapes_may_change_between_steps() {
     let balance = [2, 2];
-    let transports = LocalTransport::create(2);
     let mut all = plain_model().into_iter();
     let parts: Vec<Layers> = vec![all.by_ref().take(2).collect(), all.collect()];
     let mut reference = Pipe::builder(plain_model(), &balance)
@@ -344,39 +364,26 @@ fn shapes_may_change_between_steps() {
                 .unwrap()
         })
         .collect();
-    let got = std::thread::scope(|scope| {
-        let handles: Vec<_> = parts
-            .into_iter()
-            .zip(transports)
-            .enumerate()
-            .map(|(rank, (layers, t))| {
-                scope.spawn(move || {
-                    let mut pipe = Pipe::builder(layers, &balance)
-                        .chunks(3)
-                        .seed(SEED)
-                        .stages_on_ranks(Arc::new(t))
-                        .build()
-                        .unwrap();
-                    [7usize, 12, 1]
-                        .iter()
-                        .map(|&b| {
-                            let target = data(b, 3, 8);
-                            let input = if rank == 0 {
-                                Batch::single(data(b, 5, 7))
-                            } else {
-                                Batch::new(Vec::new())
-                            };
-                            pipe.step(input, |mb, out| mse(&target, mb, out))
-                                .unwrap()
-                                .output
-                        })
-                        .collect::<Vec<_>>()
-                })
+    let got = per_rank(parts, |rank, layers, t| {
+        let mut pipe = Pipe::builder(layers, &balance)
+            .chunks(3)
+            .seed(SEED)
+            .stages_on_ranks(t)
+            .build()
+            .unwrap();
+        [7usize, 12, 1]
+            .iter()
+            .map(|&b| {
+                let target = data(b, 3, 8);
+                let input = if rank == 0 {
+                    Batch::single(data(b, 5, 7))
+                } else {
+                    Batch::new(Vec::new())
+                };
+                pipe.step(input, |mb, out| mse(&target, mb, out))
+                    .unwrap()
+                    .output
             })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().unwrap())
             .collect::<Vec<_>>()
     });
     let outputs: Vec<CpuTensor> = got[1]
@@ -425,53 +432,39 @@ impl Layer<CpuTensor> for Faulty {
 fn a_failure_on_one_rank_reaches_every_rank_naming_where() {
     for panic in [false, true] {
         let balance = [1, 2, 1];
-        let transports = LocalTransport::create(3);
         let parts: Vec<Layers> = vec![
             vec![Box::new(Linear::new(5, 5, 1))],
             vec![Box::new(ReLU), Box::new(Faulty { mb: 2, panic })],
             vec![Box::new(Linear::new(5, 3, 2))],
         ];
         let start = Instant::now();
-        let errors = std::thread::scope(|scope| {
-            let handles: Vec<_> = parts
-                .into_iter()
-                .zip(transports)
-                .enumerate()
-                .map(|(rank, (layers, t))| {
-                    scope.spawn(move || {
-                        let mut pipe = Pipe::builder(layers, &balance)
-                            .chunks(4)
-                            .timeout(Duration::from_secs(20))
-                            .stages_on_ranks(Arc::new(t))
-                            .build()
-                            .unwrap();
-                        let target = data(8, 3, 8);
-                        let input = if rank == 0 {
-                            Batch::single(data(8, 5, 7))
-                        } else {
-                            Batch::new(Vec::new())
-                        };
-                        let err = pipe
-                            .step(input, |mb, out| mse(&target, mb, out))
-                            .unwrap_err();
-                        // The pipe is usable again on every rank (the streams stayed aligned),
-                        // unless the failure was a panic, which poisons the pipe that had it.
-                        pipe.clear_poison();
-                        pipe.eval();
-                        let input = if rank == 0 {
-                            Batch::single(data(8, 5, 7))
-                        } else {
-                            Batch::new(Vec::new())
-                        };
-                        let again = pipe.forward(input);
-                        (err, again.is_err())
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().unwrap())
-                .collect::<Vec<_>>()
+        let errors = per_rank(parts, |rank, layers, t| {
+            let mut pipe = Pipe::builder(layers, &balance)
+                .chunks(4)
+                .timeout(Duration::from_secs(20))
+                .stages_on_ranks(t)
+                .build()
+                .unwrap();
+            let target = data(8, 3, 8);
+            let input = if rank == 0 {
+                Batch::single(data(8, 5, 7))
+            } else {
+                Batch::new(Vec::new())
+            };
+            let err = pipe
+                .step(input, |mb, out| mse(&target, mb, out))
+                .unwrap_err();
+            // The pipe is usable again on every rank (the streams stayed aligned),
+            // unless the failure was a panic, which poisons the pipe that had it.
+            pipe.clear_poison();
+            pipe.eval();
+            let input = if rank == 0 {
+                Batch::single(data(8, 5, 7))
+            } else {
+                Batch::new(Vec::new())
+            };
+            let again = pipe.forward(input);
+            (err, again.is_err())
         });
         assert!(
             start.elapsed() < Duration::from_secs(15),
@@ -509,69 +502,41 @@ fn a_failure_on_one_rank_reaches_every_rank_naming_where() {
 fn ranks_that_disagree_fail_instead_of_hanging() {
     let balance = [2, 2];
     // Settings differ: chunks.
-    let transports = LocalTransport::create(2);
     let mut all = plain_model().into_iter();
     let parts: Vec<Layers> = vec![all.by_ref().take(2).collect(), all.collect()];
-    let built = std::thread::scope(|scope| {
-        let handles: Vec<_> = parts
-            .into_iter()
-            .zip(transports)
-            .enumerate()
-            .map(|(rank, (layers, t))| {
-                scope.spawn(move || {
-                    Pipe::builder(layers, &balance)
-                        .chunks(2 + rank)
-                        .timeout(Duration::from_secs(10))
-                        .stages_on_ranks(Arc::new(t))
-                        .build()
-                        .err()
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().unwrap())
-            .collect::<Vec<_>>()
+    let built = per_rank(parts, |rank, layers, t| {
+        Pipe::builder(layers, &balance)
+            .chunks(2 + rank)
+            .timeout(Duration::from_secs(10))
+            .stages_on_ranks(t)
+            .build()
+            .err()
     });
     for e in built {
         assert!(matches!(e, Some(Error::RankMismatch { .. })), "{e:?}");
     }
 
     // Runs differ: rank 0 steps while rank 1 evaluates.
-    let transports = LocalTransport::create(2);
     let mut all = plain_model().into_iter();
     let parts: Vec<Layers> = vec![all.by_ref().take(2).collect(), all.collect()];
     let start = Instant::now();
-    let ran = std::thread::scope(|scope| {
-        let handles: Vec<_> = parts
-            .into_iter()
-            .zip(transports)
-            .enumerate()
-            .map(|(rank, (layers, t))| {
-                scope.spawn(move || {
-                    let mut pipe = Pipe::builder(layers, &balance)
-                        .chunks(2)
-                        .timeout(Duration::from_secs(20))
-                        .stages_on_ranks(Arc::new(t))
-                        .build()
-                        .unwrap();
-                    let target = data(4, 3, 8);
-                    if rank == 0 {
-                        pipe.step(Batch::single(data(4, 5, 7)), |mb, out| {
-                            mse(&target, mb, out)
-                        })
-                        .err()
-                    } else {
-                        pipe.eval();
-                        pipe.forward(Batch::new(Vec::new())).err()
-                    }
-                })
+    let ran = per_rank(parts, |rank, layers, t| {
+        let mut pipe = Pipe::builder(layers, &balance)
+            .chunks(2)
+            .timeout(Duration::from_secs(20))
+            .stages_on_ranks(t)
+            .build()
+            .unwrap();
+        let target = data(4, 3, 8);
+        if rank == 0 {
+            pipe.step(Batch::single(data(4, 5, 7)), |mb, out| {
+                mse(&target, mb, out)
             })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().unwrap())
-            .collect::<Vec<_>>()
+            .err()
+        } else {
+            pipe.eval();
+            pipe.forward(Batch::new(Vec::new())).err()
+        }
     });
     assert!(start.elapsed() < Duration::from_secs(15));
     assert!(
@@ -603,42 +568,28 @@ fn deferred_batch_norm_and_the_gradients_final_callback_work_on_ranks() {
         .build()
         .unwrap();
     let (_, _, _, want) = train(&mut one, s, true, true);
-    let transports = LocalTransport::create(2);
     let mut all = bn_model().into_iter();
     let parts: Vec<Layers> = vec![all.by_ref().take(1).collect(), all.collect()];
-    let got = std::thread::scope(|scope| {
-        let handles: Vec<_> = parts
-            .into_iter()
-            .zip(transports)
-            .enumerate()
-            .map(|(rank, (layers, t))| {
-                scope.spawn(move || {
-                    let mut pipe = configure(Pipe::builder(layers, &balance), s)
-                        .deferred_batch_norm(true)
-                        .record(true)
-                        .stages_on_ranks(Arc::new(t))
-                        .build()
-                        .unwrap();
-                    let calls = Arc::new(AtomicUsize::new(0));
-                    let seen = calls.clone();
-                    pipe.on_gradients_final(move |stage, layers| {
-                        assert_eq!(stage, rank, "only this rank's stage reports");
-                        assert!(!layers.is_empty());
-                        seen.fetch_add(1, Ordering::Relaxed);
-                    });
-                    let (_, _, _, evaluated) = train(&mut pipe, s, rank == 0, rank == 1);
-                    // Spans were recorded for this rank's stage only.
-                    let record = pipe.take_record().unwrap();
-                    let spans: usize = record.workers().iter().map(Vec::len).sum();
-                    assert!(spans > 0);
-                    (evaluated, calls.load(Ordering::Relaxed))
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().unwrap())
-            .collect::<Vec<_>>()
+    let got = per_rank(parts, |rank, layers, t| {
+        let mut pipe = configure(Pipe::builder(layers, &balance), s)
+            .deferred_batch_norm(true)
+            .record(true)
+            .stages_on_ranks(t)
+            .build()
+            .unwrap();
+        let calls = Arc::new(AtomicUsize::new(0));
+        let seen = calls.clone();
+        pipe.on_gradients_final(move |stage, layers| {
+            assert_eq!(stage, rank, "only this rank's stage reports");
+            assert!(!layers.is_empty());
+            seen.fetch_add(1, Ordering::Relaxed);
+        });
+        let (_, _, _, evaluated) = train(&mut pipe, s, rank == 0, rank == 1);
+        // Spans were recorded for this rank's stage only.
+        let record = pipe.take_record().unwrap();
+        let spans: usize = record.workers().iter().map(Vec::len).sum();
+        assert!(spans > 0);
+        (evaluated, calls.load(Ordering::Relaxed))
     });
     assert_eq!(got[0].1, 1);
     assert_eq!(got[1].1, 1);

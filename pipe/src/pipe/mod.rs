@@ -249,7 +249,7 @@ impl<T: Tensor> Pipe<T> {
         schedule: &Schedule,
         plan: Option<Vec<MicroBatch>>,
         input: Batch<T>,
-        mut loss: F,
+        loss: F,
     ) -> Result<StepOutput<T, L>, Error>
     where
         L: Send,
@@ -272,20 +272,36 @@ impl<T: Tensor> Pipe<T> {
         if n == 0 {
             return step_without_layers(plan, parts, loss);
         }
-        if schedule.stages() != n
-            || schedule.micro_batches() != m
-            || !schedule.has_forward()
-            || !schedule.has_backward()
-        {
-            return Err(Error::ScheduleMismatch {
-                schedule_stages: schedule.stages(),
-                schedule_micro_batches: schedule.micro_batches(),
-                stages: n,
-                micro_batches: m,
-            });
-        }
+        check_schedule(schedule, n, m)?;
         let inputs = self.on_device(parts, 0)?;
-        let mut losses: Vec<Option<L>> = (0..m).map(|_| None).collect();
+        let (outcome, losses) = self.run_with_loss(schedule, &plan, inputs, loss)?;
+        self.step += 1;
+        let output = Batch::gather(complete(outcome.outputs, n - 1, Pass::Forward)?)?;
+        let input_grad =
+            Batch::gather_gradients(complete(outcome.input_grads, 0, Pass::Backward)?)?;
+        let losses = complete_losses(losses, n)?;
+        Ok(StepOutput {
+            output,
+            input_grad,
+            losses,
+        })
+    }
+
+    /// A training run of `schedule` whose last stage calls `loss` on each micro-batch's
+    /// output for its gradient: the outcome and each micro-batch's loss (where the last
+    /// stage ran here).
+    fn run_with_loss<L, F>(
+        &mut self,
+        schedule: &Schedule,
+        plan: &[MicroBatch],
+        inputs: Vec<Option<Batch<T>>>,
+        mut loss: F,
+    ) -> Result<(Outcome<T>, Vec<Option<L>>), Error>
+    where
+        L: Send,
+        F: FnMut(MicroBatch, &Batch<T>) -> Result<(L, Batch<T>), Error> + Send,
+    {
+        let mut losses: Vec<Option<L>> = (0..plan.len()).map(|_| None).collect();
         let mut per_micro_batch = |mb: MicroBatch, output: &Batch<T>| -> Result<Batch<T>, Error> {
             let (value, grad) = loss(mb, output)?;
             losses[mb.index] = Some(value);
@@ -293,30 +309,13 @@ impl<T: Tensor> Pipe<T> {
         };
         let outcome = self.run(
             schedule,
-            &plan,
+            plan,
             inputs,
             Vec::new(),
             None,
             Some(&mut per_micro_batch),
         )?;
-        self.step += 1;
-        let output = Batch::gather(complete(outcome.outputs, n - 1, Pass::Forward)?)?;
-        let input_grad =
-            Batch::gather_gradients(complete(outcome.input_grads, 0, Pass::Backward)?)?;
-        let losses = losses
-            .into_iter()
-            .enumerate()
-            .map(|(i, l)| {
-                l.ok_or(Error::MissingAction {
-                    action: Action::forward(n - 1, i),
-                })
-            })
-            .collect::<Result<_, _>>()?;
-        Ok(StepOutput {
-            output,
-            input_grad,
-            losses,
-        })
+        Ok((outcome, losses))
     }
 
     fn run(
@@ -609,6 +608,36 @@ impl<T: Tensor> Pipe<T> {
     pub fn set_step_number(&mut self, step: u64) {
         self.step = step;
     }
+}
+
+/// Checks that `schedule` runs both passes of `n` stages over `m` micro-batches.
+fn check_schedule(schedule: &Schedule, n: usize, m: usize) -> Result<(), Error> {
+    if schedule.stages() != n
+        || schedule.micro_batches() != m
+        || !schedule.has_forward()
+        || !schedule.has_backward()
+    {
+        return Err(Error::ScheduleMismatch {
+            schedule_stages: schedule.stages(),
+            schedule_micro_batches: schedule.micro_batches(),
+            stages: n,
+            micro_batches: m,
+        });
+    }
+    Ok(())
+}
+
+/// Unwraps each micro-batch's loss of a successful step through `n` stages.
+fn complete_losses<L>(losses: Vec<Option<L>>, n: usize) -> Result<Vec<L>, Error> {
+    losses
+        .into_iter()
+        .enumerate()
+        .map(|(i, l)| {
+            l.ok_or(Error::MissingAction {
+                action: Action::forward(n - 1, i),
+            })
+        })
+        .collect()
 }
 
 /// Unwraps per-micro-batch results of a successful run.

@@ -4,14 +4,14 @@
 //! micro-batch sizes) and the others check it, so a rank that calls another method or is
 //! at another step fails at once, on every rank, instead of hanging.
 
-use super::{complete, Pending, Pipe, StepOutput};
+use super::{check_schedule, complete, complete_losses, Pending, Pipe, StepOutput};
 use crate::error::Error;
 use crate::frame::{Control, Frame, RunKind};
 use crate::microbatch::{Batch, MicroBatch};
 use crate::ranks::Ranks;
 use crate::schedule::Schedule;
 use crate::tensor::Tensor;
-use crate::vocab::{Action, Device, Pass};
+use crate::vocab::{Device, Pass};
 
 /// The micro-batches of the given sizes, in order.
 fn plan_of(sizes: &[usize]) -> Vec<MicroBatch> {
@@ -239,7 +239,7 @@ impl<T: Tensor> Pipe<T> {
         ranks: &Ranks<T>,
         schedule: Option<&Schedule>,
         input: Batch<T>,
-        mut loss: F,
+        loss: F,
     ) -> Result<StepOutput<T, L>, Error>
     where
         L: Send,
@@ -276,36 +276,13 @@ impl<T: Tensor> Pipe<T> {
                 &generated
             }
         };
-        if schedule.stages() != n
-            || schedule.micro_batches() != m
-            || !schedule.has_forward()
-            || !schedule.has_backward()
-        {
-            let e = Error::ScheduleMismatch {
-                schedule_stages: schedule.stages(),
-                schedule_micro_batches: schedule.micro_batches(),
-                stages: n,
-                micro_batches: m,
-            };
+        if let Err(e) = check_schedule(schedule, n, m) {
             return Err(self.fail_run(ranks, e));
         }
         if let Some(e) = split_worker(ranks, schedule) {
             return Err(self.fail_run(ranks, e));
         }
-        let mut losses: Vec<Option<L>> = (0..m).map(|_| None).collect();
-        let mut per_micro_batch = |mb: MicroBatch, output: &Batch<T>| -> Result<Batch<T>, Error> {
-            let (value, grad) = loss(mb, output)?;
-            losses[mb.index] = Some(value);
-            Ok(grad)
-        };
-        let outcome = self.run(
-            schedule,
-            &plan,
-            inputs,
-            Vec::new(),
-            None,
-            Some(&mut per_micro_batch),
-        )?;
+        let (outcome, losses) = self.run_with_loss(schedule, &plan, inputs, loss)?;
         self.step += 1;
         let output = if last {
             Batch::gather(complete(outcome.outputs, n - 1, Pass::Forward)?)?
@@ -318,15 +295,7 @@ impl<T: Tensor> Pipe<T> {
             Batch::new(Vec::new())
         };
         let losses = if last {
-            losses
-                .into_iter()
-                .enumerate()
-                .map(|(i, l)| {
-                    l.ok_or(Error::MissingAction {
-                        action: Action::forward(n - 1, i),
-                    })
-                })
-                .collect::<Result<_, _>>()?
+            complete_losses(losses, n)?
         } else {
             Vec::new()
         };
