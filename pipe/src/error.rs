@@ -321,6 +321,17 @@ pub enum Error {
         /// The panic message.
         message: String,
     },
+    /// A stage's weight-gradient actions (`W`) must complete its input-gradient actions
+    /// (`I`) in the order they ran: each takes the oldest `I`'s kept state.
+    #[error("worker {worker}: {action} comes where the weight gradient of micro-batch {} is due (a stage's W actions follow the order of its I actions)", expected.map_or("none".to_string(), |m| m.to_string()))]
+    WeightGradOrder {
+        /// The worker.
+        worker: usize,
+        /// The weight-gradient action out of order.
+        action: Action,
+        /// The micro-batch whose W was due, if any.
+        expected: Option<usize>,
+    },
     /// A worker waited longer than the pipe's timeout for another worker.
     #[error(
         "partition {partition} waited {timeout:?} (the pipe's timeout) for the input of {action}"

@@ -428,6 +428,17 @@ pub trait Layer<T: Tensor>: Send {
         Ok(())
     }
 
+    /// Adds the weight gradients of the oldest call whose gradients are still deferred, and
+    /// forgets it: the `W` action of a zero-bubble schedule
+    /// ([`Pass::WeightGrad`](crate::Pass::WeightGrad)), which completes the stage's
+    /// input-gradient actions one by one, in their order. The sums must be those its
+    /// backward would have added. The default flushes everything deferred
+    /// ([`flush_grads`](Layer::flush_grads)): right for a layer that defers nothing, or one
+    /// call at a time.
+    fn flush_first_grad(&mut self) -> Result<(), Error> {
+        self.flush_grads()
+    }
+
     /// Bytes kept for deferred gradients (see [`flush_grads`](Layer::flush_grads)), counted
     /// through [`Tensor::size_bytes`]; the pipe counts them as held memory. Default: 0.
     fn deferred_bytes(&self) -> usize {

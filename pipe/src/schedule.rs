@@ -119,8 +119,13 @@ impl Schedule {
         }
         let (m, n) = (micro_batches, stages);
         let mut stage_worker: Vec<Option<usize>> = vec![None; n];
-        // position[work][stage * m + mb] = (worker, index in its list)
-        let mut position: [Vec<Option<(usize, usize)>>; 2] = [vec![None; n * m], vec![None; n * m]];
+        // position[pass][stage * m + mb] = (worker, index in its list), pass in F, B, I, W
+        let mut position: [Vec<Option<(usize, usize)>>; 4] = [
+            vec![None; n * m],
+            vec![None; n * m],
+            vec![None; n * m],
+            vec![None; n * m],
+        ];
         for (w, list) in workers.iter().enumerate() {
             for (k, &action) in list.iter().enumerate() {
                 if action.stage >= n || action.micro_batch >= m {
@@ -148,28 +153,92 @@ impl Schedule {
             }
         }
         let has_forward = position[0].iter().any(Option::is_some);
-        let has_backward = position[1].iter().any(Option::is_some);
+        let has_backward = position[1].iter().chain(&position[2]).any(Option::is_some);
+        let at = |pass: Pass, stage: usize, mb: usize| position[pass as usize][stage * m + mb];
         for stage in 0..n {
             for mb in 0..m {
-                let (forward, backward) =
-                    (position[0][stage * m + mb], position[1][stage * m + mb]);
+                let forward = at(Pass::Forward, stage, mb);
+                let (full, input, weight) = (
+                    at(Pass::Backward, stage, mb),
+                    at(Pass::InputGrad, stage, mb),
+                    at(Pass::WeightGrad, stage, mb),
+                );
                 if forward.is_none() && (has_forward || !has_backward) {
                     return Err(Error::MissingAction {
                         action: Action::forward(stage, mb),
                     });
                 }
-                if backward.is_none() && has_backward {
-                    return Err(Error::MissingAction {
-                        action: Action::backward(stage, mb),
-                    });
+                // A backward is one B, or one I and one W after it.
+                match (full, input, weight) {
+                    (Some(_), Some(_), _) => {
+                        return Err(Error::DuplicateAction {
+                            action: Action::input_grad(stage, mb),
+                        })
+                    }
+                    (Some(_), None, Some(_)) => {
+                        return Err(Error::DuplicateAction {
+                            action: Action::weight_grad(stage, mb),
+                        })
+                    }
+                    (None, None, None) if has_backward => {
+                        return Err(Error::MissingAction {
+                            action: Action::backward(stage, mb),
+                        })
+                    }
+                    (None, None, Some(_)) => {
+                        return Err(Error::MissingAction {
+                            action: Action::input_grad(stage, mb),
+                        })
+                    }
+                    (None, Some(_), None) => {
+                        return Err(Error::MissingAction {
+                            action: Action::weight_grad(stage, mb),
+                        })
+                    }
+                    (None, Some((w, i)), Some((_, k))) if k < i => {
+                        return Err(Error::BackwardBeforeForward {
+                            worker: w,
+                            action: Action::weight_grad(stage, mb),
+                        })
+                    }
+                    _ => {}
                 }
+                let backward = full.or(input);
                 if let (Some((_, f)), Some((w, b))) = (forward, backward) {
                     if b < f {
                         return Err(Error::BackwardBeforeForward {
                             worker: w,
-                            action: Action::backward(stage, mb),
+                            action: Action {
+                                stage,
+                                micro_batch: mb,
+                                pass: if full.is_some() {
+                                    Pass::Backward
+                                } else {
+                                    Pass::InputGrad
+                                },
+                            },
                         });
                     }
+                }
+            }
+        }
+        // A stage's W actions complete its I actions in order (a W takes the oldest I's
+        // kept state): their micro-batches must come in the same order.
+        for (w, list) in workers.iter().enumerate() {
+            for stage in 0..n {
+                let order = |pass: Pass| -> Vec<usize> {
+                    list.iter()
+                        .filter(|a| a.stage == stage && a.pass == pass)
+                        .map(|a| a.micro_batch)
+                        .collect()
+                };
+                let (inputs, weights) = (order(Pass::InputGrad), order(Pass::WeightGrad));
+                if let Some(k) = (0..weights.len()).find(|&k| inputs.get(k) != Some(&weights[k])) {
+                    return Err(Error::WeightGradOrder {
+                        worker: w,
+                        action: Action::weight_grad(stage, weights[k]),
+                        expected: inputs.get(k).copied(),
+                    });
                 }
             }
         }
@@ -191,18 +260,27 @@ impl Schedule {
     /// its data; if all are stuck before the end, the schedule has a cycle.
     fn check_progress(&self) -> Result<(), Error> {
         let (m, n) = (self.micro_batches, self.stages);
-        let mut done = [vec![false; n * m], vec![false; n * m]];
+        let mut done = [
+            vec![false; n * m],
+            vec![false; n * m],
+            vec![false; n * m],
+            vec![false; n * m],
+        ];
         let mut heads = vec![0usize; self.workers.len()];
         loop {
             let mut moved = false;
             for (w, list) in self.workers.iter().enumerate() {
                 while let Some(&a) = list.get(heads[w]) {
+                    let at = |pass: Pass, stage: usize| done[pass as usize][stage * m + a.micro_batch];
                     let ready = match a.pass {
-                        Pass::Forward => a.stage == 0 || done[0][(a.stage - 1) * m + a.micro_batch],
-                        Pass::Backward => {
-                            (!self.has_forward || done[0][a.stage * m + a.micro_batch])
-                                && (a.stage + 1 == n || done[1][(a.stage + 1) * m + a.micro_batch])
+                        Pass::Forward => a.stage == 0 || at(Pass::Forward, a.stage - 1),
+                        Pass::Backward | Pass::InputGrad => {
+                            (!self.has_forward || at(Pass::Forward, a.stage))
+                                && (a.stage + 1 == n
+                                    || at(Pass::Backward, a.stage + 1)
+                                    || at(Pass::InputGrad, a.stage + 1))
                         }
+                        Pass::WeightGrad => at(Pass::InputGrad, a.stage),
                     };
                     if !ready {
                         break;
@@ -299,9 +377,18 @@ impl Schedule {
         self.has_forward
     }
 
-    /// Whether it has backward actions.
+    /// Whether it has backward actions (`B`, or `I` and `W`).
     pub fn has_backward(&self) -> bool {
         self.has_backward
+    }
+
+    /// Whether it splits some backward into its input- and weight-gradient halves (`I`
+    /// and `W` actions).
+    pub fn splits_backward(&self) -> bool {
+        self.workers
+            .iter()
+            .flatten()
+            .any(|a| a.pass == Pass::InputGrad)
     }
 
     /// The most micro-batches `stage` holds between forward and backward at once, following
@@ -320,7 +407,9 @@ impl Schedule {
         for a in list.iter().filter(|a| a.stage == stage) {
             match a.pass {
                 Pass::Forward => held += 1,
-                Pass::Backward => held = held.saturating_sub(1),
+                // An input-gradient half keeps what its weight-gradient half needs.
+                Pass::InputGrad => {}
+                Pass::Backward | Pass::WeightGrad => held = held.saturating_sub(1),
             }
             most = most.max(held);
         }

@@ -16,6 +16,7 @@ use crate::error::{Error, Site};
 use crate::layer::{Context, Layer, Saved};
 use crate::microbatch::{Batch, MicroBatch};
 use crate::tensor::Tensor;
+use crate::vocab::Action;
 use crate::vocab::Phase;
 use crate::vocab::Task;
 
@@ -241,6 +242,27 @@ pub(crate) fn flush<T: Tensor>(
                 partition: stage,
                 layer: Some((first_layer + l, layer.name().to_string())),
                 micro_batch: None,
+                task: Task::Backward,
+            })
+        })?;
+    }
+    Ok(())
+}
+
+/// A weight-gradient action's work: every layer adds the weight gradients of its oldest
+/// deferred call ([`Layer::flush_first_grad`]); a failure names the layer and the
+/// micro-batch.
+pub(crate) fn flush_first<T: Tensor>(
+    action: Action,
+    first_layer: usize,
+    layers: &mut [Box<dyn Layer<T>>],
+) -> Result<(), Error> {
+    for (l, layer) in layers.iter_mut().enumerate() {
+        guard(|| layer.flush_first_grad()).map_err(|fault| {
+            fault.at(Site {
+                partition: action.stage,
+                layer: Some((first_layer + l, layer.name().to_string())),
+                micro_batch: Some(action.micro_batch),
                 task: Task::Backward,
             })
         })?;

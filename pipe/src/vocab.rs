@@ -49,13 +49,41 @@ impl fmt::Display for Device {
     }
 }
 
-/// The pass of an [`Action`]: forward or backward.
+/// The pass of an [`Action`]: forward, backward, or one of the two halves of a backward
+/// that zero-bubble schedules place apart (PyTorch's `I` and `W`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Pass {
-    /// Run the stage's layers forward on the micro-batch.
+    /// Run the stage's layers forward on the micro-batch (PyTorch's `F`).
     Forward,
-    /// Run them backward (recomputing first if the micro-batch was checkpointed).
+    /// Run them backward (recomputing first if the micro-batch was checkpointed): the
+    /// input gradient and the weight gradients (`B`).
     Backward,
+    /// The input-gradient half of a backward (`I`): the input gradient goes on to the
+    /// previous stage at once, and each layer keeps what its weight gradient needs
+    /// ([`Layer::flush_first_grad`](crate::Layer::flush_first_grad)). A layer that cannot
+    /// split computes both here.
+    InputGrad,
+    /// The weight-gradient half (`W`) of the stage's oldest input-gradient action not yet
+    /// completed by one: the weight gradients, added in the order of the `I` actions.
+    WeightGrad,
+}
+
+impl Pass {
+    /// Whether this pass computes an input gradient that the previous stage waits for
+    /// (a backward, or its input-gradient half).
+    pub fn sends_gradient(self) -> bool {
+        matches!(self, Pass::Backward | Pass::InputGrad)
+    }
+
+    /// PyTorch's letter for it: `F`, `B`, `I` or `W`.
+    pub fn letter(self) -> char {
+        match self {
+            Pass::Forward => 'F',
+            Pass::Backward => 'B',
+            Pass::InputGrad => 'I',
+            Pass::WeightGrad => 'W',
+        }
+    }
 }
 
 /// One unit of a schedule: `pass` for `micro_batch` on `stage`.
@@ -87,6 +115,24 @@ impl Action {
             pass: Pass::Backward,
         }
     }
+
+    /// An input-gradient action (`I`).
+    pub fn input_grad(stage: usize, micro_batch: usize) -> Self {
+        Action {
+            stage,
+            micro_batch,
+            pass: Pass::InputGrad,
+        }
+    }
+
+    /// A weight-gradient action (`W`).
+    pub fn weight_grad(stage: usize, micro_batch: usize) -> Self {
+        Action {
+            stage,
+            micro_batch,
+            pass: Pass::WeightGrad,
+        }
+    }
 }
 
 impl fmt::Display for Action {
@@ -94,6 +140,8 @@ impl fmt::Display for Action {
         let work = match self.pass {
             Pass::Forward => "forward",
             Pass::Backward => "backward",
+            Pass::InputGrad => "input-gradient backward",
+            Pass::WeightGrad => "weight-gradient backward",
         };
         write!(
             f,
@@ -119,7 +167,7 @@ impl From<Pass> for Phase {
     fn from(pass: Pass) -> Self {
         match pass {
             Pass::Forward => Phase::Forward,
-            Pass::Backward => Phase::Backward,
+            Pass::Backward | Pass::InputGrad | Pass::WeightGrad => Phase::Backward,
         }
     }
 }

@@ -14,7 +14,7 @@ use crate::pin::pin_current_thread;
 use crate::portal::{held_bytes, new_tracker};
 use crate::protocol::{Common, FinalHook, LossFn, Shared, StageSlot, Trackers};
 use crate::record::{Span, SpanKind};
-use crate::stage::{deferred_bytes, flush, guard, Keep, Kept, StageCall};
+use crate::stage::{deferred_bytes, flush, flush_first, guard, Keep, Kept, StageCall};
 use crate::tensor::Tensor;
 use crate::vocab::Device;
 use crate::vocab::Task;
@@ -138,7 +138,7 @@ impl<'a, 'l, 's, T: Tensor> Worker<'a, 'l, 's, T> {
         // parameter gradients are final for this run.
         let mut last_backward = vec![None; self.position.len()];
         for (k, a) in actions.iter().enumerate() {
-            if a.pass == Pass::Backward {
+            if a.pass != Pass::Forward {
                 last_backward[a.stage] = Some(k);
             }
         }
@@ -148,7 +148,8 @@ impl<'a, 'l, 's, T: Tensor> Worker<'a, 'l, 's, T> {
             }
             let mut result = match action.pass {
                 Pass::Forward => self.forward(action),
-                Pass::Backward => self.backward(action),
+                Pass::Backward | Pass::InputGrad => self.backward(action),
+                Pass::WeightGrad => self.weight_grad(action),
             };
             if result.is_ok() && last_backward[action.stage] == Some(k) {
                 result = self
@@ -194,6 +195,7 @@ impl<'a, 'l, 's, T: Tensor> Worker<'a, 'l, 's, T> {
         host: &'c mut Hosted<'a, T>,
         mb: usize,
         tracker: Option<Box<Tracker<T>>>,
+        defer: bool,
     ) -> StageCall<'c, T> {
         let first = host.slot.first_layer;
         let count = host.slot.layers.len();
@@ -208,7 +210,7 @@ impl<'a, 'l, 's, T: Tensor> Worker<'a, 'l, 's, T> {
             step: common.step,
             micro_batch: common.micro_batches[mb],
             micro_batches: common.micro_batches.len(),
-            defer_weight_grads: common.defer_weight_grads,
+            defer_weight_grads: defer,
         }
     }
 
@@ -276,7 +278,7 @@ impl<'a, 'l, 's, T: Tensor> Worker<'a, 'l, 's, T> {
                 .unwrap_or_else(|| new_tracker(checkpointed))
         });
         let start = Instant::now();
-        let mut call = Self::call(common, &mut self.stages[host], i, tracker);
+        let mut call = Self::call(common, &mut self.stages[host], i, tracker, false);
         let result = call.forward(input, keep);
         let tracker = call.tracker.take();
         self.span(action, SpanKind::Forward, start);
@@ -402,19 +404,21 @@ impl<'a, 'l, 's, T: Tensor> Worker<'a, 'l, 's, T> {
             Kept::Saved(saved) => saved,
             Kept::Input(input) => {
                 let start = Instant::now();
-                let mut call = Self::call(common, &mut self.stages[host], i, tracker);
+                let mut call = Self::call(common, &mut self.stages[host], i, tracker, false);
                 let result = call.recompute(input);
                 tracker = call.tracker.take();
                 self.span(action, SpanKind::Recompute, start);
                 result?
             }
         };
+        // An input-gradient action defers the weight gradients to its W action.
+        let defer = common.defer_weight_grads || action.pass == Pass::InputGrad;
         let start = Instant::now();
-        let mut call = Self::call(common, &mut self.stages[host], i, tracker);
+        let mut call = Self::call(common, &mut self.stages[host], i, tracker, defer);
         let result = call.backward(grad, saved);
         let tracker = call.tracker.take();
         self.span(action, SpanKind::Backward, start);
-        if common.defer_weight_grads {
+        if defer {
             let slot = &mut self.stages[host].slot;
             slot.memory.set_deferred(deferred_bytes(slot.layers));
         }
@@ -436,6 +440,19 @@ impl<'a, 'l, 's, T: Tensor> Worker<'a, 'l, 's, T> {
                 batch: grad_input,
             },
         )
+    }
+
+    /// A weight-gradient action: each layer of the stage adds the weight gradients of its
+    /// oldest deferred call, the input-gradient action this one completes (a
+    /// [`SpanKind::WeightGrad`] span).
+    fn weight_grad(&mut self, action: Action) -> Result<(), Halt> {
+        let host = self.host(action.stage)?;
+        let start = Instant::now();
+        let slot = &mut self.stages[host].slot;
+        let result = flush_first(action, slot.first_layer, slot.layers);
+        slot.memory.set_deferred(deferred_bytes(slot.layers));
+        self.span(action, SpanKind::WeightGrad, start);
+        Ok(result?)
     }
 
     /// After the last backward action of its stage: adds the weight gradients the stage's
@@ -560,7 +577,7 @@ impl<'a, 'l, 's, T: Tensor> Worker<'a, 'l, 's, T> {
         if let Some(p) = self.position.get(stage).copied().flatten() {
             let slots = match pass {
                 Pass::Forward => &mut self.stages[p].inputs,
-                Pass::Backward => &mut self.stages[p].grads,
+                Pass::Backward | Pass::InputGrad | Pass::WeightGrad => &mut self.stages[p].grads,
             };
             if let Some(slot) = slots.get_mut(mb) {
                 *slot = Some(batch);
@@ -597,7 +614,7 @@ impl<'a, 'l, 's, T: Tensor> Worker<'a, 'l, 's, T> {
                     .get_or_insert_with(|| new_tracker(checkpointed))
                     .insert_incoming(r.ns, &r.name, value)
             }
-            Pass::Backward => {
+            Pass::Backward | Pass::InputGrad | Pass::WeightGrad => {
                 hosted.grads_in[mb] += 1;
                 match hosted.slot.trackers[mb].as_mut() {
                     Some(tracker) => tracker.insert_incoming_grad(r.ns, &r.name, value),
@@ -630,7 +647,7 @@ impl<'a, 'l, 's, T: Tensor> Worker<'a, 'l, 's, T> {
                     &mut hosted.inputs[mb],
                     hosted.values_in[mb] >= plan.values_in(stage),
                 ),
-                Pass::Backward => (
+                Pass::Backward | Pass::InputGrad | Pass::WeightGrad => (
                     &mut hosted.grads[mb],
                     hosted.grads_in[mb] >= plan.grads_in(stage),
                 ),

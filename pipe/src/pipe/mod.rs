@@ -391,8 +391,9 @@ impl<T: Tensor> Pipe<T> {
             }
             Err(error) => {
                 // Whatever backward actions completed keep their gradients, as without
-                // deferral; nothing deferred is held past the run.
-                if self.defer_weight_grads {
+                // deferral; nothing deferred is held past the run (an input-gradient
+                // action whose weight-gradient action never ran deferred too).
+                if self.defer_weight_grads || schedule.splits_backward() {
                     for (j, layers) in self.partitions.iter_mut().enumerate() {
                         let _ = crate::stage::flush(j, self.first_layer[j], layers);
                     }

@@ -151,6 +151,24 @@ impl Linear {
         Ok(&self.weight_t)
     }
 
+    /// Adds the weight gradient of one deferred call, `x` and `dy`, as its backward would
+    /// have (one product).
+    fn add_deferred(&mut self, x: &CpuTensor, dy: &CpuTensor) -> Result<(), Error> {
+        let (rows, inputs) = (x.shape()[0], self.inputs());
+        let (xs, dys) = (
+            x.array().as_standard_layout(),
+            dy.array().as_standard_layout(),
+        );
+        let (Some(xs), Some(dys)) = (xs.as_slice(), dys.as_slice()) else {
+            return Err(Error::Shape {
+                op: "Linear::flush_grads",
+                expected: vec![rows, inputs],
+                got: x.shape().to_vec(),
+            });
+        };
+        self.add_weight_grad(xs, dys, rows)
+    }
+
     /// `dW += xᵀ dy` over `rows` rows, from the row-major `x` (`[rows, inputs]`).
     fn add_weight_grad(&mut self, xs: &[f32], dys: &[f32], rows: usize) -> Result<(), Error> {
         same_shape(
@@ -313,19 +331,7 @@ impl Layer<CpuTensor> for Linear {
         if deferred.len() == 1 || !splits_exactly() {
             // One product per call, as backward would have added them.
             for (x, dy) in &deferred {
-                let rows = x.shape()[0];
-                let (xs, dys) = (
-                    x.array().as_standard_layout(),
-                    dy.array().as_standard_layout(),
-                );
-                let (Some(xs), Some(dys)) = (xs.as_slice(), dys.as_slice()) else {
-                    return Err(Error::Shape {
-                        op: "Linear::flush_grads",
-                        expected: vec![rows, inputs],
-                        got: x.shape().to_vec(),
-                    });
-                };
-                self.add_weight_grad(xs, dys, rows)?;
+                self.add_deferred(x, dy)?;
             }
             return Ok(());
         }
@@ -357,6 +363,14 @@ impl Layer<CpuTensor> for Linear {
             r0 += len;
         }
         self.add_weight_grad_t(View::row_major(&xt, inputs, rows), &dys)
+    }
+
+    fn flush_first_grad(&mut self) -> Result<(), Error> {
+        if self.deferred.is_empty() {
+            return Ok(());
+        }
+        let (x, dy) = self.deferred.remove(0);
+        self.add_deferred(&x, &dy)
     }
 
     fn deferred_bytes(&self) -> usize {
