@@ -271,7 +271,8 @@ impl Schedule {
             let mut moved = false;
             for (w, list) in self.workers.iter().enumerate() {
                 while let Some(&a) = list.get(heads[w]) {
-                    let at = |pass: Pass, stage: usize| done[pass as usize][stage * m + a.micro_batch];
+                    let at =
+                        |pass: Pass, stage: usize| done[pass as usize][stage * m + a.micro_batch];
                     let ready = match a.pass {
                         Pass::Forward => a.stage == 0 || at(Pass::Forward, a.stage - 1),
                         Pass::Backward | Pass::InputGrad => {
