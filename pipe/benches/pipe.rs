@@ -230,7 +230,6 @@ fn trace(
         title: format!("{schedule}, checkpoint {checkpoint}, m = {M}, n = {PARTITIONS}"),
         schedule: schedule.generate(M, PARTITIONS).expect("schedule"),
         record,
-        checkpoint_stop: checkpoint.stop(M),
     };
     let mut layers = pipe.into_layers();
     zero(&mut layers);

@@ -76,8 +76,9 @@ pub enum Error {
     /// A checkpoint mode string that is none of the three.
     #[error("checkpoint is not one of 'always', 'except_last', or 'never' (got {0:?})")]
     CheckpointMode(String),
-    /// A schedule name that is none of the generators.
-    #[error("schedule is not one of 'gpipe' or '1f1b' (got {0:?})")]
+    /// A schedule that cannot be made: a name that is none of the generators, a
+    /// generator's constraint (the message says which), a malformed schedule CSV cell.
+    #[error("schedule: {0}")]
     ScheduleName(String),
     /// The timeout between workers must be positive.
     #[error("the timeout between workers must be positive")]
@@ -320,6 +321,14 @@ pub enum Error {
         site: Site,
         /// The panic message.
         message: String,
+    },
+    /// A schedule that cannot place the pipe's stages: `why` says what does not fit.
+    #[error("schedule {schedule}: {why}")]
+    ScheduleShape {
+        /// The schedule.
+        schedule: String,
+        /// What does not fit.
+        why: String,
     },
     /// A stage's weight-gradient actions (`W`) must complete its input-gradient actions
     /// (`I`) in the order they ran: each takes the oldest `I`'s kept state.

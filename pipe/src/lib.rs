@@ -121,9 +121,11 @@ mod record;
 mod residual;
 mod rng;
 mod schedule;
+pub mod simulate;
 mod stage;
 mod storage;
 mod tensor;
+pub mod trace;
 pub mod transport;
 mod vocab;
 mod wire;
@@ -139,7 +141,10 @@ pub use crate::pipe::{Pipe, PipeBuilder, StepOutput, DEFAULT_TIMEOUT};
 pub use crate::record::{Record, Span, SpanKind};
 pub use crate::residual::{residual, AddSkip, StashInput};
 pub use crate::rng::{SampleStream, Stream};
-pub use crate::schedule::{clock_cycles, Schedule, ScheduleKind};
+pub use crate::schedule::{
+    clock_cycles, dual_pipe_v, interleaved_1f1b, interleaved_zero_bubble, loop_placement,
+    looped_bfs, v_placement, zb_h1, zbv, Cell, Order, Schedule, ScheduleKind,
+};
 pub use crate::stage::Checkpoint;
 pub use crate::tensor::Tensor;
 pub use crate::transport::{LocalTransport, Transport, TransportError};

@@ -29,6 +29,10 @@ use std::fmt;
 use crate::error::Error;
 use crate::vocab::{Action, Pass};
 
+mod csv;
+mod generators;
+pub use generators::*;
+
 /// GPipe's clock schedule (torchgpipe's `clock_cycles`): clock `k` holds every
 /// `(micro_batch, stage)` with `micro_batch + stage == k`, in increasing stage order;
 /// there are `m + n - 1` clocks.
@@ -42,7 +46,15 @@ pub fn clock_cycles(m: usize, n: usize) -> Vec<Vec<(usize, usize)>> {
         .collect()
 }
 
-/// Which generator a [`Pipe`](crate::Pipe) uses for [`step`](crate::Pipe::step).
+/// Which generator a [`Pipe`](crate::Pipe) uses for [`step`](crate::Pipe::step): PyTorch's
+/// schedules, each generating PyTorch's action order (`Schedule*` in
+/// `torch.distributed.pipelining`; the orders are checked against PyTorch's in
+/// `tests/schedules.rs`).
+///
+/// A schedule with several stages per worker (`stages_per_worker`, PyTorch's stages per
+/// rank) runs `n` stages on `n / stages_per_worker` workers: on threads, one worker per
+/// group of stages (pinned to the first one's core); on ranks, the pipe's stage ranks must
+/// put each worker's stages on one rank ([`placement`](ScheduleKind::placement)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum ScheduleKind {
     /// All forwards in clock order, then all backwards in reverse micro-batch order.
@@ -51,14 +63,87 @@ pub enum ScheduleKind {
     /// One forward, one backward after a warm-up: at most `n - j` micro-batches in flight
     /// on stage `j`.
     OneFOneB,
+    /// 1F1B with every backward split into its input-gradient and weight-gradient halves,
+    /// the weight gradients placed in the bubbles of the cool-down (ZB-H1).
+    ZeroBubble,
+    /// PyTorch's `ScheduleLoopedBFS`: stages looped over the workers (stage `s` on worker
+    /// `s % workers`), breadth first.
+    LoopedBfs {
+        /// Stages per worker.
+        stages_per_worker: usize,
+    },
+    /// PyTorch's `ScheduleInterleaved1F1B`: looped stages, depth first; its bubble is
+    /// `(w − 1) / (v·m + w − 1)` on `w` workers with `v` stages each.
+    Interleaved1F1B {
+        /// Stages per worker.
+        stages_per_worker: usize,
+    },
+    /// PyTorch's `ScheduleInterleavedZeroBubble`: interleaved, with the split backward.
+    InterleavedZeroBubble {
+        /// Stages per worker.
+        stages_per_worker: usize,
+    },
+    /// PyTorch's `ScheduleZBVZeroBubble`: two stages per worker in a V (worker `r` holds
+    /// stages `r` and `2w − 1 − r`), split backward.
+    Zbv,
+    /// PyTorch's `ScheduleDualPipeV` (DeepSeek's DualPipe on a V): two stages per worker,
+    /// forward and backward of different micro-batches back to back.
+    DualPipeV,
 }
 
 impl ScheduleKind {
-    /// The schedule of `m` micro-batches on `n` stages, one worker per stage.
+    /// Stages each worker hosts.
+    pub fn stages_per_worker(self) -> usize {
+        match self {
+            ScheduleKind::GPipe | ScheduleKind::OneFOneB | ScheduleKind::ZeroBubble => 1,
+            ScheduleKind::LoopedBfs { stages_per_worker }
+            | ScheduleKind::Interleaved1F1B { stages_per_worker }
+            | ScheduleKind::InterleavedZeroBubble { stages_per_worker } => stages_per_worker,
+            ScheduleKind::Zbv | ScheduleKind::DualPipeV => 2,
+        }
+    }
+
+    /// How many workers `n` stages need, or why they cannot be placed.
+    fn workers(self, n: usize) -> Result<usize, Error> {
+        let v = self.stages_per_worker();
+        if v == 0 || !n.is_multiple_of(v) || n == 0 {
+            return Err(Error::ScheduleShape {
+                schedule: self.to_string(),
+                why: format!("{n} stages do not split into groups of {v} stages per worker"),
+            });
+        }
+        Ok(n / v)
+    }
+
+    /// The worker (for a pipe on ranks, the rank) of each of `n` stages: stage `s` on
+    /// `s` for one stage per worker, `s % workers` for looped schedules, the V for ZBV and
+    /// DualPipeV. Pass it to [`PipeBuilder::on_ranks`](crate::PipeBuilder::on_ranks).
+    pub fn placement(self, n: usize) -> Result<Vec<usize>, Error> {
+        let pp = self.workers(n)?;
+        Ok(match self {
+            ScheduleKind::Zbv | ScheduleKind::DualPipeV => v_placement(pp),
+            _ => loop_placement(pp, self.stages_per_worker()),
+        })
+    }
+
+    /// The schedule of `m` micro-batches on `n` stages.
     pub fn generate(self, m: usize, n: usize) -> Result<Schedule, Error> {
+        let pp = self.workers(n)?;
         match self {
             ScheduleKind::GPipe => Schedule::gpipe(m, n),
             ScheduleKind::OneFOneB => Schedule::one_f_one_b(m, n),
+            ScheduleKind::ZeroBubble => zb_h1(m, pp)?.to_schedule(),
+            ScheduleKind::LoopedBfs { stages_per_worker } => {
+                looped_bfs(m, pp, stages_per_worker)?.to_schedule()
+            }
+            ScheduleKind::Interleaved1F1B { stages_per_worker } => {
+                interleaved_1f1b(m, pp, stages_per_worker)?.to_schedule()
+            }
+            ScheduleKind::InterleavedZeroBubble { stages_per_worker } => {
+                interleaved_zero_bubble(m, pp, stages_per_worker)?.to_schedule()
+            }
+            ScheduleKind::Zbv => zbv(m, pp)?.to_schedule(),
+            ScheduleKind::DualPipeV => dual_pipe_v(m, pp)?.to_schedule(),
         }
     }
 }
@@ -66,22 +151,75 @@ impl ScheduleKind {
 impl std::str::FromStr for ScheduleKind {
     type Err = Error;
 
-    /// `"gpipe"` or `"1f1b"`.
+    /// Ours (`gpipe`, `1f1b`, `zb`, `looped_bfs[:V]`, `interleaved_1f1b[:V]`,
+    /// `interleaved_zb[:V]`, `zbv`, `dualpipev`; `V` stages per worker, default 2) or
+    /// PyTorch's class names without `Schedule`, in any case (`GPipe`, `1F1B`,
+    /// `LoopedBFS`, `Interleaved1F1B`, `InterleavedZeroBubble`, `ZBVZeroBubble`,
+    /// `DualPipeV`).
     fn from_str(s: &str) -> Result<Self, Error> {
-        match s {
-            "gpipe" => Ok(ScheduleKind::GPipe),
-            "1f1b" => Ok(ScheduleKind::OneFOneB),
-            other => Err(Error::ScheduleName(other.to_string())),
+        let (name, v) = match s.split_once(':') {
+            Some((name, v)) => {
+                let v: usize = v
+                    .parse()
+                    .ok()
+                    .filter(|&v| v > 0)
+                    .ok_or_else(|| Error::ScheduleName(unknown(s)))?;
+                (name, Some(v))
+            }
+            None => (s, None),
+        };
+        let stages_per_worker = v.unwrap_or(2);
+        let kind = match name.to_ascii_lowercase().as_str() {
+            "gpipe" => ScheduleKind::GPipe,
+            "1f1b" => ScheduleKind::OneFOneB,
+            "zb" | "zb_h1" | "zerobubble" => ScheduleKind::ZeroBubble,
+            "looped_bfs" | "loopedbfs" => ScheduleKind::LoopedBfs { stages_per_worker },
+            "interleaved_1f1b" | "interleaved1f1b" => {
+                ScheduleKind::Interleaved1F1B { stages_per_worker }
+            }
+            "interleaved_zb" | "interleavedzerobubble" => {
+                ScheduleKind::InterleavedZeroBubble { stages_per_worker }
+            }
+            "zbv" | "zbvzerobubble" => ScheduleKind::Zbv,
+            "dualpipev" => ScheduleKind::DualPipeV,
+            _ => return Err(Error::ScheduleName(unknown(s))),
+        };
+        if v.is_some() && kind.stages_per_worker() != stages_per_worker {
+            return Err(Error::ScheduleName(format!(
+                "{kind} runs {} stages per worker, not {stages_per_worker} (got {s:?})",
+                kind.stages_per_worker()
+            )));
         }
+        Ok(kind)
     }
+}
+
+/// The message for a schedule name that is none of ours.
+fn unknown(s: &str) -> String {
+    format!(
+        "{s:?} is not one of gpipe, 1f1b, zb, looped_bfs[:V], interleaved_1f1b[:V], \
+         interleaved_zb[:V], zbv, dualpipev (or PyTorch's class names)"
+    )
 }
 
 impl fmt::Display for ScheduleKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            ScheduleKind::GPipe => "gpipe",
-            ScheduleKind::OneFOneB => "1f1b",
-        })
+        match self {
+            ScheduleKind::GPipe => f.write_str("gpipe"),
+            ScheduleKind::OneFOneB => f.write_str("1f1b"),
+            ScheduleKind::ZeroBubble => f.write_str("zb"),
+            ScheduleKind::LoopedBfs { stages_per_worker } => {
+                write!(f, "looped_bfs:{stages_per_worker}")
+            }
+            ScheduleKind::Interleaved1F1B { stages_per_worker } => {
+                write!(f, "interleaved_1f1b:{stages_per_worker}")
+            }
+            ScheduleKind::InterleavedZeroBubble { stages_per_worker } => {
+                write!(f, "interleaved_zb:{stages_per_worker}")
+            }
+            ScheduleKind::Zbv => f.write_str("zbv"),
+            ScheduleKind::DualPipeV => f.write_str("dualpipev"),
+        }
     }
 }
 
@@ -101,6 +239,8 @@ pub struct Schedule {
     stage_worker: Vec<usize>,
     has_forward: bool,
     has_backward: bool,
+    /// Whether it has `I` (and so `W`) actions.
+    splits: bool,
 }
 
 impl Schedule {
@@ -244,6 +384,9 @@ impl Schedule {
         }
         // Every stage has an action by now, so every stage has a worker.
         let stage_worker = stage_worker.into_iter().map(|w| w.unwrap_or(0)).collect();
+        let splits = position[Pass::InputGrad as usize]
+            .iter()
+            .any(Option::is_some);
         let schedule = Schedule {
             stages,
             micro_batches,
@@ -251,6 +394,7 @@ impl Schedule {
             stage_worker,
             has_forward,
             has_backward,
+            splits,
         };
         schedule.check_progress()?;
         Ok(schedule)
@@ -386,10 +530,7 @@ impl Schedule {
     /// Whether it splits some backward into its input- and weight-gradient halves (`I`
     /// and `W` actions).
     pub fn splits_backward(&self) -> bool {
-        self.workers
-            .iter()
-            .flatten()
-            .any(|a| a.pass == Pass::InputGrad)
+        self.splits
     }
 
     /// The most micro-batches `stage` holds between forward and backward at once, following

@@ -411,8 +411,11 @@ impl<'a, 'l, 's, T: Tensor> Worker<'a, 'l, 's, T> {
                 result?
             }
         };
-        // An input-gradient action defers the weight gradients to its W action.
-        let defer = common.defer_weight_grads || action.pass == Pass::InputGrad;
+        // An input-gradient action defers the weight gradients to its W action; in a
+        // schedule with W actions, a full backward adds its own at once (a W takes the
+        // oldest deferred call, which must be its I's), even under `defer_weight_grads`.
+        let defer = action.pass == Pass::InputGrad
+            || (common.defer_weight_grads && !common.schedule.splits_backward());
         let start = Instant::now();
         let mut call = Self::call(common, &mut self.stages[host], i, tracker, defer);
         let result = call.backward(grad, saved);

@@ -122,7 +122,8 @@ fn one_f_one_b_alternates_after_warm_up_and_bounds_in_flight() {
     );
     assert_eq!(
         "pipedream".parse::<ScheduleKind>().unwrap_err().to_string(),
-        "schedule is not one of 'gpipe' or '1f1b' (got \"pipedream\")"
+        "schedule: \"pipedream\" is not one of gpipe, 1f1b, zb, looped_bfs[:V], \
+         interleaved_1f1b[:V], interleaved_zb[:V], zbv, dualpipev (or PyTorch's class names)"
     );
 }
 

@@ -104,6 +104,15 @@ fn pipe(quick: bool, json: bool) -> Result<(), Failure> {
     run_status(cargo(&flags(vec![
         "bench", "-q", "-p", "pipe", "--bench", "pipe", "--",
     ])))?;
+    run_status(cargo(&flags(vec![
+        "bench",
+        "-q",
+        "-p",
+        "pipe",
+        "--bench",
+        "schedules",
+        "--",
+    ])))?;
     let features = if crate::on_path("mpirun") {
         "collectives,mpi"
     } else {

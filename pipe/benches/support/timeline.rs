@@ -1,12 +1,12 @@
-//! The timeline picture: recorded spans of one step per schedule, one row per partition,
-//! beside the ideal schedule (the same actions, each as long as its kind's mean measured
-//! duration on its partition, started as soon as its worker and its data allow), drawn as
+//! The timeline picture: recorded spans of one step per schedule, one row per worker,
+//! beside the simulated ideal (`pipe::simulate`: the same actions, each as long as its
+//! mean measured duration, started as soon as its worker and its data allow), drawn as
 //! SVG by hand.
 
-use std::collections::HashMap;
 use std::fmt::Write;
 use std::time::Duration;
 
+use pipe::simulate::{simulate, Costs};
 use pipe::{Action, Pass, Record, Schedule, SpanKind};
 
 /// One recorded step to draw.
@@ -17,8 +17,6 @@ pub struct Trace {
     pub schedule: Schedule,
     /// Its record.
     pub record: Record,
-    /// Micro-batches below this were checkpointed (recomputed in the ideal too).
-    pub checkpoint_stop: usize,
 }
 
 /// A box on a row: kind, label, start and end in seconds from the row set's origin.
@@ -78,111 +76,37 @@ fn named(kind: SpanKind, label: &str, start: Duration, end: Duration) -> Bar {
     }
 }
 
-/// Mean measured duration of each kind on each worker.
-fn mean_durations(record: &Record) -> Vec<HashMap<SpanKind, f64>> {
-    record
-        .workers()
+/// The ideal run of `schedule` (`pipe::simulate`): each worker runs its list in order,
+/// each action as long as its (stage, pass)'s mean measured duration in `record`, started
+/// as soon as its worker is free and its data has arrived, with the record's message
+/// cost. Empty rows where the record does not cover the schedule.
+fn ideal(schedule: &Schedule, record: &Record) -> Vec<Vec<Bar>> {
+    let sim = Costs::from_record(record, schedule).and_then(|c| simulate(schedule, &c));
+    let Ok(sim) = sim else {
+        return (0..schedule.workers().len()).map(|_| Vec::new()).collect();
+    };
+    sim.workers
         .iter()
-        .map(|spans| {
-            let mut sums: HashMap<SpanKind, (f64, usize)> = HashMap::new();
-            for s in spans {
-                let e = sums.entry(s.kind).or_default();
-                e.0 += (s.end - s.start).as_secs_f64();
-                e.1 += 1;
-            }
-            sums.into_iter()
-                .map(|(k, (total, count))| (k, total / count as f64))
+        .map(|actions| {
+            actions
+                .iter()
+                .map(|t| {
+                    let (kind, letter) = match t.action.pass {
+                        Pass::Forward => (SpanKind::Forward, "F"),
+                        Pass::Backward => (SpanKind::Backward, "B"),
+                        Pass::InputGrad => (SpanKind::Backward, "I"),
+                        Pass::WeightGrad => (SpanKind::WeightGrad, "W"),
+                    };
+                    Bar {
+                        kind,
+                        label: format!("{letter}{}", t.action.micro_batch),
+                        start: t.start,
+                        end: t.end,
+                    }
+                })
                 .collect()
         })
         .collect()
-}
-
-/// The ideal run of `schedule`: each worker runs its list in order, each action starts as
-/// soon as its worker is free and its data is ready, with zero overhead.
-fn ideal(schedule: &Schedule, means: &[HashMap<SpanKind, f64>], stop: usize) -> Vec<Vec<Bar>> {
-    let (n, m) = (schedule.stages(), schedule.micro_batches());
-    let mut done: HashMap<Action, f64> = HashMap::new();
-    let mut free = vec![0.0f64; schedule.workers().len()];
-    let mut heads = vec![0usize; schedule.workers().len()];
-    let mut bars: Vec<Vec<Bar>> = (0..schedule.workers().len()).map(|_| Vec::new()).collect();
-    let d = |w: usize, k: SpanKind| means[w].get(&k).copied().unwrap_or(0.0);
-    let total: usize = schedule.workers().iter().map(Vec::len).sum();
-    let mut placed = 0;
-    while placed < total {
-        let mut progressed = false;
-        for (w, list) in schedule.workers().iter().enumerate() {
-            while let Some(&a) = list.get(heads[w]) {
-                let deps: Vec<Action> = match a.pass {
-                    Pass::Forward if a.stage > 0 => {
-                        vec![Action::forward(a.stage - 1, a.micro_batch)]
-                    }
-                    Pass::Forward => vec![],
-                    Pass::Backward if a.stage + 1 < n => vec![
-                        Action::forward(a.stage, a.micro_batch),
-                        Action::backward(a.stage + 1, a.micro_batch),
-                    ],
-                    Pass::Backward => vec![Action::forward(a.stage, a.micro_batch)],
-                };
-                let Some(ready) = deps
-                    .iter()
-                    .map(|dep| done.get(dep).copied())
-                    .try_fold(0.0f64, |acc, t| t.map(|t| acc.max(t)))
-                else {
-                    break;
-                };
-                let mut t = free[w].max(ready);
-                let last_backward = a.pass == Pass::Backward
-                    && !list[heads[w] + 1..]
-                        .iter()
-                        .any(|b| b.pass == Pass::Backward && b.stage == a.stage);
-                let mut push = |kind: SpanKind, len: f64, t: &mut f64| {
-                    let label = match kind {
-                        SpanKind::Forward => format!("F{}", a.micro_batch),
-                        SpanKind::Backward => format!("B{}", a.micro_batch),
-                        SpanKind::Recompute => format!("R{}", a.micro_batch),
-                        SpanKind::Loss => String::new(),
-                        SpanKind::WeightGrad => "W".to_string(),
-                    };
-                    bars[w].push(Bar {
-                        kind,
-                        label,
-                        start: *t,
-                        end: *t + len,
-                    });
-                    *t += len;
-                };
-                match a.pass {
-                    Pass::Forward => {
-                        push(SpanKind::Forward, d(w, SpanKind::Forward), &mut t);
-                        if a.stage + 1 == n {
-                            push(SpanKind::Loss, d(w, SpanKind::Loss), &mut t);
-                        }
-                    }
-                    Pass::Backward => {
-                        if a.micro_batch < stop {
-                            push(SpanKind::Recompute, d(w, SpanKind::Recompute), &mut t);
-                        }
-                        push(SpanKind::Backward, d(w, SpanKind::Backward), &mut t);
-                    }
-                }
-                done.insert(a, t);
-                if last_backward {
-                    // The deferred weight gradients, after the stage's last backward; the
-                    // gradient it sends on is ready before them.
-                    push(SpanKind::WeightGrad, d(w, SpanKind::WeightGrad), &mut t);
-                }
-                free[w] = t;
-                heads[w] += 1;
-                placed += 1;
-                progressed = true;
-            }
-        }
-        if !progressed {
-            break; // a valid schedule always progresses
-        }
-    }
-    let _ = m;
-    bars
 }
 
 fn color(kind: SpanKind) -> &'static str {
@@ -272,11 +196,10 @@ pub fn svg(traces: &[Trace], note: &str) -> String {
     let panels: Vec<(String, Rows, Rows)> = traces
         .iter()
         .map(|t| {
-            let means = mean_durations(&t.record);
             (
                 t.title.clone(),
                 measured(&t.record),
-                ideal(&t.schedule, &means, t.checkpoint_stop),
+                ideal(&t.schedule, &t.record),
             )
         })
         .collect();
