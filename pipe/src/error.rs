@@ -138,10 +138,13 @@ pub enum Error {
         action: Action,
     },
     /// The workers' lists wait on each other in a cycle: the schedule would hang.
-    #[error("the schedule cannot run: these actions wait on each other: {}", list_actions(.waiting))]
+    #[error("the schedule cannot run: these actions wait on each other: {}\n{grid}", list_actions(.waiting))]
     Deadlock {
         /// Each stuck worker with the action at the head of its list.
         waiting: Vec<(usize, Action)>,
+        /// Each worker's list around the stuck action (marked `>...<`), in PyTorch's
+        /// action notation (`1F3`: stage 1's forward of micro-batch 3).
+        grid: String,
     },
     /// A schedule whose shape does not fit the run.
     #[error("the schedule is for {schedule_stages} stages and {schedule_micro_batches} micro-batches, the run has {stages} and {micro_batches} (and needs forward and backward actions)")]

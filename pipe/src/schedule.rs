@@ -445,7 +445,10 @@ impl Schedule {
                 return Ok(());
             }
             if !moved {
-                return Err(Error::Deadlock { waiting });
+                return Err(Error::Deadlock {
+                    waiting,
+                    grid: grid_around(&self.workers, &heads),
+                });
             }
         }
     }
@@ -557,6 +560,39 @@ impl Schedule {
         }
         most
     }
+}
+
+/// Each worker's list around position `heads[w]` (four actions either side), the action
+/// there marked `>...<`, one line per worker: where a stuck schedule is stuck.
+pub(crate) fn grid_around(workers: &[Vec<Action>], heads: &[usize]) -> String {
+    let mut out = String::new();
+    for (w, list) in workers.iter().enumerate() {
+        let head = heads.get(w).copied().unwrap_or(list.len());
+        let from = head.saturating_sub(4);
+        let to = (head + 5).min(list.len());
+        let cells: Vec<String> = list[from..to]
+            .iter()
+            .enumerate()
+            .map(|(k, a)| {
+                let cell = format!("{}{}{}", a.stage, a.pass.letter(), a.micro_batch);
+                if from + k == head {
+                    format!(">{cell}<")
+                } else {
+                    cell
+                }
+            })
+            .collect();
+        let (before, after) = (
+            if from > 0 { "... " } else { "" },
+            if to < list.len() { " ..." } else { "" },
+        );
+        let done = if head >= list.len() { "  (done)" } else { "" };
+        out.push_str(&format!(
+            "  worker {w}: {before}{}{after}{done}\n",
+            cells.join(" ")
+        ));
+    }
+    out
 }
 
 fn gpipe_forwards(m: usize, n: usize, stage: usize) -> Vec<Action> {

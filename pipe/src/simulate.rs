@@ -580,7 +580,10 @@ pub fn simulate(schedule: &Schedule, costs: &Costs) -> Result<Simulation, Error>
             break;
         }
         if !moved {
-            return Err(Error::Deadlock { waiting });
+            return Err(Error::Deadlock {
+                waiting,
+                grid: crate::schedule::grid_around(schedule.workers(), &heads),
+            });
         }
     }
 

@@ -155,8 +155,12 @@ fn validator_rejects_a_cross_worker_cycle() {
     )
     .unwrap_err();
     match err {
-        Error::Deadlock { waiting } => {
+        Error::Deadlock { waiting, grid } => {
             assert_eq!(waiting, vec![(0, b(0, 0)), (1, f(1, 1))]);
+            assert_eq!(
+                grid,
+                "  worker 0: 0F0 >0B0< 0F1 0B1\n  worker 1: >1F1< 1F0 1B0 1B1\n"
+            );
         }
         other => panic!("expected a deadlock, got {other}"),
     }

@@ -223,3 +223,112 @@ fn names_parse_both_ways_and_placements_group_each_worker() {
         Err(pipe::Error::ScheduleShape { .. })
     ));
 }
+
+/// The unpipelined reference of a schedule: `plain_model` one layer per stage, every
+/// forward in micro-batch order, then stage by stage from the last, each stage's
+/// backwards in the order its weight gradients are added under `schedule` (its B and W
+/// actions; an I adds none).
+fn reference_in_schedule_order(
+    schedule: &pipe::Schedule,
+    x: &CpuTensor,
+    target: &CpuTensor,
+    plan: &[pipe::MicroBatch],
+) -> (Vec<CpuTensor>, Vec<CpuTensor>, Vec<CpuTensor>) {
+    use pipe::{Context, Pass, Phase};
+    let mut layers = plain_model();
+    let n = layers.len();
+    let mut saved: Vec<Vec<Option<pipe::Saved<CpuTensor>>>> = Vec::new();
+    let mut outputs = Vec::new();
+    for &mb in plan {
+        let mut b = Batch::single(rows(x, mb));
+        let mut states = Vec::new();
+        for (l, layer) in layers.iter_mut().enumerate() {
+            let mut ctx = Context::new(true, SEED, 0, mb.len)
+                .with_layer(l)
+                .with_micro_batch(mb);
+            let (y, s) = layer.forward(b, &mut ctx).unwrap();
+            states.push(Some(s));
+            b = y;
+        }
+        outputs.push(b.into_single().unwrap());
+        saved.push(states);
+    }
+    // grads[mb]: the gradient flowing into the stage being processed.
+    let mut flowing: Vec<Option<Batch<CpuTensor>>> = plan
+        .iter()
+        .map(|&mb| {
+            Some(
+                mse(target, mb, &Batch::single(outputs[mb.index].clone()))
+                    .unwrap()
+                    .1,
+            )
+        })
+        .collect();
+    for stage in (0..n).rev() {
+        let w = schedule.worker_of(stage).unwrap();
+        let order: Vec<usize> = schedule.workers()[w]
+            .iter()
+            .filter(|a| a.stage == stage && matches!(a.pass, Pass::Backward | Pass::WeightGrad))
+            .map(|a| a.micro_batch)
+            .collect();
+        for i in order {
+            let mb = plan[i];
+            let mut ctx = Context::new(true, SEED, 0, mb.len)
+                .with_layer(stage)
+                .with_micro_batch(mb)
+                .with_phase(Phase::Backward);
+            let g = flowing[i].take().unwrap();
+            let s = saved[i][stage].take().unwrap();
+            flowing[i] = Some(layers[stage].backward(g, s, &mut ctx).unwrap());
+        }
+    }
+    let input_grads = flowing
+        .into_iter()
+        .map(|g| g.unwrap().into_single().unwrap())
+        .collect();
+    (outputs, input_grads, grads(&layers))
+}
+
+#[test]
+fn every_schedule_is_bit_identical_to_the_unpipelined_model_in_its_own_order() {
+    let balance = [1, 1, 1, 1];
+    for (batch, chunks) in [(8, 4), (11, 8)] {
+        for mode in [Checkpoint::Always, Checkpoint::Never] {
+            for kind in KINDS {
+                let Ok(schedule) = kind.generate(chunks.min(batch), 4) else {
+                    continue;
+                };
+                let (x, target) = (data(batch, 5, 7), data(batch, 3, 8));
+                let mut pipe = Pipe::builder(plain_model(), &balance)
+                    .chunks(chunks)
+                    .checkpoint(mode)
+                    .schedule(kind)
+                    .seed(SEED)
+                    .build()
+                    .unwrap();
+                let plan = pipe.micro_batches(batch).unwrap();
+                let out = pipe
+                    .step(Batch::single(x.clone()), |mb, y| mse(&target, mb, y))
+                    .unwrap();
+                let (outputs, input_grads, want) =
+                    reference_in_schedule_order(&schedule, &x, &target, &plan);
+                assert_eq!(
+                    out.output.into_single().unwrap(),
+                    cat(&outputs),
+                    "{kind}: outputs"
+                );
+                assert_eq!(
+                    out.input_grad.into_single().unwrap(),
+                    cat(&input_grads),
+                    "{kind}: input gradients"
+                );
+                assert_eq!(
+                    grads(&pipe.into_layers()),
+                    want,
+                    "{kind}, m {}, {mode:?}",
+                    plan.len()
+                );
+            }
+        }
+    }
+}

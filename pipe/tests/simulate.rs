@@ -316,3 +316,35 @@ fn costs_from_a_record_of_another_schedule_are_errors() {
     let costs = Costs::from_record(&record, &Schedule::gpipe_forward(4, 2).unwrap()).unwrap();
     assert!(costs.stages().iter().all(|c| c.forward.unwrap() > 0.0));
 }
+
+#[test]
+fn simulated_bubbles_follow_the_textbook_formulas_on_4_and_8_workers() {
+    use pipe::ScheduleKind;
+    for pp in [4usize, 8] {
+        for m in [pp, 2 * pp, 4 * pp] {
+            // GPipe: (n − 1) / (m + n − 1).
+            let n = pp;
+            let costs = Costs::uniform(n, 1.0, 2.0, 0.0).unwrap();
+            let sim = simulate(&ScheduleKind::GPipe.generate(m, n).unwrap(), &costs).unwrap();
+            let want = (n - 1) as f64 / (m + n - 1) as f64;
+            assert!(
+                (sim.bubble() - want).abs() <= 0.02,
+                "gpipe pp {pp} m {m}: {} vs {want}",
+                sim.bubble()
+            );
+            // Interleaved 1F1B, v = 2 stages per worker: (pp − 1) / (v·m + pp − 1).
+            let v = 2;
+            let kind = ScheduleKind::Interleaved1F1B {
+                stages_per_worker: v,
+            };
+            let costs = Costs::uniform(v * pp, 1.0, 2.0, 0.0).unwrap();
+            let sim = simulate(&kind.generate(m, v * pp).unwrap(), &costs).unwrap();
+            let want = (pp - 1) as f64 / (v * m + pp - 1) as f64;
+            assert!(
+                (sim.bubble() - want).abs() <= 0.02,
+                "interleaved pp {pp} m {m}: {} vs {want}",
+                sim.bubble()
+            );
+        }
+    }
+}
