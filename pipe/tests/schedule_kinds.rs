@@ -332,3 +332,79 @@ fn every_schedule_is_bit_identical_to_the_unpipelined_model_in_its_own_order() {
         }
     }
 }
+
+#[test]
+fn a_schedule_written_in_pytorchs_csv_runs() {
+    // The 1F1B example of PyTorch's `_dump_csv` (2 ranks, 4 micro-batches, a leading bubble
+    // on rank 1), as a user would load it.
+    let csv = "0F0,0F1,0B0,0F2,0B1,0F3,0B2,0B3\r\n,1F0,1B0,1F1,1B1,1F2,1B2,1F3,1B3\r\n";
+    let schedule = pipe::Order::from_csv(csv).unwrap().to_schedule().unwrap();
+    let run = |schedule: &pipe::Schedule| {
+        let mut pipe = Pipe::builder(plain_model(), &[2, 2])
+            .chunks(4)
+            .seed(SEED)
+            .build()
+            .unwrap();
+        let target = data(8, 3, 8);
+        let out = pipe
+            .step_with(schedule, Batch::single(data(8, 5, 7)), |mb, y| {
+                mse(&target, mb, y)
+            })
+            .unwrap();
+        (out.output, grads(&pipe.into_layers()))
+    };
+    assert_eq!(
+        run(&schedule),
+        run(&pipe::Schedule::one_f_one_b(4, 2).unwrap())
+    );
+    // And ours out in the same format, back in, to the same lists.
+    let zbv = pipe::zbv(4, 2).unwrap();
+    let again = pipe::Order::from_csv(&zbv.to_csv()).unwrap();
+    assert_eq!(again.to_schedule().unwrap(), zbv.to_schedule().unwrap());
+}
+
+#[test]
+fn memory_held_per_stage_stays_within_each_schedules_bound() {
+    // In micro-batches held between a stage's forward and the end of its backward (an I
+    // keeps its state for the W), following each worker's list.
+    let (m, n) = (8, 4);
+    for j in 0..n {
+        // 1F1B: n − j on stage j; GPipe: all m.
+        assert_eq!(
+            ScheduleKind::OneFOneB
+                .generate(m, n)
+                .unwrap()
+                .max_in_flight(j),
+            n - j
+        );
+        assert_eq!(
+            ScheduleKind::GPipe.generate(m, n).unwrap().max_in_flight(j),
+            m
+        );
+    }
+    // Zero bubble (PyTorch's ZB1P with one stage per rank): stage r runs n − 1 − r
+    // warm-up forwards and puts off each W by r actions, so it holds (n − 1 − r) + 1 + r:
+    // n micro-batches on every stage (1F1B's stage 0 figure everywhere).
+    for n in [2, 4] {
+        let zb = ScheduleKind::ZeroBubble.generate(m, n).unwrap();
+        for j in 0..n {
+            assert_eq!(zb.max_in_flight(j), n, "zb stage {j}");
+        }
+    }
+    // Interleaved 1F1B on w workers with v stages each holds, per stage, at most its
+    // warm-up: (v − 1)·w + 2(w − 1 − r) + 1 forwards before the first backward frees one.
+    let (w, v) = (2, 2);
+    let kind = ScheduleKind::Interleaved1F1B {
+        stages_per_worker: v,
+    };
+    let s = kind.generate(m, w * v).unwrap();
+    for stage in 0..w * v {
+        let r = stage % w;
+        let bound = (v - 1) * w + 2 * (w - 1 - r) + 1;
+        assert!(
+            s.max_in_flight(stage) <= bound,
+            "stage {stage}: {} > {bound}",
+            s.max_in_flight(stage)
+        );
+    }
+}
