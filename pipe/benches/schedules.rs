@@ -8,7 +8,9 @@
 //! run unpipelined on one thread on the whole batch, the bubble measured on a recorded
 //! step (1 − busy time / (workers × makespan)), and the simulator's (`pipe::simulate`,
 //! fed the same step's mean action durations and message cost): its bubble, its step
-//! time, and the peak of micro-batches held per worker. Also written:
+//! time, and the peak of micro-batches held per worker; and the two-core bound: two copies
+//! of the whole-batch step run at once on two threads, so that 2 · baseline / their time
+//! is the most any schedule on two workers can reach on this machine. Also written:
 //! `target/bench/pipe-schedules.svg` (every schedule at m = 8, measured beside simulated)
 //! and `target/bench/pipe-trace.json` (ZBV's recorded step as a Chrome trace: open it in
 //! Perfetto or chrome://tracing).
@@ -226,6 +228,18 @@ fn main() {
     }
     let again = best(a.reps, || direct_step(&mut layers, &x, whole));
     baseline = baseline.min(again);
+    // What two cores give at best: two copies of the whole-batch step at once, one per
+    // thread. No schedule on two workers can beat 2 · baseline / this.
+    let mut copies = [stack(BLOCKS, WIDTH), stack(BLOCKS, WIDTH)];
+    let both = best(a.reps, || {
+        std::thread::scope(|scope| {
+            for layers in copies.iter_mut() {
+                let x = &x;
+                scope.spawn(move || direct_step(layers, x, whole));
+            }
+        })
+    });
+    let bound = 2.0 * baseline.as_secs_f64() / both.as_secs_f64();
     let load_after = load();
     let dir = target_dir().join("bench");
     let note = format!(
@@ -246,7 +260,7 @@ fn main() {
     if a.json {
         for r in &rows {
             println!(
-                "{{\"bench\":\"schedules\",\"schedule\":\"{}\",\"m\":{},\"workers\":{WORKERS},\"stages\":{},\"step_ms\":{:.3},\"baseline_ms\":{:.3},\"speedup\":{:.4},\"bubble\":{:.4},\"simulated_bubble\":{:.4},\"simulated_ms\":{:.3},\"peak_micro_batches\":{},\"load\":{load_after}}}",
+                "{{\"bench\":\"schedules\",\"schedule\":\"{}\",\"m\":{},\"workers\":{WORKERS},\"stages\":{},\"step_ms\":{:.3},\"baseline_ms\":{:.3},\"speedup\":{:.4},\"bubble\":{:.4},\"simulated_bubble\":{:.4},\"simulated_ms\":{:.3},\"peak_micro_batches\":{},\"two_core_bound\":{bound:.4},\"load\":{load_after}}}",
                 r.kind,
                 r.m,
                 WORKERS * r.kind.stages_per_worker(),
@@ -265,8 +279,9 @@ fn main() {
             a.reps
         );
         println!(
-            "baseline (unpipelined, one thread, whole batch): {:.2} ms/step",
-            baseline.as_secs_f64() * 1e3
+            "baseline (unpipelined, one thread, whole batch): {:.2} ms/step; two copies at once on two threads: {:.2} ms, so no 2-worker schedule can beat {bound:.3}x",
+            baseline.as_secs_f64() * 1e3,
+            both.as_secs_f64() * 1e3
         );
         println!(
             "{:<20} {:>2} {:>7} {:>9} {:>8} {:>7} {:>9} {:>8} {:>5}",

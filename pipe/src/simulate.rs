@@ -177,6 +177,11 @@ pub struct StageCosts {
     /// Bytes one micro-batch's activations take on this stage between its forward and
     /// the backward (or weight-gradient) action that frees them.
     pub activation_bytes: Option<u64>,
+    /// The deferred weight gradients of a stage without `W` actions
+    /// ([`PipeBuilder::defer_weight_grads`](crate::PipeBuilder::defer_weight_grads)): one
+    /// flush right after its last backward action, on its worker, after the gradient that
+    /// action sends has left. Zero when nothing is deferred.
+    pub flush: f64,
 }
 
 impl StageCosts {
@@ -208,6 +213,7 @@ impl StageCosts {
             ("weight_grad", self.weight_grad),
             ("send_activation", Some(self.send_activation)),
             ("send_gradient", Some(self.send_gradient)),
+            ("flush", Some(self.flush)),
         ];
         for (what, value) in all {
             if let Some(value) = value {
@@ -252,6 +258,7 @@ impl Costs {
             send_activation: transfer,
             send_gradient: transfer,
             activation_bytes: None,
+            flush: 0.0,
         };
         Costs::new(vec![one; stages])
     }
@@ -295,6 +302,7 @@ impl Costs {
             }
         }
         let mut total = vec![[0f64; 4]; n];
+        let mut flushes = vec![0f64; n];
         let mut instances = vec![[0usize; 4]; n];
         // Per action occurrence: (worker, first start, producing end, previous span's end).
         let mut occurrences: HashMap<Action, Vec<Occurrence>> = HashMap::new();
@@ -314,6 +322,12 @@ impl Costs {
                     let d = span.end.saturating_sub(span.start).as_secs_f64();
                     let pass = match span.kind {
                         SpanKind::WeightGrad if in_schedule[s][3] > 0 => Pass::WeightGrad,
+                        SpanKind::WeightGrad => {
+                            // The flush after the stage's last backward: its own cost.
+                            flushes[s] += d;
+                            j += 1;
+                            continue;
+                        }
                         _ => action.pass,
                     };
                     total[s][pass_index(pass)] += d;
@@ -386,6 +400,9 @@ impl Costs {
         for (c, [activation, gradient]) in stages.iter_mut().zip(least) {
             c.send_activation = activation.unwrap_or(0.0);
             c.send_gradient = gradient.unwrap_or(0.0);
+        }
+        for (c, f) in stages.iter_mut().zip(flushes) {
+            c.flush = f;
         }
         Costs::new(stages)
     }
@@ -535,9 +552,24 @@ pub fn simulate(schedule: &Schedule, costs: &Costs) -> Result<Simulation, Error>
         needs
     };
 
+    // Per worker and position: whether the action there is its stage's last backward one
+    // (the stage's deferred flush follows it).
+    let last_backward: Vec<Vec<bool>> = lists
+        .iter()
+        .map(|list| {
+            let mut last = vec![false; list.len()];
+            for s in 0..n {
+                if let Some(k) = list.iter().rposition(|a| a.stage == s && a.pass != Pass::Forward) {
+                    last[k] = true;
+                }
+            }
+            last
+        })
+        .collect();
     let mut end: Vec<Option<f64>> = vec![None; 4 * n * m];
     let mut heads = vec![0usize; lists.len()];
     let mut free = vec![0f64; lists.len()];
+    let mut flushed = vec![0f64; lists.len()];
     let mut timed: Vec<Vec<Timed>> = lists.iter().map(|l| Vec::with_capacity(l.len())).collect();
     loop {
         let mut moved = false;
@@ -560,7 +592,13 @@ pub fn simulate(schedule: &Schedule, costs: &Costs) -> Result<Simulation, Error>
                 let duration = costs.stages[a.stage].of(a.pass).unwrap_or(0.0);
                 let finish = ready + duration;
                 end[index(a)] = Some(finish);
-                free[w] = finish;
+                let flush = if last_backward[w][heads[w]] {
+                    costs.stages[a.stage].flush
+                } else {
+                    0.0
+                };
+                free[w] = finish + flush;
+                flushed[w] += flush;
                 timed[w].push(Timed {
                     action: *a,
                     worker: w,
@@ -587,10 +625,11 @@ pub fn simulate(schedule: &Schedule, costs: &Costs) -> Result<Simulation, Error>
         }
     }
 
-    let makespan = timed.iter().flatten().map(|t| t.end).fold(0.0, f64::max);
+    let makespan = free.iter().copied().fold(0.0, f64::max);
     let busy = timed
         .iter()
-        .map(|l| l.iter().map(|t| t.end - t.start).sum())
+        .zip(&flushed)
+        .map(|(l, f)| l.iter().map(|t| t.end - t.start).sum::<f64>() + f)
         .collect();
 
     // Memory follows each worker's list: it does not depend on the timing.

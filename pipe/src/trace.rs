@@ -111,7 +111,9 @@ fn kind_name(kind: SpanKind) -> &'static str {
 
 fn write_trace(slices: &[Slice], workers: usize, pid: impl Fn(usize) -> usize) -> String {
     let mut events: Vec<String> = Vec::new();
-    for w in 0..workers {
+    // A track per worker that ran something (a record has a row per stage, so a schedule
+    // with several stages per worker leaves rows empty).
+    for w in (0..workers).filter(|&w| slices.iter().any(|s| s.worker == w)) {
         events.push(format!(
             r#"{{"ph":"M","name":"thread_name","pid":{},"tid":{w},"args":{{"name":{}}}}}"#,
             pid(w),
