@@ -42,11 +42,10 @@ mod timeline;
 
 use std::fmt::Write as _;
 use std::hint::black_box;
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use pipe::cpu::{CpuTensor, Linear};
-use stack::{avx512, best, direct_step, input, load, ones_loss, stack, zero, Layers};
+use stack::{avx512, best, direct_step, input, load, ones_loss, stack, target_dir, zero, Layers};
 
 use pipe::{Batch, Checkpoint, Context, Device, Layer, MicroBatch, Phase, Pipe, ScheduleKind};
 
@@ -234,16 +233,6 @@ fn trace(
     let mut layers = pipe.into_layers();
     zero(&mut layers);
     (trace, layers)
-}
-
-fn target_dir() -> PathBuf {
-    std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("..")
-                .join("target")
-        })
 }
 
 /// GFLOP/s of Linear(1024, 1024)'s phases over the whole batch split into `m`

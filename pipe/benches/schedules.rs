@@ -23,13 +23,12 @@ mod stack;
 #[path = "support/timeline.rs"]
 mod timeline;
 
-use std::path::PathBuf;
 use std::time::Duration;
 
 use pipe::cpu::CpuTensor;
 use pipe::simulate::{simulate, Costs};
 use pipe::{Batch, Checkpoint, Device, MicroBatch, Pipe, Record, ScheduleKind};
-use stack::{best, direct_step, input, load, ones_loss, stack, zero};
+use stack::{best, direct_step, input, load, ones_loss, stack, target_dir, zero};
 
 const BATCH: usize = 256;
 const WIDTH: usize = 1024;
@@ -68,22 +67,7 @@ fn args() -> Result<Args, lexopt::Error> {
     })
 }
 
-const KINDS: [ScheduleKind; 8] = [
-    ScheduleKind::GPipe,
-    ScheduleKind::OneFOneB,
-    ScheduleKind::ZeroBubble,
-    ScheduleKind::LoopedBfs {
-        stages_per_worker: 2,
-    },
-    ScheduleKind::Interleaved1F1B {
-        stages_per_worker: 2,
-    },
-    ScheduleKind::InterleavedZeroBubble {
-        stages_per_worker: 2,
-    },
-    ScheduleKind::Zbv,
-    ScheduleKind::DualPipeV,
-];
+const KINDS: [ScheduleKind; 8] = ScheduleKind::ALL;
 
 struct Row {
     kind: ScheduleKind,
@@ -170,16 +154,6 @@ fn measure(
         peak,
     };
     (row, record, schedule)
-}
-
-fn target_dir() -> PathBuf {
-    std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("..")
-                .join("target")
-        })
 }
 
 fn main() {

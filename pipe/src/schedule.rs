@@ -92,6 +92,25 @@ pub enum ScheduleKind {
 }
 
 impl ScheduleKind {
+    /// Every kind, the interleaved ones with two stages per worker: what the benchmarks
+    /// and tests run.
+    pub const ALL: [ScheduleKind; 8] = [
+        ScheduleKind::GPipe,
+        ScheduleKind::OneFOneB,
+        ScheduleKind::ZeroBubble,
+        ScheduleKind::LoopedBfs {
+            stages_per_worker: 2,
+        },
+        ScheduleKind::Interleaved1F1B {
+            stages_per_worker: 2,
+        },
+        ScheduleKind::InterleavedZeroBubble {
+            stages_per_worker: 2,
+        },
+        ScheduleKind::Zbv,
+        ScheduleKind::DualPipeV,
+    ];
+
     /// Stages each worker hosts.
     pub fn stages_per_worker(self) -> usize {
         match self {

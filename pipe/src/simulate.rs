@@ -559,7 +559,10 @@ pub fn simulate(schedule: &Schedule, costs: &Costs) -> Result<Simulation, Error>
         .map(|list| {
             let mut last = vec![false; list.len()];
             for s in 0..n {
-                if let Some(k) = list.iter().rposition(|a| a.stage == s && a.pass != Pass::Forward) {
+                if let Some(k) = list
+                    .iter()
+                    .rposition(|a| a.stage == s && a.pass != Pass::Forward)
+                {
                     last[k] = true;
                 }
             }

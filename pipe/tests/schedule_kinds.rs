@@ -14,22 +14,7 @@ use common::*;
 use pipe::cpu::{CpuTensor, Linear, ReLU};
 use pipe::{AddSkip, Batch, Checkpoint, LocalTransport, Pipe, ScheduleKind, StashInput, Transport};
 
-const KINDS: [ScheduleKind; 8] = [
-    ScheduleKind::GPipe,
-    ScheduleKind::OneFOneB,
-    ScheduleKind::ZeroBubble,
-    ScheduleKind::LoopedBfs {
-        stages_per_worker: 2,
-    },
-    ScheduleKind::Interleaved1F1B {
-        stages_per_worker: 2,
-    },
-    ScheduleKind::InterleavedZeroBubble {
-        stages_per_worker: 2,
-    },
-    ScheduleKind::Zbv,
-    ScheduleKind::DualPipeV,
-];
+const KINDS: [ScheduleKind; 8] = ScheduleKind::ALL;
 
 /// Four stages: Linear | Stash, Linear | ReLU, Linear | Add, Linear.
 fn model() -> Layers {

@@ -100,3 +100,15 @@ pub fn load() -> String {
 pub fn zero(layers: &mut [Box<dyn Layer<CpuTensor>>]) {
     layers.iter_mut().for_each(|l| l.zero_grad());
 }
+
+/// The workspace's target directory (`CARGO_TARGET_DIR`, or `target/` beside the crates),
+/// where the benches write their pictures and traces.
+pub fn target_dir() -> std::path::PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("..")
+                .join("target")
+        })
+}
