@@ -89,6 +89,9 @@ pub enum HookState {
     /// bucket's memories laid out as the batched hook's padded square matrix (see
     /// [`SavedBucket`](crate::powersgd::SavedBucket)).
     BatchedPowerSgd(Box<PowerSgdState>),
+    /// [`PostLocalSgd`](crate::averaging::PostLocalSgd)'s state: its configuration and
+    /// iteration.
+    PostLocalSgd(crate::averaging::PostLocalSgdState),
 }
 
 impl HookState {
@@ -98,6 +101,7 @@ impl HookState {
             HookState::Stateless { hook } => format!("the stateless hook `{hook}`"),
             HookState::PowerSgd(_) => "PowerSGD".into(),
             HookState::BatchedPowerSgd(_) => "batched PowerSGD".into(),
+            HookState::PostLocalSgd(_) => "post-local SGD".into(),
         }
     }
 

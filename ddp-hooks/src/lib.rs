@@ -37,6 +37,7 @@
 //! buffers go through the process group staged via host memory until NCCL takes them.
 #![deny(missing_docs)]
 
+pub mod averaging;
 mod bucket;
 #[cfg(feature = "candle")]
 pub mod candle;
@@ -46,10 +47,12 @@ mod hooks;
 #[cfg(feature = "pipe")]
 pub mod pipeline;
 pub mod powersgd;
+mod quantize;
 mod reducer;
 mod registry;
 mod wire;
 
+pub use averaging::{HierarchicalModelAverager, PeriodicModelAverager, PostLocalSgd};
 pub use bucket::{GradBucket, Layout, ParamSlot};
 pub use comm::{CommBackend, CommElement};
 pub use error::{Error, Result};
@@ -57,6 +60,7 @@ pub use hooks::{AllReduce, CommHook, Compress, CompressionStats, HalfFormat, Hoo
 #[cfg(feature = "pipe")]
 pub use pipeline::DistributedPipe;
 pub use powersgd::{BatchedPowerSgd, PowerSgd, PowerSgdConfig, PowerSgdState, SavedBucket};
+pub use quantize::{QuantizePerChannel, QuantizePerTensor};
 pub use reducer::{Reducer, ReducerConfig};
 pub use registry::HookSpec;
 pub use wire::{HalfWire, WireFormat};

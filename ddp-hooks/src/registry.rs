@@ -4,7 +4,7 @@
 
 use crate::{
     AllReduce, BatchedPowerSgd, CommBackend, CommHook, Compress, Error, HalfWire, Noop, PowerSgd,
-    PowerSgdConfig, Result,
+    PowerSgdConfig, QuantizePerChannel, QuantizePerTensor, Result,
 };
 use collectives::store::escape_for_log;
 use collectives::ProcessGroup;
@@ -27,6 +27,16 @@ pub enum HookSpec {
     PowerSgd(PowerSgdConfig),
     /// PowerSGD on the whole bucket as one square matrix.
     BatchedPowerSgd(PowerSgdConfig),
+    /// 8-bit quantisation with one scale per rank (`quantize_per_tensor`, PyTorch's
+    /// `QUANTIZE_PER_TENSOR`): [`QuantizePerTensor`].
+    QuantizePerTensor,
+    /// 8-bit quantisation in rows of `bucket_size` elements, one scale each
+    /// (`quantize_per_channel[:bucket_size=N]`, PyTorch's `QUANTIZE_PER_CHANNEL`; 512
+    /// unless given): [`QuantizePerChannel`].
+    QuantizePerChannel {
+        /// Elements per row (at least 1).
+        bucket_size: usize,
+    },
     /// Another hook whose transfers go as f16 (`fp16+powersgd:...`, PyTorch's
     /// `fp16_compress_wrapper`).
     Fp16Wrapped(Box<HookSpec>),
@@ -34,7 +44,8 @@ pub enum HookSpec {
     Bf16Wrapped(Box<HookSpec>),
 }
 
-const NAMES: &str = "allreduce, fp16, bf16, noop, powersgd, batched_powersgd";
+const NAMES: &str =
+    "allreduce, fp16, bf16, noop, powersgd, batched_powersgd, quantize_per_tensor, quantize_per_channel";
 /// PowerSGD's options, in the order of [`PowerSgdConfig`]'s fields.
 const POWERSGD_KEYS: [&str; 9] = [
     "rank",
@@ -108,6 +119,16 @@ impl FromStr for HookSpec {
             ));
         }
         let hook = parse_hook(inner.trim()).map_err(err)?;
+        if matches!(
+            hook,
+            HookSpec::QuantizePerTensor | HookSpec::QuantizePerChannel { .. }
+        ) {
+            return Err(err(format!(
+                "`{wrap}+` wraps a hook that computes in f32; `{}` already sends 8 bits \
+                 (use it alone)",
+                excerpt(inner.trim(), QUOTE_PART)
+            )));
+        }
         if matches!(hook, HookSpec::Fp16 | HookSpec::Bf16) {
             return Err(err(format!(
                 "`{wrap}+` wraps a hook that computes in f32; `{}` already sends 16 bits \
@@ -146,6 +167,11 @@ fn parse_hook(spec: &str) -> Result<HookSpec, String> {
         powersgd_config(opts).map(HookSpec::PowerSgd)
     } else if is("batched_powersgd") || is("batched_power_sgd") {
         powersgd_config(opts).map(HookSpec::BatchedPowerSgd)
+    } else if is("quantize_per_tensor") {
+        simple(HookSpec::QuantizePerTensor)
+    } else if is("quantize_per_channel") {
+        per_channel_bucket_size(opts)
+            .map(|bucket_size| HookSpec::QuantizePerChannel { bucket_size })
     } else {
         Err(format!(
             "unknown hook `{}`; known: {NAMES}",
@@ -208,6 +234,41 @@ fn powersgd_config(opts: Option<&str>) -> Result<PowerSgdConfig, String> {
     Ok(c)
 }
 
+/// `quantize_per_channel`'s one option, `bucket_size=N` (N ≥ 1; 512 unless given).
+fn per_channel_bucket_size(opts: Option<&str>) -> Result<usize, String> {
+    let mut bucket_size = None;
+    for kv in opts
+        .unwrap_or("")
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+    {
+        let Some((k, v)) = kv.split_once('=') else {
+            return Err(format!("`{}` is not key=value", excerpt(kv, QUOTE_PART)));
+        };
+        let (k, v) = (k.trim(), v.trim());
+        if k != "bucket_size" {
+            return Err(format!(
+                "unknown quantize_per_channel option `{}`; known: bucket_size",
+                excerpt(k, QUOTE_PART)
+            ));
+        }
+        let n: usize = v.parse().map_err(|_| {
+            format!(
+                "`{k}={}`: expected a positive integer",
+                excerpt(v, QUOTE_PART)
+            )
+        })?;
+        if n == 0 {
+            return Err("bucket_size = 0: a row holds at least 1 element".into());
+        }
+        if bucket_size.replace(n).is_some() {
+            return Err(format!("option `{k}` is given twice"));
+        }
+    }
+    Ok(bucket_size.unwrap_or(crate::quantize::DEFAULT_BUCKET_SIZE))
+}
+
 impl HookSpec {
     /// Builds the hook over `group`. The box is a whole hook: through [`CommHook`] alone
     /// it saves and loads its state ([`CommHook::save_state`], [`CommHook::load_state`];
@@ -227,6 +288,10 @@ impl HookSpec {
             HookSpec::PowerSgd(c) => Box::new(PowerSgd::new(backend, group, c.clone())?),
             HookSpec::BatchedPowerSgd(c) => {
                 Box::new(BatchedPowerSgd::new(backend, group, c.clone())?)
+            }
+            HookSpec::QuantizePerTensor => Box::new(QuantizePerTensor::new(backend, group)),
+            HookSpec::QuantizePerChannel { bucket_size } => {
+                Box::new(QuantizePerChannel::new(backend, group, *bucket_size)?)
             }
             HookSpec::Fp16Wrapped(inner) => {
                 inner.build(backend, Arc::new(HalfWire::<f16>::new(group)))?
@@ -269,6 +334,64 @@ mod tests {
             "powersgd".parse::<HookSpec>().unwrap(),
             HookSpec::PowerSgd(PowerSgdConfig::default())
         );
+    }
+
+    /// The quantisation hooks, under their names and PyTorch's, with `bucket_size`.
+    #[test]
+    fn parses_quantize_hooks() {
+        let parse = |s: &str| s.parse::<HookSpec>().unwrap();
+        assert_eq!(parse("quantize_per_tensor"), HookSpec::QuantizePerTensor);
+        assert_eq!(parse(" QUANTIZE_PER_TENSOR "), HookSpec::QuantizePerTensor);
+        assert_eq!(parse("quantize_per_tensor:"), HookSpec::QuantizePerTensor);
+        let channel = |bucket_size| HookSpec::QuantizePerChannel { bucket_size };
+        assert_eq!(parse("quantize_per_channel"), channel(512));
+        assert_eq!(parse("QUANTIZE_PER_CHANNEL"), channel(512));
+        assert_eq!(parse("quantize_per_channel:bucket_size=1"), channel(1));
+        assert_eq!(
+            parse("quantize_per_channel: bucket_size = 64 ,"),
+            channel(64)
+        );
+        assert!(NAMES.contains("quantize_per_tensor") && NAMES.contains("quantize_per_channel"));
+    }
+
+    /// The built hooks are named as the registry spells them, and save and load their
+    /// (stateless) state only into their own kind and configuration.
+    #[test]
+    fn builds_quantize_hooks() {
+        let groups =
+            collectives::ThreadGroup::create(1, std::time::Duration::from_secs(10)).unwrap();
+        let group: Arc<dyn ProcessGroup> = Arc::new(groups.into_iter().next().unwrap());
+        let be = Arc::new(lowrank::CpuBackend::new());
+        let build = |s: &str| {
+            s.parse::<HookSpec>()
+                .unwrap()
+                .build(be.clone(), group.clone())
+                .unwrap()
+        };
+        let t = build("quantize_per_tensor");
+        assert_eq!(t.name(), "quantize_per_tensor");
+        let c = build("quantize_per_channel");
+        assert_eq!(c.name(), "quantize_per_channel");
+        let c64 = build("quantize_per_channel:bucket_size=64");
+        assert_eq!(c64.name(), "quantize_per_channel:bucket_size=64");
+        assert_eq!(
+            c64.name().parse::<HookSpec>().unwrap(),
+            HookSpec::QuantizePerChannel { bucket_size: 64 }
+        );
+        c.load_state(c.save_state().unwrap()).unwrap();
+        assert!(matches!(
+            c64.load_state(c.save_state().unwrap()),
+            Err(Error::State(_))
+        ));
+        assert!(matches!(
+            t.load_state(c.save_state().unwrap()),
+            Err(Error::State(_))
+        ));
+        assert_eq!(t.compression_stats().unwrap().before, 0);
+        assert!(matches!(
+            HookSpec::QuantizePerChannel { bucket_size: 0 }.build(be.clone(), group.clone()),
+            Err(Error::Config(_))
+        ));
     }
 
     /// `batch_same_shape` absent leaves the flag unset (the backend's default, resolved
@@ -329,6 +452,31 @@ mod tests {
             ("powersgd:batch_same_shape=1", "true or false"),
             ("powersgd:batch_same_shape=", "true or false"),
             ("fp8+allreduce", "unknown wrapper `fp8`"),
+            ("quantize_per_tensor:bits=8", "takes no options"),
+            ("quantize_per_channel:bucket_size", "not key=value"),
+            ("quantize_per_channel:bucket_size=0", "bucket_size = 0"),
+            (
+                "quantize_per_channel:bucket_size=-1",
+                "expected a positive integer",
+            ),
+            (
+                "quantize_per_channel:bucket_size=big",
+                "expected a positive integer",
+            ),
+            (
+                "quantize_per_channel:rows=4",
+                "unknown quantize_per_channel option `rows`",
+            ),
+            (
+                "quantize_per_channel:bucket_size=4,bucket_size=8",
+                "`bucket_size` is given twice",
+            ),
+            ("fp16+quantize_per_tensor", "already sends 8 bits"),
+            (
+                "bf16+quantize_per_channel:bucket_size=4",
+                "already sends 8 bits",
+            ),
+            ("quantize", "unknown hook `quantize`"),
         ] {
             let e = spec.parse::<HookSpec>().unwrap_err().to_string();
             assert!(e.contains(says), "{spec}: {e}");

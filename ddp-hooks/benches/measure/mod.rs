@@ -73,13 +73,15 @@ pub const BOUND_PASSES: f64 = 7.0;
 ///   written per gradient element. The 16-bit rounding is fused into that pass, so a
 ///   16-bit hook that costs more than the all-reduce pays for its rounding;
 /// - a `fp16+`/`bf16+` wrapper: its inner hook's (the narrowing is fused the same way);
-/// - `noop`: none.
+/// - `noop`: none;
+/// - the quantisation hooks: none modelled yet (host passes and an all-gather of bytes).
 pub fn bound_passes(spec: &HookSpec) -> Option<f64> {
     match spec {
         HookSpec::PowerSgd(_) | HookSpec::BatchedPowerSgd(_) => Some(BOUND_PASSES),
         HookSpec::AllReduce | HookSpec::Fp16 | HookSpec::Bf16 => Some(2.0),
         HookSpec::Fp16Wrapped(inner) | HookSpec::Bf16Wrapped(inner) => bound_passes(inner),
         HookSpec::Noop => None,
+        HookSpec::QuantizePerTensor | HookSpec::QuantizePerChannel { .. } => None,
     }
 }
 

@@ -1,0 +1,418 @@
+//! The 8-bit quantisation hooks (`quantize_per_tensor`, `quantize_per_channel`) on thread
+//! ranks with the CPU backend, bit for bit against a naive scalar transcription of
+//! PyTorch's `quantization_hooks.py` written here (the padded `[C, bucket_size]` matrix
+//! materialised, as PyTorch does), plus hand-known values, the error bound, and the typed
+//! error of a NaN bucket on every rank.
+
+use collectives::{run_local_with_timeout, ProcessGroup};
+use ddp_hooks::{
+    CommHook, Error, GradBucket, HookSpec, Layout, QuantizePerChannel, QuantizePerTensor,
+};
+use lowrank::CpuBackend;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Which hook a test runs.
+#[derive(Clone, Copy, Debug)]
+enum Kind {
+    PerTensor,
+    PerChannel(usize),
+}
+
+/// A rank's result and its hook's statistics `(before, after)`.
+type RankResult = (Result<Vec<f32>, Error>, (u64, u64));
+
+/// Runs one step of the hook on `inputs.len()` thread ranks, rank `r` with `inputs[r]`;
+/// each rank's result and its hook's compression statistics `(before, after)`.
+fn run(kind: Kind, inputs: &[Vec<f32>]) -> Vec<RankResult> {
+    run_local_with_timeout(inputs.len(), Duration::from_secs(20), |g| {
+        let rank = g.rank();
+        let group: Arc<dyn ProcessGroup> = Arc::new(g);
+        let be = Arc::new(CpuBackend::new().with_threads(1).unwrap());
+        let mut hook: Box<dyn CommHook<CpuBackend>> = match kind {
+            Kind::PerTensor => Box::new(QuantizePerTensor::new(be, group)),
+            Kind::PerChannel(bs) => Box::new(QuantizePerChannel::new(be, group, bs).unwrap()),
+        };
+        let x = inputs[rank].clone();
+        let layout = Arc::new(Layout::packed(&[vec![x.len()]]).unwrap());
+        let bucket = GradBucket::new(0, 1, x, layout).unwrap();
+        let out = hook.run(bucket).wait().map_err(Error::from);
+        let s = hook.compression_stats().unwrap();
+        (out, (s.before, s.after))
+    })
+    .unwrap()
+    .into_iter()
+    .map(Result::unwrap)
+    .collect()
+}
+
+/// Every rank's output, checked identical bit for bit on every rank.
+fn outputs(kind: Kind, inputs: &[Vec<f32>]) -> Vec<f32> {
+    let res = run(kind, inputs);
+    let outs: Vec<Vec<f32>> = res
+        .into_iter()
+        .map(|(o, _)| o.expect("the step succeeds"))
+        .collect();
+    for o in &outs[1..] {
+        assert_eq!(bits(o), bits(&outs[0]), "ranks disagree");
+    }
+    outs.into_iter().next().unwrap()
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+// ---- The reference: PyTorch's hooks, one scalar at a time. ----
+
+/// MinMaxObserver (quint8, per-tensor affine) on `xs`: `(scale, zero_point)`.
+fn ref_qparams(xs: &[f32]) -> (f32, f32) {
+    if xs.is_empty() {
+        return (1.0, 0.0); // the observer's uninitialised range
+    }
+    let mut min = xs[0];
+    let mut max = xs[0];
+    for &x in xs {
+        if x < min {
+            min = x;
+        }
+        if x > max {
+            max = x;
+        }
+    }
+    let lo = if min < 0.0 { min } else { 0.0 };
+    let hi = if max > 0.0 { max } else { 0.0 };
+    let mut scale = (hi - lo) / 255.0f32;
+    if scale < f32::EPSILON {
+        scale = f32::EPSILON;
+    }
+    let mut zp = -((lo / scale).round_ties_even() as i64);
+    zp = zp.clamp(0, 255);
+    (scale, zp as f32)
+}
+
+fn ref_quantize(x: f32, scale: f32, zp: f32) -> u8 {
+    let y = (x / scale).round_ties_even() + zp;
+    y.clamp(0.0, 255.0) as u8
+}
+
+fn ref_dequantize(q: u8, scale: f32, zp: f32) -> f32 {
+    scale * (q as f32 - zp)
+}
+
+/// `quantization_pertensor_hook`: the output, and each rank's scale.
+fn ref_per_tensor(inputs: &[Vec<f32>]) -> (Vec<f32>, Vec<f32>) {
+    let w = inputs.len();
+    let params: Vec<(f32, f32)> = inputs.iter().map(|x| ref_qparams(x)).collect();
+    let qs: Vec<Vec<u8>> = inputs
+        .iter()
+        .zip(&params)
+        .map(|(x, &(s, z))| x.iter().map(|&v| ref_quantize(v, s, z)).collect())
+        .collect();
+    let n = inputs[0].len();
+    let mut agg = vec![0.0f32; n];
+    for (q, &(s, z)) in qs.iter().zip(&params) {
+        for i in 0..n {
+            agg[i] += ref_dequantize(q[i], s, z);
+        }
+    }
+    let out = agg.iter().map(|a| a / w as f32).collect();
+    (out, params.iter().map(|p| p.0).collect())
+}
+
+/// `quantization_perchannel_hook(bucket_size)`: the padded `[C, bucket_size]` matrix,
+/// per-row observer, all of it quantised and dequantised, flattened and truncated.
+fn ref_per_channel(inputs: &[Vec<f32>], bs: usize) -> (Vec<f32>, Vec<f32>) {
+    let w = inputs.len();
+    let n = inputs[0].len();
+    let pad = bs - n % bs;
+    let rows = (n + pad) / bs;
+    let mut scales = Vec::new();
+    let mut agg = vec![0.0f32; rows * bs];
+    for x in inputs {
+        let mut padded = x.clone();
+        padded.resize(n + pad, 0.0);
+        for c in 0..rows {
+            let row = &padded[c * bs..(c + 1) * bs];
+            let (s, z) = ref_qparams(row);
+            scales.push(s);
+            for (j, &v) in row.iter().enumerate() {
+                let q = ref_quantize(v, s, z);
+                agg[c * bs + j] += ref_dequantize(q, s, z);
+            }
+        }
+    }
+    let out = agg[..n].iter().map(|a| a / w as f32).collect();
+    (out, scales)
+}
+
+/// A deterministic pseudo-random bucket in `[-amp, amp)`.
+fn noise(n: usize, seed: u64, amp: f32) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * amp
+        })
+        .collect()
+}
+
+/// Runs both hooks on `inputs` and checks them bit for bit against the reference.
+fn check_against_reference(inputs: &[Vec<f32>], bucket_sizes: &[usize]) {
+    let (want, _) = ref_per_tensor(inputs);
+    let got = outputs(Kind::PerTensor, inputs);
+    assert_eq!(bits(&got), bits(&want), "per tensor: {got:?} vs {want:?}");
+    for &bs in bucket_sizes {
+        let (want, _) = ref_per_channel(inputs, bs);
+        let got = outputs(Kind::PerChannel(bs), inputs);
+        assert_eq!(
+            bits(&got),
+            bits(&want),
+            "per channel {bs}: {got:?} vs {want:?}"
+        );
+    }
+}
+
+// ---- Hand-known values. ----
+
+/// 0..=255: scale 1, zero point 0, every value exact; the mean of a ramp and its mirror
+/// is 127.5 everywhere (exact in f32), on 2 and 3 ranks.
+#[test]
+fn a_byte_ramp_is_exact() {
+    let ramp: Vec<f32> = (0..=255).map(|v| v as f32).collect();
+    assert_eq!(ref_qparams(&ramp), (1.0, 0.0));
+    let mirror: Vec<f32> = ramp.iter().map(|v| 255.0 - v).collect();
+    let out = outputs(Kind::PerTensor, &[ramp.clone(), mirror.clone()]);
+    assert_eq!(out, vec![127.5; 256]);
+    let out = outputs(Kind::PerTensor, &[ramp.clone(), ramp.clone(), ramp.clone()]);
+    assert_eq!(out, ramp);
+    // Per channel with one row of 256 holding it all (plus a padding row: 256 % 256 == 0).
+    let out = outputs(Kind::PerChannel(256), &[ramp.clone(), mirror.clone()]);
+    assert_eq!(out, vec![127.5; 256]);
+    check_against_reference(&[ramp, mirror], &[1, 3, 256, 512]);
+}
+
+/// All negative: the range is `[lo, 0]`, the zero point 255; `-255..=-1` is exact.
+#[test]
+fn an_all_negative_bucket() {
+    let neg: Vec<f32> = (1..=255).map(|v| -(v as f32)).collect();
+    assert_eq!(ref_qparams(&neg), (1.0, 255.0));
+    let out = outputs(Kind::PerTensor, &[neg.clone(), neg.clone()]);
+    assert_eq!(out, neg);
+    let frac: Vec<f32> = (0..100).map(|i| -0.013 * i as f32 - 0.5).collect();
+    check_against_reference(&[frac.clone(), neg[..100].to_vec()], &[1, 7, 100, 512]);
+    check_against_reference(&[frac.clone(), frac.clone(), neg[..100].to_vec()], &[9]);
+}
+
+/// A constant bucket: zeros take the `eps` scale (and come back exactly 0); a positive
+/// constant `c` has scale `c / 255` and every element the top byte.
+#[test]
+fn constant_buckets() {
+    let zeros = vec![0.0f32; 33];
+    assert_eq!(ref_qparams(&zeros), (f32::EPSILON, 0.0));
+    let out = outputs(Kind::PerTensor, &[zeros.clone(), zeros.clone()]);
+    assert_eq!(bits(&out), bits(&zeros));
+    let out = outputs(
+        Kind::PerChannel(4),
+        &[zeros.clone(), zeros.clone(), zeros.clone()],
+    );
+    assert_eq!(bits(&out), bits(&zeros));
+    let c = vec![0.3f32; 33];
+    let (s, z) = ref_qparams(&c);
+    assert_eq!((s, z), (0.3 / 255.0, 0.0));
+    assert_eq!(ref_quantize(0.3, s, z), 255);
+    check_against_reference(&[c.clone(), zeros.clone()], &[1, 4, 33, 64]);
+    check_against_reference(&[c.clone(), c.clone(), c], &[5]);
+}
+
+/// `x / scale` exactly `k + 0.5` rounds to the even `k` or `k + 1` (scale 1: the bucket
+/// spans exactly 0..=255).
+#[test]
+fn ties_round_to_even() {
+    let x = vec![0.0, 255.0, 0.5, 1.5, 2.5, 3.5, 100.5, 253.5, 254.5];
+    let want = vec![0.0, 255.0, 0.0, 2.0, 2.0, 4.0, 100.0, 254.0, 254.0];
+    assert_eq!(ref_qparams(&x), (1.0, 0.0));
+    assert_eq!(outputs(Kind::PerTensor, &[x.clone(), x.clone()]), want);
+    assert_eq!(
+        outputs(Kind::PerTensor, &[x.clone(), x.clone(), x.clone()]),
+        want
+    );
+    // One row holds them all: the same scale, the same bytes.
+    assert_eq!(outputs(Kind::PerChannel(16), &[x.clone(), x.clone()]), want);
+    // Negative ties with zero point 255 (range -255..=0): -0.5 → -0 + 255 → 255 → 0,
+    // -1.5 → -2, -2.5 → -2.
+    let x = vec![-255.0, 0.0, -0.5, -1.5, -2.5];
+    assert_eq!(ref_qparams(&x), (1.0, 255.0));
+    let out = outputs(Kind::PerTensor, &[x.clone(), x]);
+    assert_eq!(out, vec![-255.0, 0.0, 0.0, -2.0, -2.0]);
+}
+
+/// One huge value takes the whole range: the small values collapse onto the zero point,
+/// the huge one is kept (within its scale), as in PyTorch.
+#[test]
+fn one_huge_value() {
+    let mut x = noise(40, 3, 1.0);
+    x[17] = 1e30;
+    let y = noise(40, 4, 1.0);
+    check_against_reference(&[x.clone(), y.clone()], &[1, 8, 40, 41]);
+    let out = outputs(Kind::PerTensor, &[x.clone(), y.clone()]);
+    let (s, _) = ref_qparams(&x);
+    assert!((out[17] - 0.5e30).abs() <= s, "{}", out[17]);
+    check_against_reference(&[x, y, noise(40, 5, 1e-3)], &[6]);
+}
+
+/// Per channel, the padding when `bucket_size` divides numel (a whole extra row) and
+/// when it does not; rows of 1; a row longer than the bucket; an empty bucket.
+#[test]
+fn per_channel_padding_and_row_lengths() {
+    for n in [12usize, 10, 1, 0] {
+        let a = noise(n, 11, 2.0);
+        let b: Vec<f32> = noise(n, 12, 0.5).iter().map(|v| v - 0.25).collect();
+        let c = noise(n, 13, 1e4);
+        for inputs in [vec![a.clone(), b.clone()], vec![a.clone(), b, c]] {
+            let sizes: &[usize] = &[1, 2, 3, 4, 6, 12, 13, 512, 100_000];
+            check_against_reference(&inputs, sizes);
+        }
+    }
+    // Rows of 4 over 8 values: rows [.., ..], and an all-padding third row.
+    let x: Vec<f32> = vec![1.0, 2.0, 3.0, 255.0, -10.0, 0.0, 0.0, 0.0];
+    let (_, scales) = ref_per_channel(std::slice::from_ref(&x), 4);
+    assert_eq!(scales, vec![1.0, 10.0 / 255.0, f32::EPSILON]);
+    // The first row is exact at scale 1.
+    let out = outputs(Kind::PerChannel(4), &[x.clone(), x.clone()]);
+    assert_eq!(out[..4], x[..4]);
+    // A row of 1: every value is its own row, quantised to the top or bottom byte.
+    let x = vec![0.7f32, -3.0, 0.0, 1e-20];
+    let out = outputs(Kind::PerChannel(1), &[x.clone(), x.clone(), x.clone()]);
+    let (want, _) = ref_per_channel(&[x.clone(), x.clone(), x], 1);
+    assert_eq!(bits(&out), bits(&want));
+}
+
+/// Varied buckets on 2 and 3 ranks, bit for bit, and within the provable bound: each
+/// rank's dequantised value is within `scale_r / 2` of its `x` (the nearest multiple of
+/// the scale, inside the byte range since the range holds every `x`), so the mean is
+/// within `max_r scale_r / 2` of the exact mean, up to the f32 rounding of the ops.
+#[test]
+fn within_half_the_largest_scale_of_the_mean() {
+    for world in [2usize, 3] {
+        let inputs: Vec<Vec<f32>> = (0..world)
+            .map(|r| noise(1000, 20 + r as u64, [1.0, 5e-3, 300.0][r]))
+            .collect();
+        check_against_reference(&inputs, &[1, 7, 512, 1000, 4096]);
+        let exact: Vec<f64> = (0..1000)
+            .map(|i| inputs.iter().map(|x| x[i] as f64).sum::<f64>() / world as f64)
+            .collect();
+        let amax = inputs
+            .iter()
+            .flatten()
+            .fold(0.0f64, |m, &v| m.max(v.abs() as f64));
+        let slack = 16.0 * f32::EPSILON as f64 * amax;
+        let (_, scales) = ref_per_tensor(&inputs);
+        let bound = scales.iter().fold(0.0f32, |m, &s| m.max(s)) as f64 / 2.0;
+        let out = outputs(Kind::PerTensor, &inputs);
+        for (o, e) in out.iter().zip(&exact) {
+            assert!((*o as f64 - e).abs() <= bound + slack, "{o} vs {e}");
+        }
+        for bs in [7usize, 512] {
+            let (_, scales) = ref_per_channel(&inputs, bs);
+            let rows = 1000 / bs + 1;
+            let out = outputs(Kind::PerChannel(bs), &inputs);
+            for (i, (o, e)) in out.iter().zip(&exact).enumerate() {
+                let c = i / bs;
+                let bound =
+                    (0..world).fold(0.0f32, |m, r| m.max(scales[r * rows + c])) as f64 / 2.0;
+                assert!((*o as f64 - e).abs() <= bound + slack, "{bs}: {o} vs {e}");
+            }
+        }
+    }
+}
+
+/// A NaN, an infinity, or a range that overflows f32 on one rank: every rank's work
+/// fails with `Error::Bucket` naming that rank, and none waits for the others.
+#[test]
+fn a_nonfinite_bucket_is_a_typed_error_on_every_rank() {
+    let mut nan = noise(20, 1, 1.0);
+    nan[5] = f32::NAN;
+    let mut inf = noise(20, 2, 1.0);
+    inf[19] = f32::NEG_INFINITY;
+    let mut wide = noise(20, 3, 1.0);
+    (wide[0], wide[1]) = (f32::MAX, -f32::MAX);
+    for (bad, why) in [
+        (nan, "NaN at element 5"),
+        (inf, "-inf at element 19"),
+        (wide, ""),
+    ] {
+        for world in [2usize, 3] {
+            let mut inputs: Vec<Vec<f32>> =
+                (0..world).map(|r| noise(20, 9 + r as u64, 1.0)).collect();
+            inputs[1] = bad.clone();
+            for kind in [Kind::PerTensor, Kind::PerChannel(8), Kind::PerChannel(512)] {
+                for (rank, (out, _)) in run(kind, &inputs).into_iter().enumerate() {
+                    let e = out.unwrap_err();
+                    let Error::Bucket { index: 0, why: msg } = &e else {
+                        panic!("{kind:?}: rank {rank}: {e:?}")
+                    };
+                    assert!(msg.contains("rank 1's bucket"), "{kind:?}: {msg}");
+                    if rank == 1 {
+                        assert!(msg.contains(why), "{kind:?}: {msg}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Ranks whose buckets differ in length fail (typed) instead of misreading each other.
+#[test]
+fn buckets_of_different_lengths_fail_on_every_rank() {
+    let inputs = vec![vec![1.0; 8], vec![1.0; 9]];
+    for kind in [Kind::PerTensor, Kind::PerChannel(4), Kind::PerChannel(100)] {
+        for (out, _) in run(kind, &inputs) {
+            assert!(out.is_err(), "{kind:?}");
+        }
+    }
+}
+
+/// Elements before, and bytes / 4 plus the parameters after, per step.
+#[test]
+fn compression_stats_count_bytes_as_quarter_elements() {
+    let inputs = vec![noise(10, 1, 1.0), noise(10, 2, 1.0)];
+    for (_, s) in run(Kind::PerTensor, &inputs) {
+        assert_eq!(s, (10, 3 + 2));
+    }
+    for (_, s) in run(Kind::PerChannel(4), &inputs) {
+        assert_eq!(s, (10, 3 + 2 * 3));
+    }
+    for (_, s) in run(Kind::PerChannel(5), &inputs) {
+        assert_eq!(s, (10, 3 + 2 * 3)); // 10 % 5 == 0: a whole padding row
+    }
+}
+
+/// The registry builds the same hooks: the same bits, and several steps accumulate the
+/// statistics.
+#[test]
+fn hooks_built_by_name_match() {
+    let inputs = vec![noise(100, 7, 1.0), noise(100, 8, 3.0)];
+    let (want, _) = ref_per_channel(&inputs, 16);
+    let out = run_local_with_timeout(2, Duration::from_secs(20), |g| {
+        let rank = g.rank();
+        let group: Arc<dyn ProcessGroup> = Arc::new(g);
+        let spec: HookSpec = "QUANTIZE_PER_CHANNEL:bucket_size=16".parse().unwrap();
+        let mut hook = spec.build(Arc::new(CpuBackend::new()), group).unwrap();
+        let layout = Arc::new(Layout::packed(&[vec![10, 10]]).unwrap());
+        let mut last = Vec::new();
+        for _ in 0..3 {
+            let b = GradBucket::new(0, 1, inputs[rank].clone(), layout.clone()).unwrap();
+            last = hook.run(b).wait().unwrap();
+        }
+        (last, hook.compression_stats().unwrap())
+    })
+    .unwrap();
+    for r in out {
+        let (o, s) = r.unwrap();
+        assert_eq!(bits(&o), bits(&want));
+        assert_eq!((s.before, s.after), (300, 3 * (25 + 2 * 7)));
+    }
+}
