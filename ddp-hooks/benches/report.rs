@@ -47,8 +47,10 @@ use std::io::Write;
 /// The link speeds of the report, in Gbit/s.
 const SPEEDS: [f64; 4] = [1.0, 10.0, 100.0, 400.0];
 
-/// The hooks of the report: (name in the report, spec, PowerSGD rank or 0).
-const HOOKS: [(&str, &str, usize); 8] = [
+/// The hooks of the report: (name in the report, spec, PowerSGD rank or 0). The first
+/// ones with rank 0 run alternated step by step; the quantization hooks (PyTorch's
+/// all-gather based ones, 8 bits an element) run one by one after PowerSGD.
+const HOOKS: [(&str, &str, usize); 11] = [
     ("allreduce", "allreduce", 0),
     ("fp16", "fp16", 0),
     ("bf16", "bf16", 0),
@@ -61,6 +63,9 @@ const HOOKS: [(&str, &str, usize); 8] = [
         2,
     ),
     ("fp16+powersgd", "fp16+powersgd:rank=2,start_iter=2", 2),
+    ("quantize_per_tensor", "quantize_per_tensor", 0),
+    ("quantize_per_channel", "quantize_per_channel", 0),
+    ("quantize_per_channel+ef", "quantize_per_channel+ef", 0),
 ];
 
 struct Args {

@@ -92,6 +92,18 @@ pub enum HookState {
     /// [`PostLocalSgd`](crate::averaging::PostLocalSgd)'s state: its configuration and
     /// iteration.
     PostLocalSgd(crate::averaging::PostLocalSgdState),
+    /// The error feedback of a quantisation hook
+    /// ([`QuantizePerTensor`](crate::QuantizePerTensor),
+    /// [`QuantizePerChannel`](crate::QuantizePerChannel)) that keeps it; without error
+    /// feedback they are [`Stateless`](Self::Stateless).
+    Quantize {
+        /// The hook's [`CommHook::name`], which is its configuration (kind, row length,
+        /// error feedback): a state loads only into a hook of the same name.
+        hook: String,
+        /// Per bucket index, the memory `e`: one `f32` per bucket element, in bucket
+        /// order (the bucket's length).
+        buckets: std::collections::BTreeMap<usize, Vec<f32>>,
+    },
 }
 
 impl HookState {
@@ -102,6 +114,7 @@ impl HookState {
             HookState::PowerSgd(_) => "PowerSGD".into(),
             HookState::BatchedPowerSgd(_) => "batched PowerSGD".into(),
             HookState::PostLocalSgd(_) => "post-local SGD".into(),
+            HookState::Quantize { hook, .. } => format!("the quantisation hook `{hook}`"),
         }
     }
 

@@ -42,6 +42,7 @@ mod bucket;
 #[cfg(feature = "candle")]
 pub mod candle;
 mod comm;
+pub mod diloco;
 mod error;
 mod hooks;
 #[cfg(feature = "pipe")]
@@ -55,6 +56,7 @@ mod wire;
 pub use averaging::{HierarchicalModelAverager, PeriodicModelAverager, PostLocalSgd};
 pub use bucket::{GradBucket, Layout, ParamSlot};
 pub use comm::{CommBackend, CommElement};
+pub use diloco::{DiLoCo, DiLoCoConfig, DiLoCoState};
 pub use error::{Error, Result};
 pub use hooks::{AllReduce, CommHook, Compress, CompressionStats, HalfFormat, HookState, Noop};
 #[cfg(feature = "pipe")]

@@ -8,7 +8,8 @@
 
 use crate::{CommBackend, CommHook, CompressionStats, Error, GradBucket, HookState, Result};
 use collectives::{Buffer, ProcessGroup, Work};
-use std::sync::Arc;
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 /// PyTorch's default row length of the per-channel hook.
 pub(crate) const DEFAULT_BUCKET_SIZE: usize = 512;
@@ -167,6 +168,156 @@ fn finish<B: CommBackend>(
         .map_err(|e| collectives::Error::from(Error::from(e)))
 }
 
+/// The error-feedback memories of a hook, per bucket index, and the buckets with a step
+/// in flight.
+#[derive(Default)]
+struct Memories {
+    /// `e` per bucket index: the bucket's length, `f32`.
+    errors: BTreeMap<usize, Vec<f32>>,
+    /// Buckets whose step has started and not yet completed or failed.
+    in_flight: BTreeSet<usize>,
+}
+
+/// A hook's memories, shared with its steps in flight.
+type Shared = Arc<Mutex<Memories>>;
+
+/// Locks the memories. Every update completes before the lock is released, so a lock
+/// poisoned by a panicking continuation holds consistent data.
+fn lock(m: &Mutex<Memories>) -> MutexGuard<'_, Memories> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The error for a bucket whose previous step has not completed.
+fn in_flight(index: usize) -> Error {
+    Error::Bucket {
+        index,
+        why: "the previous step of this bucket has not completed (wait for every hook's work before the next step)".into(),
+    }
+}
+
+/// One step's hold on its bucket's memory: taken by [`Lease::take`], which adds `e` into
+/// the bucket; [`commit`](Lease::commit) stores the new `e` once the step has succeeded.
+/// Dropped without committing (any failure), it leaves the memory as before the step.
+struct Lease {
+    shared: Shared,
+    index: usize,
+    /// The new `e`, once computed.
+    pending: Option<Vec<f32>>,
+}
+
+impl Lease {
+    /// Marks bucket `index` in flight and adds its memory (none: zeros) into `x`, element
+    /// by element (`x + e`). A step already in flight, or a memory of another length, is
+    /// [`Error::Bucket`].
+    fn take(shared: &Shared, index: usize, x: &mut [f32]) -> Result<Self> {
+        let mut m = lock(shared);
+        if m.in_flight.contains(&index) {
+            return Err(in_flight(index));
+        }
+        if let Some(e) = m.errors.get(&index) {
+            if e.len() != x.len() {
+                return Err(Error::Bucket {
+                    index,
+                    why: format!(
+                        "the error-feedback memory holds {} elements, the bucket {}: the bucket changed length (or a state of another model was loaded)",
+                        e.len(),
+                        x.len()
+                    ),
+                });
+            }
+            for (x, e) in x.iter_mut().zip(e) {
+                *x += e;
+            }
+        }
+        m.in_flight.insert(index);
+        Ok(Lease {
+            shared: shared.clone(),
+            index,
+            pending: None,
+        })
+    }
+
+    /// Stores the new memory: the step succeeded.
+    fn commit(mut self) {
+        if let Some(e) = self.pending.take() {
+            lock(&self.shared).errors.insert(self.index, e);
+        }
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        lock(&self.shared).in_flight.remove(&self.index);
+    }
+}
+
+/// `y − dequant(q)` in place in `y`, element by element with the scale and zero point
+/// `params(i)` of element `i`: the quantisation error of this rank's own values.
+fn residual(y: &mut [f32], q: &[u8], params: impl Fn(usize) -> (f32, f32)) {
+    for (i, (y, &q)) in y.iter_mut().zip(q).enumerate() {
+        let (s, z) = params(i);
+        *y -= dequantize(q, s, z);
+    }
+}
+
+/// `save_state` of a quantisation hook named `name`: [`HookState::Stateless`] without
+/// error feedback, else its memories. A step in flight is [`Error::Bucket`].
+fn save_quantize(name: String, memories: Option<&Shared>) -> Result<HookState> {
+    let Some(shared) = memories else {
+        return Ok(HookState::Stateless { hook: name });
+    };
+    let m = lock(shared);
+    if let Some(&index) = m.in_flight.first() {
+        return Err(in_flight(index));
+    }
+    Ok(HookState::Quantize {
+        hook: name,
+        buckets: m.errors.clone(),
+    })
+}
+
+/// `load_state` of a quantisation hook named `name`: its own stateless state without
+/// error feedback; with it, a [`HookState::Quantize`] of the same name (configuration)
+/// whose memories are finite and, for every bucket the hook holds a memory of, of that
+/// memory's length. Anything else is [`Error::State`], a step in flight
+/// [`Error::Bucket`]; either leaves the hook unchanged.
+fn load_quantize(name: &str, memories: Option<&Shared>, state: HookState) -> Result<()> {
+    let Some(shared) = memories else {
+        return load_stateless(name, state);
+    };
+    let buckets = match state {
+        HookState::Quantize { hook, buckets } if hook == name => buckets,
+        other => {
+            return Err(other.mismatch(&format!("the quantisation hook `{name}`")));
+        }
+    };
+    for (&index, e) in &buckets {
+        if let Some(i) = e.iter().position(|v| !v.is_finite()) {
+            return Err(Error::State(format!(
+                "{name}: bucket {index}: error[{i}] = {} is not finite; the state is corrupt",
+                e[i]
+            )));
+        }
+    }
+    let mut m = lock(shared);
+    if let Some(&index) = m.in_flight.first() {
+        return Err(in_flight(index));
+    }
+    for (&index, e) in &buckets {
+        if let Some(own) = m.errors.get(&index) {
+            if own.len() != e.len() {
+                return Err(Error::State(format!(
+                    "{name}: bucket {index} holds {} elements here, {} in the state: the buckets differ",
+                    own.len(),
+                    e.len()
+                )));
+            }
+        }
+    }
+    m.errors = buckets;
+    Ok(())
+}
+
 /// Quantises the whole bucket to `u8` with one scale and zero point per rank and averages
 /// the dequantised buckets (PyTorch's `quantization_pertensor_hook`,
 /// `DDPCommHookType.QUANTIZE_PER_TENSOR`): a quarter of the bytes plus two `f32`s, within
@@ -223,35 +374,79 @@ fn finish<B: CommBackend>(
 /// (`ceil(bytes / 4)`) plus the parameters: `ceil(numel / 4) + 2` per tensor,
 /// `ceil(numel / 4) + 2·C` per channel (`C = numel / bucket_size + 1` rows). A step is
 /// counted when it is launched.
+///
+/// **Error feedback** (beyond PyTorch; [`with_error_feedback`](Self::with_error_feedback),
+/// spec `quantize_per_tensor+ef`): per bucket index, the hook keeps `e` (`f32`, the
+/// bucket's length, zeros at first), quantises `y = x + e` (added element by element)
+/// instead of `x`, and sets `e = y − dequant_own(q)`, this rank's own dequantised values
+/// before averaging: the quantisation error is carried to the next step, as PowerSGD
+/// carries its own, so that over many steps the rounding's bias cancels. A step that
+/// fails (a non-finite bucket on any rank, a failed collective) leaves `e` as it was. A
+/// bucket whose memory has another length is [`Error::Bucket`] on this rank, before any
+/// collective (ranks that loaded the same state fail alike). Without error feedback the
+/// hook is stateless and its results are bit for bit those above.
 pub struct QuantizePerTensor<B> {
     backend: Arc<B>,
     group: Arc<dyn ProcessGroup>,
     stats: (u64, u64),
+    memories: Option<Shared>,
 }
 
 impl<B: CommBackend> QuantizePerTensor<B> {
-    /// The hook over `group`.
+    /// The hook over `group`, without error feedback (PyTorch's).
     pub fn new(backend: Arc<B>, group: Arc<dyn ProcessGroup>) -> Self {
         QuantizePerTensor {
             backend,
             group,
             stats: (0, 0),
+            memories: None,
         }
+    }
+
+    /// The hook over `group` with error feedback on or off (see above).
+    pub fn with_error_feedback(
+        backend: Arc<B>,
+        group: Arc<dyn ProcessGroup>,
+        error_feedback: bool,
+    ) -> Self {
+        QuantizePerTensor {
+            memories: error_feedback.then(Shared::default),
+            ..Self::new(backend, group)
+        }
+    }
+
+    /// Whether the hook keeps error feedback.
+    pub fn error_feedback(&self) -> bool {
+        self.memories.is_some()
     }
 }
 
 impl<B: CommBackend> CommHook<B> for QuantizePerTensor<B> {
+    /// `quantize_per_tensor`, `quantize_per_tensor+ef` with error feedback.
     fn name(&self) -> String {
-        "quantize_per_tensor".into()
+        if self.error_feedback() {
+            "quantize_per_tensor+ef".into()
+        } else {
+            "quantize_per_tensor".into()
+        }
     }
 
     fn run(&mut self, bucket: GradBucket<B>) -> Work<B::Buffer<f32>> {
         let index = bucket.index();
-        let x = match to_host(&*self.backend, &bucket) {
+        let mut x = match to_host(&*self.backend, &bucket) {
             Ok(x) => x,
             Err(e) => return failed(e),
         };
         drop(bucket);
+        let mut lease = match self
+            .memories
+            .as_ref()
+            .map(|m| Lease::take(m, index, &mut x))
+        {
+            Some(Err(e)) => return failed(e),
+            Some(Ok(l)) => Some(l),
+            None => None,
+        };
         let n = x.len();
         count(&mut self.stats, n, n.div_ceil(4).saturating_add(2));
         let (scale, zp) = qparams(&x, false);
@@ -278,7 +473,14 @@ impl<B: CommBackend> CommHook<B> for QuantizePerTensor<B> {
                 for (q, &v) in q.iter_mut().zip(&x) {
                     *q = quantize(v, s, z);
                 }
-                drop(x);
+                match lease.as_mut() {
+                    Some(l) => {
+                        let mut x = x;
+                        residual(&mut x, &q, |_| (s, z));
+                        l.pending = Some(x);
+                    }
+                    None => drop(x),
+                }
                 group.all_gather(Buffer::U8(q)).then(move |r| {
                     let qs = gathered_bytes(r?, n, index)?;
                     let mut out = try_vec(n, 0.0f32)?;
@@ -288,17 +490,27 @@ impl<B: CommBackend> CommHook<B> for QuantizePerTensor<B> {
                             *o += dequantize(b, s, z);
                         }
                     }
-                    finish(&*backend, out, world)
+                    let out = finish(&*backend, out, world)?;
+                    if let Some(l) = lease {
+                        l.commit();
+                    }
+                    Ok(out)
                 })
             })
     }
 
+    /// [`HookState::Stateless`] without error feedback; with it, [`HookState::Quantize`]
+    /// holding every bucket's memory. A step in flight is [`Error::Bucket`].
     fn save_state(&self) -> Result<HookState> {
-        Ok(HookState::Stateless { hook: self.name() })
+        save_quantize(self.name(), self.memories.as_ref())
     }
 
+    /// The state [`save_state`](CommHook::save_state) gives, of the same configuration
+    /// (the same name); with error feedback, memories that are finite and as long as
+    /// those the hook holds for the same buckets. Else [`Error::State`], the hook
+    /// unchanged.
     fn load_state(&self, state: HookState) -> Result<()> {
-        load_stateless(&self.name(), state)
+        load_quantize(&self.name(), self.memories.as_ref(), state)
     }
 
     fn compression_stats(&self) -> Option<CompressionStats> {
@@ -321,12 +533,16 @@ fn load_stateless(name: &str, state: HookState) -> Result<()> {
 /// divides `numel`) into `C = numel / bucket_size + 1` rows. Finer scales than
 /// [`QuantizePerTensor`] for `2·C` `f32`s more. The arithmetic (per row), the error bound
 /// (with each row's scales), the CUDA path, the statistics and the differences from
-/// PyTorch are [`QuantizePerTensor`]'s. Stateless.
+/// PyTorch are [`QuantizePerTensor`]'s, and so is error feedback
+/// ([`with_error_feedback`](Self::with_error_feedback), spec
+/// `quantize_per_channel+ef[:bucket_size=N]`), with each element's own row's scale and
+/// zero point. Stateless without error feedback.
 pub struct QuantizePerChannel<B> {
     backend: Arc<B>,
     group: Arc<dyn ProcessGroup>,
     bucket_size: usize,
     stats: (u64, u64),
+    memories: Option<Shared>,
 }
 
 impl<B: CommBackend> QuantizePerChannel<B> {
@@ -347,7 +563,27 @@ impl<B: CommBackend> QuantizePerChannel<B> {
             group,
             bucket_size,
             stats: (0, 0),
+            memories: None,
         })
+    }
+
+    /// The hook of [`new`](Self::new) with error feedback on or off (see
+    /// [`QuantizePerTensor`]).
+    pub fn with_error_feedback(
+        backend: Arc<B>,
+        group: Arc<dyn ProcessGroup>,
+        bucket_size: usize,
+        error_feedback: bool,
+    ) -> Result<Self> {
+        Ok(QuantizePerChannel {
+            memories: error_feedback.then(Shared::default),
+            ..Self::new(backend, group, bucket_size)?
+        })
+    }
+
+    /// Whether the hook keeps error feedback.
+    pub fn error_feedback(&self) -> bool {
+        self.memories.is_some()
     }
 
     /// The row length.
@@ -357,22 +593,33 @@ impl<B: CommBackend> QuantizePerChannel<B> {
 }
 
 impl<B: CommBackend> CommHook<B> for QuantizePerChannel<B> {
-    /// `quantize_per_channel`, with `:bucket_size=N` unless it is the default 512.
+    /// `quantize_per_channel` (`quantize_per_channel+ef` with error feedback), with
+    /// `:bucket_size=N` unless it is the default 512.
     fn name(&self) -> String {
+        let ef = if self.error_feedback() { "+ef" } else { "" };
         if self.bucket_size == Self::DEFAULT_BUCKET_SIZE {
-            "quantize_per_channel".into()
+            format!("quantize_per_channel{ef}")
         } else {
-            format!("quantize_per_channel:bucket_size={}", self.bucket_size)
+            format!("quantize_per_channel{ef}:bucket_size={}", self.bucket_size)
         }
     }
 
     fn run(&mut self, bucket: GradBucket<B>) -> Work<B::Buffer<f32>> {
         let index = bucket.index();
-        let x = match to_host(&*self.backend, &bucket) {
+        let mut x = match to_host(&*self.backend, &bucket) {
             Ok(x) => x,
             Err(e) => return failed(e),
         };
         drop(bucket);
+        let mut lease = match self
+            .memories
+            .as_ref()
+            .map(|m| Lease::take(m, index, &mut x))
+        {
+            Some(Err(e)) => return failed(e),
+            Some(Ok(l)) => Some(l),
+            None => None,
+        };
         let (n, bs) = (x.len(), self.bucket_size);
         // Rows: `numel / bs` full ones and a last one that holds padding (at least 1).
         let rows = n / bs + 1;
@@ -425,7 +672,14 @@ impl<B: CommBackend> CommHook<B> for QuantizePerChannel<B> {
                         *q = quantize(v, s, z);
                     }
                 }
-                drop(x);
+                match lease.as_mut() {
+                    Some(l) => {
+                        let mut x = x;
+                        residual(&mut x, &q, |i| (own[i / bs], own[rows + i / bs]));
+                        l.pending = Some(x);
+                    }
+                    None => drop(x),
+                }
                 group.all_gather(Buffer::U8(q)).then(move |r| {
                     let qs = gathered_bytes(r?, n, index)?;
                     let mut out = try_vec(n, 0.0f32)?;
@@ -437,17 +691,27 @@ impl<B: CommBackend> CommHook<B> for QuantizePerChannel<B> {
                             }
                         }
                     }
-                    finish(&*backend, out, world)
+                    let out = finish(&*backend, out, world)?;
+                    if let Some(l) = lease {
+                        l.commit();
+                    }
+                    Ok(out)
                 })
             })
     }
 
+    /// [`HookState::Stateless`] without error feedback; with it, [`HookState::Quantize`]
+    /// holding every bucket's memory. A step in flight is [`Error::Bucket`].
     fn save_state(&self) -> Result<HookState> {
-        Ok(HookState::Stateless { hook: self.name() })
+        save_quantize(self.name(), self.memories.as_ref())
     }
 
+    /// The state [`save_state`](CommHook::save_state) gives, of the same configuration
+    /// (the same name); with error feedback, memories that are finite and as long as
+    /// those the hook holds for the same buckets. Else [`Error::State`], the hook
+    /// unchanged.
     fn load_state(&self, state: HookState) -> Result<()> {
-        load_stateless(&self.name(), state)
+        load_quantize(&self.name(), self.memories.as_ref(), state)
     }
 
     fn compression_stats(&self) -> Option<CompressionStats> {

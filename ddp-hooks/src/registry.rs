@@ -28,14 +28,36 @@ pub enum HookSpec {
     /// PowerSGD on the whole bucket as one square matrix.
     BatchedPowerSgd(PowerSgdConfig),
     /// 8-bit quantisation with one scale per rank (`quantize_per_tensor`, PyTorch's
-    /// `QUANTIZE_PER_TENSOR`): [`QuantizePerTensor`].
-    QuantizePerTensor,
+    /// `QUANTIZE_PER_TENSOR`; `quantize_per_tensor+ef` or
+    /// `quantize_per_tensor:error_feedback=true` with error feedback): [`QuantizePerTensor`].
+    QuantizePerTensor {
+        /// Whether the quantisation error is carried to the next step (beyond PyTorch).
+        error_feedback: bool,
+    },
     /// 8-bit quantisation in rows of `bucket_size` elements, one scale each
     /// (`quantize_per_channel[:bucket_size=N]`, PyTorch's `QUANTIZE_PER_CHANNEL`; 512
-    /// unless given): [`QuantizePerChannel`].
+    /// unless given; `quantize_per_channel+ef[:bucket_size=N]` or the option
+    /// `error_feedback=true` with error feedback): [`QuantizePerChannel`].
     QuantizePerChannel {
         /// Elements per row (at least 1).
         bucket_size: usize,
+        /// Whether the quantisation error is carried to the next step (beyond PyTorch).
+        error_feedback: bool,
+    },
+    /// PyTorch's post-local SGD hook (`post_local_sgd:start_iter=N[,subgroup_size=K]
+    /// [,allreduce=true|false]`): the exact mean until step `start_iter`, then the mean
+    /// within consecutive blocks of `subgroup_size` ranks (default: the whole group), or
+    /// nothing at all with `allreduce=false` (pure local SGD; pair it with a
+    /// [`PeriodicModelAverager`](crate::averaging::PeriodicModelAverager) whose warm-up is
+    /// `start_iter`). Building it creates the subgroups: every rank builds it at the same
+    /// point.
+    PostLocalSgd {
+        /// PyTorch's `start_localSGD_iter`.
+        start_iter: u64,
+        /// Ranks per subgroup after the start (`None`: the whole group).
+        subgroup_size: Option<usize>,
+        /// PyTorch's `post_local_gradient_allreduce`.
+        allreduce: bool,
     },
     /// Another hook whose transfers go as f16 (`fp16+powersgd:...`, PyTorch's
     /// `fp16_compress_wrapper`).
@@ -88,6 +110,12 @@ impl FromStr for HookSpec {
     /// CUDA, off on the CPU: [`PowerSgdConfig::batch_tensors_with_same_shape`]). Parsing
     /// takes time linear in the length of `spec`, and an error quotes at most its first
     /// 100 characters.
+    ///
+    /// The quantisation hooks take `error_feedback=true|false` (and `quantize_per_channel`
+    /// `bucket_size=N`), or the suffix `+ef` on the name for `error_feedback=true`:
+    /// `quantize_per_channel+ef:bucket_size=16` is
+    /// `quantize_per_channel:bucket_size=16,error_feedback=true` (giving both is an
+    /// error).
     fn from_str(spec: &str) -> Result<Self> {
         let err = |why: String| Error::Spec {
             spec: excerpt(spec, QUOTE_SPEC),
@@ -97,6 +125,17 @@ impl FromStr for HookSpec {
         // (`epsilon=1e+3`) is the value's.
         let spec_t = spec.trim();
         let name_end = spec_t.find(':').unwrap_or(spec_t.len());
+        // The error-feedback suffix of a quantisation hook: `<name>+ef[:options]`.
+        let head = spec_t[..name_end].trim_end();
+        if let Some(cut) = head.len().checked_sub(3) {
+            if head.is_char_boundary(cut)
+                && head[cut..].eq_ignore_ascii_case("+ef")
+                && !head[..cut].contains('+')
+            {
+                return parse_hook_with(head[..cut].trim_end(), &spec_t[name_end..], true)
+                    .map_err(err);
+            }
+        }
         let Some(plus) = spec_t[..name_end].find('+') else {
             return parse_hook(spec_t).map_err(err);
         };
@@ -121,7 +160,7 @@ impl FromStr for HookSpec {
         let hook = parse_hook(inner.trim()).map_err(err)?;
         if matches!(
             hook,
-            HookSpec::QuantizePerTensor | HookSpec::QuantizePerChannel { .. }
+            HookSpec::QuantizePerTensor { .. } | HookSpec::QuantizePerChannel { .. }
         ) {
             return Err(err(format!(
                 "`{wrap}+` wraps a hook that computes in f32; `{}` already sends 8 bits \
@@ -143,9 +182,24 @@ impl FromStr for HookSpec {
 /// Parses a hook without wrapper (`name` or `name:key=value,...`); the error says why.
 fn parse_hook(spec: &str) -> Result<HookSpec, String> {
     let (name, opts) = match spec.split_once(':') {
-        Some((n, o)) => (n.trim(), Some(o)),
-        None => (spec, None),
+        Some((n, o)) => (n.trim(), ":".to_owned() + o),
+        None => (spec, String::new()),
     };
+    parse_hook_with(name, &opts, false)
+}
+
+/// Parses hook `name` with `opts` (empty, or `:key=value,...`), `ef`: the name had the
+/// error-feedback suffix `+ef` (quantisation hooks only).
+fn parse_hook_with(name: &str, opts: &str, ef: bool) -> Result<HookSpec, String> {
+    let opts = opts.strip_prefix(':');
+    let is = |n: &str| name.eq_ignore_ascii_case(n);
+    if ef && !is("quantize_per_tensor") && !is("quantize_per_channel") {
+        return Err(format!(
+            "`+ef` (error feedback) follows a quantisation hook (quantize_per_tensor, \
+             quantize_per_channel), not `{}`",
+            excerpt(name, QUOTE_PART)
+        ));
+    }
     let simple = |h: HookSpec| match opts {
         Some(o) if !o.trim().is_empty() => Err(format!(
             "`{}` takes no options, got `{}`",
@@ -154,7 +208,6 @@ fn parse_hook(spec: &str) -> Result<HookSpec, String> {
         )),
         _ => Ok(h),
     };
-    let is = |n: &str| name.eq_ignore_ascii_case(n);
     if is("allreduce") {
         simple(HookSpec::AllReduce)
     } else if is("fp16") || is("fp16_compress") {
@@ -167,17 +220,85 @@ fn parse_hook(spec: &str) -> Result<HookSpec, String> {
         powersgd_config(opts).map(HookSpec::PowerSgd)
     } else if is("batched_powersgd") || is("batched_power_sgd") {
         powersgd_config(opts).map(HookSpec::BatchedPowerSgd)
+    } else if is("post_local_sgd") || is("post_localsgd") {
+        post_local_sgd_options(opts)
     } else if is("quantize_per_tensor") {
-        simple(HookSpec::QuantizePerTensor)
+        quantize_options("quantize_per_tensor", opts, ef)
+            .map(|(_, error_feedback)| HookSpec::QuantizePerTensor { error_feedback })
     } else if is("quantize_per_channel") {
-        per_channel_bucket_size(opts)
-            .map(|bucket_size| HookSpec::QuantizePerChannel { bucket_size })
+        quantize_options("quantize_per_channel", opts, ef).map(|(bucket_size, error_feedback)| {
+            HookSpec::QuantizePerChannel {
+                bucket_size: bucket_size.unwrap_or(crate::quantize::DEFAULT_BUCKET_SIZE),
+                error_feedback,
+            }
+        })
     } else {
         Err(format!(
             "unknown hook `{}`; known: {NAMES}",
             excerpt(name, QUOTE_PART)
         ))
     }
+}
+
+/// Post-local SGD's options: `start_iter` (required), `subgroup_size`, `allreduce`.
+fn post_local_sgd_options(opts: Option<&str>) -> Result<HookSpec, String> {
+    let (mut start, mut size, mut allreduce) = (None, None, None);
+    for kv in opts
+        .unwrap_or("")
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+    {
+        let Some((k, v)) = kv.split_once('=') else {
+            return Err(format!("`{}` is not key=value", excerpt(kv, QUOTE_PART)));
+        };
+        let (k, v) = (k.trim(), v.trim());
+        let twice = || format!("post_local_sgd option `{k}` given twice");
+        let bad = |what: &str| {
+            format!(
+                "post_local_sgd option `{k}`: expected {what}, got `{}`",
+                excerpt(v, QUOTE_PART)
+            )
+        };
+        match k {
+            "start_iter" | "start_localSGD_iter" => {
+                let n: u64 = v.parse().map_err(|_| bad("a non-negative integer"))?;
+                if start.replace(n).is_some() {
+                    return Err(twice());
+                }
+            }
+            "subgroup_size" => {
+                let n: usize = v
+                    .parse()
+                    .ok()
+                    .filter(|&n| n > 0)
+                    .ok_or_else(|| bad("a positive integer"))?;
+                if size.replace(n).is_some() {
+                    return Err(twice());
+                }
+            }
+            "allreduce" | "post_local_gradient_allreduce" => {
+                let b: bool = v.parse().map_err(|_| bad("true or false"))?;
+                if allreduce.replace(b).is_some() {
+                    return Err(twice());
+                }
+            }
+            _ => return Err(format!(
+                "unknown post_local_sgd option `{}`; known: start_iter, subgroup_size, allreduce",
+                excerpt(k, QUOTE_PART)
+            )),
+        }
+    }
+    let start_iter = start.ok_or_else(|| {
+        "post_local_sgd needs start_iter (the step local SGD starts at), e.g. \
+         post_local_sgd:start_iter=10"
+            .to_string()
+    })?;
+    Ok(HookSpec::PostLocalSgd {
+        start_iter,
+        subgroup_size: size,
+        allreduce: allreduce.unwrap_or(true),
+    })
 }
 
 /// PowerSGD's options (`key=value,...`) over the defaults, validated.
@@ -234,9 +355,21 @@ fn powersgd_config(opts: Option<&str>) -> Result<PowerSgdConfig, String> {
     Ok(c)
 }
 
-/// `quantize_per_channel`'s one option, `bucket_size=N` (N ≥ 1; 512 unless given).
-fn per_channel_bucket_size(opts: Option<&str>) -> Result<usize, String> {
-    let mut bucket_size = None;
+/// The options of the quantisation hook `hook`: `error_feedback=true|false` (`ef`: the
+/// name's `+ef` suffix set it already) and, for `quantize_per_channel`, `bucket_size=N`
+/// (N ≥ 1), each at most once: `(bucket_size, error_feedback)`.
+fn quantize_options(
+    hook: &str,
+    opts: Option<&str>,
+    ef: bool,
+) -> Result<(Option<usize>, bool), String> {
+    let per_channel = hook == "quantize_per_channel";
+    let known = if per_channel {
+        "bucket_size, error_feedback"
+    } else {
+        "error_feedback"
+    };
+    let (mut bucket_size, mut error_feedback) = (None, None);
     for kv in opts
         .unwrap_or("")
         .split(',')
@@ -247,26 +380,43 @@ fn per_channel_bucket_size(opts: Option<&str>) -> Result<usize, String> {
             return Err(format!("`{}` is not key=value", excerpt(kv, QUOTE_PART)));
         };
         let (k, v) = (k.trim(), v.trim());
-        if k != "bucket_size" {
-            return Err(format!(
-                "unknown quantize_per_channel option `{}`; known: bucket_size",
-                excerpt(k, QUOTE_PART)
-            ));
-        }
-        let n: usize = v.parse().map_err(|_| {
-            format!(
-                "`{k}={}`: expected a positive integer",
-                excerpt(v, QUOTE_PART)
-            )
-        })?;
-        if n == 0 {
-            return Err("bucket_size = 0: a row holds at least 1 element".into());
-        }
-        if bucket_size.replace(n).is_some() {
-            return Err(format!("option `{k}` is given twice"));
+        match k {
+            "bucket_size" if per_channel => {
+                let n: usize = v.parse().map_err(|_| {
+                    format!(
+                        "`{k}={}`: expected a positive integer",
+                        excerpt(v, QUOTE_PART)
+                    )
+                })?;
+                if n == 0 {
+                    return Err("bucket_size = 0: a row holds at least 1 element".into());
+                }
+                if bucket_size.replace(n).is_some() {
+                    return Err(format!("option `{k}` is given twice"));
+                }
+            }
+            "error_feedback" => {
+                if ef {
+                    return Err(
+                        "`error_feedback` is given with the `+ef` suffix (give one of them)".into(),
+                    );
+                }
+                let b: bool = v.parse().map_err(|_| {
+                    format!("`{k}={}`: expected true or false", excerpt(v, QUOTE_PART))
+                })?;
+                if error_feedback.replace(b).is_some() {
+                    return Err(format!("option `{k}` is given twice"));
+                }
+            }
+            _ => {
+                return Err(format!(
+                    "unknown {hook} option `{}`; known: {known}",
+                    excerpt(k, QUOTE_PART)
+                ))
+            }
         }
     }
-    Ok(bucket_size.unwrap_or(crate::quantize::DEFAULT_BUCKET_SIZE))
+    Ok((bucket_size, ef || error_feedback.unwrap_or(false)))
 }
 
 impl HookSpec {
@@ -289,9 +439,34 @@ impl HookSpec {
             HookSpec::BatchedPowerSgd(c) => {
                 Box::new(BatchedPowerSgd::new(backend, group, c.clone())?)
             }
-            HookSpec::QuantizePerTensor => Box::new(QuantizePerTensor::new(backend, group)),
-            HookSpec::QuantizePerChannel { bucket_size } => {
-                Box::new(QuantizePerChannel::new(backend, group, *bucket_size)?)
+            HookSpec::QuantizePerTensor { error_feedback } => Box::new(
+                QuantizePerTensor::with_error_feedback(backend, group, *error_feedback),
+            ),
+            HookSpec::QuantizePerChannel {
+                bucket_size,
+                error_feedback,
+            } => Box::new(QuantizePerChannel::with_error_feedback(
+                backend,
+                group,
+                *bucket_size,
+                *error_feedback,
+            )?),
+            HookSpec::PostLocalSgd {
+                start_iter,
+                subgroup_size,
+                allreduce,
+            } => {
+                let sub = match (allreduce, subgroup_size) {
+                    (true, Some(k)) => crate::averaging::new_subgroups(&*group, *k)?,
+                    _ => group.clone(),
+                };
+                Box::new(crate::averaging::PostLocalSgd::new(
+                    backend,
+                    group,
+                    sub,
+                    *start_iter,
+                    *allreduce,
+                )?)
             }
             HookSpec::Fp16Wrapped(inner) => {
                 inner.build(backend, Arc::new(HalfWire::<f16>::new(group)))?
@@ -306,6 +481,48 @@ impl HookSpec {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn parses_post_local_sgd() {
+        assert_eq!(
+            "post_local_sgd:start_iter=10".parse::<HookSpec>().unwrap(),
+            HookSpec::PostLocalSgd {
+                start_iter: 10,
+                subgroup_size: None,
+                allreduce: true
+            }
+        );
+        assert_eq!(
+            "post_local_sgd:start_iter=0,subgroup_size=2,allreduce=false"
+                .parse::<HookSpec>()
+                .unwrap(),
+            HookSpec::PostLocalSgd {
+                start_iter: 0,
+                subgroup_size: Some(2),
+                allreduce: false
+            }
+        );
+        for (bad, says) in [
+            ("post_local_sgd", "needs start_iter"),
+            ("post_local_sgd:start_iter=x", "non-negative integer"),
+            (
+                "post_local_sgd:start_iter=1,subgroup_size=0",
+                "positive integer",
+            ),
+            (
+                "post_local_sgd:start_iter=1,allreduce=maybe",
+                "true or false",
+            ),
+            ("post_local_sgd:start_iter=1,start_iter=2", "given twice"),
+            (
+                "post_local_sgd:start_iter=1,period=4",
+                "unknown post_local_sgd option",
+            ),
+        ] {
+            let e = bad.parse::<HookSpec>().unwrap_err().to_string();
+            assert!(e.contains(says), "{bad}: {e}");
+        }
+    }
 
     #[test]
     fn parses_names_and_options() {
@@ -340,10 +557,14 @@ mod tests {
     #[test]
     fn parses_quantize_hooks() {
         let parse = |s: &str| s.parse::<HookSpec>().unwrap();
-        assert_eq!(parse("quantize_per_tensor"), HookSpec::QuantizePerTensor);
-        assert_eq!(parse(" QUANTIZE_PER_TENSOR "), HookSpec::QuantizePerTensor);
-        assert_eq!(parse("quantize_per_tensor:"), HookSpec::QuantizePerTensor);
-        let channel = |bucket_size| HookSpec::QuantizePerChannel { bucket_size };
+        let tensor = |error_feedback| HookSpec::QuantizePerTensor { error_feedback };
+        assert_eq!(parse("quantize_per_tensor"), tensor(false));
+        assert_eq!(parse(" QUANTIZE_PER_TENSOR "), tensor(false));
+        assert_eq!(parse("quantize_per_tensor:"), tensor(false));
+        let channel = |bucket_size| HookSpec::QuantizePerChannel {
+            bucket_size,
+            error_feedback: false,
+        };
         assert_eq!(parse("quantize_per_channel"), channel(512));
         assert_eq!(parse("QUANTIZE_PER_CHANNEL"), channel(512));
         assert_eq!(parse("quantize_per_channel:bucket_size=1"), channel(1));
@@ -352,6 +573,40 @@ mod tests {
             channel(64)
         );
         assert!(NAMES.contains("quantize_per_tensor") && NAMES.contains("quantize_per_channel"));
+    }
+
+    /// Error feedback: the `+ef` suffix and the `error_feedback` option are the same spec.
+    #[test]
+    fn parses_quantize_error_feedback() {
+        let parse = |s: &str| s.parse::<HookSpec>().unwrap();
+        let tensor = |error_feedback| HookSpec::QuantizePerTensor { error_feedback };
+        let channel = |bucket_size, error_feedback| HookSpec::QuantizePerChannel {
+            bucket_size,
+            error_feedback,
+        };
+        assert_eq!(parse("quantize_per_tensor+ef"), tensor(true));
+        assert_eq!(parse(" Quantize_Per_Tensor +EF "), tensor(true));
+        assert_eq!(
+            parse("quantize_per_tensor:error_feedback=true"),
+            tensor(true)
+        );
+        assert_eq!(
+            parse("quantize_per_tensor:error_feedback=false"),
+            tensor(false)
+        );
+        assert_eq!(parse("quantize_per_channel+ef"), channel(512, true));
+        assert_eq!(
+            parse("quantize_per_channel+ef:bucket_size=16"),
+            channel(16, true)
+        );
+        assert_eq!(
+            parse("quantize_per_channel:bucket_size=16,error_feedback=true"),
+            channel(16, true)
+        );
+        assert_eq!(
+            parse("quantize_per_channel:error_feedback=false,bucket_size=3"),
+            channel(3, false)
+        );
     }
 
     /// The built hooks are named as the registry spells them, and save and load their
@@ -376,8 +631,36 @@ mod tests {
         assert_eq!(c64.name(), "quantize_per_channel:bucket_size=64");
         assert_eq!(
             c64.name().parse::<HookSpec>().unwrap(),
-            HookSpec::QuantizePerChannel { bucket_size: 64 }
+            HookSpec::QuantizePerChannel {
+                bucket_size: 64,
+                error_feedback: false
+            }
         );
+        // With error feedback: named with `+ef`, which parses back to the same spec.
+        for (spec, name) in [
+            (
+                "quantize_per_tensor:error_feedback=true",
+                "quantize_per_tensor+ef",
+            ),
+            ("quantize_per_channel+ef", "quantize_per_channel+ef"),
+            (
+                "quantize_per_channel:bucket_size=64,error_feedback=true",
+                "quantize_per_channel+ef:bucket_size=64",
+            ),
+        ] {
+            let h = build(spec);
+            assert_eq!(h.name(), name);
+            assert_eq!(name.parse::<HookSpec>().unwrap(), spec.parse().unwrap());
+            h.load_state(h.save_state().unwrap()).unwrap();
+            assert!(matches!(
+                h.load_state(c.save_state().unwrap()),
+                Err(Error::State(_))
+            ));
+            assert!(matches!(
+                c.load_state(h.save_state().unwrap()),
+                Err(Error::State(_))
+            ));
+        }
         c.load_state(c.save_state().unwrap()).unwrap();
         assert!(matches!(
             c64.load_state(c.save_state().unwrap()),
@@ -389,7 +672,11 @@ mod tests {
         ));
         assert_eq!(t.compression_stats().unwrap().before, 0);
         assert!(matches!(
-            HookSpec::QuantizePerChannel { bucket_size: 0 }.build(be.clone(), group.clone()),
+            HookSpec::QuantizePerChannel {
+                bucket_size: 0,
+                error_feedback: true
+            }
+            .build(be.clone(), group.clone()),
             Err(Error::Config(_))
         ));
     }
@@ -452,7 +739,31 @@ mod tests {
             ("powersgd:batch_same_shape=1", "true or false"),
             ("powersgd:batch_same_shape=", "true or false"),
             ("fp8+allreduce", "unknown wrapper `fp8`"),
-            ("quantize_per_tensor:bits=8", "takes no options"),
+            (
+                "quantize_per_tensor:bits=8",
+                "unknown quantize_per_tensor option `bits`; known: error_feedback",
+            ),
+            (
+                "quantize_per_tensor:bucket_size=8",
+                "unknown quantize_per_tensor option `bucket_size`",
+            ),
+            (
+                "quantize_per_tensor:error_feedback=yes",
+                "expected true or false",
+            ),
+            (
+                "quantize_per_channel+ef:error_feedback=true",
+                "given with the `+ef` suffix",
+            ),
+            (
+                "quantize_per_channel:error_feedback=true,error_feedback=false",
+                "`error_feedback` is given twice",
+            ),
+            (
+                "powersgd+ef",
+                "`+ef` (error feedback) follows a quantisation hook",
+            ),
+            ("fp16+quantize_per_tensor+ef", "one wrapper at most"),
             ("quantize_per_channel:bucket_size", "not key=value"),
             ("quantize_per_channel:bucket_size=0", "bucket_size = 0"),
             (

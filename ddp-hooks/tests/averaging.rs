@@ -486,3 +486,33 @@ fn post_local_sgd_rejects_a_larger_subgroup() {
     });
     assert!(out.into_iter().all(|ok| ok));
 }
+
+/// The registry's `post_local_sgd:start_iter=1,subgroup_size=2` on 4 ranks builds the same
+/// hook: the global mean at step 0, the pair's mean from step 1.
+#[test]
+fn post_local_sgd_from_the_registry() {
+    let out = ranks(4, |g| {
+        let rank = g.rank();
+        let group: Arc<dyn ProcessGroup> = Arc::new(g);
+        let spec: ddp_hooks::HookSpec = "post_local_sgd:start_iter=1,subgroup_size=2"
+            .parse()
+            .unwrap();
+        let mut hook = spec.build(Arc::new(CpuBackend::new()), group).unwrap();
+        (rank, hook_steps(&mut *hook, rank, 0..2))
+    });
+    for (rank, steps) in out {
+        let pair = if rank < 2 { [0, 1] } else { [2, 3] };
+        for bucket in 0..2 {
+            assert_eq!(
+                steps[0].0[bucket],
+                grad_mean(&[0, 1, 2, 3], 0, bucket),
+                "rank {rank}"
+            );
+            assert_eq!(
+                steps[1].0[bucket],
+                grad_mean(&pair, 1, bucket),
+                "rank {rank}"
+            );
+        }
+    }
+}

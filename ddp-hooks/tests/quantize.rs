@@ -6,7 +6,7 @@
 
 use collectives::{run_local_with_timeout, ProcessGroup};
 use ddp_hooks::{
-    CommHook, Error, GradBucket, HookSpec, Layout, QuantizePerChannel, QuantizePerTensor,
+    CommHook, Error, GradBucket, HookSpec, HookState, Layout, QuantizePerChannel, QuantizePerTensor,
 };
 use lowrank::CpuBackend;
 use std::sync::Arc;
@@ -415,4 +415,271 @@ fn hooks_built_by_name_match() {
         assert_eq!(bits(&o), bits(&want));
         assert_eq!((s.before, s.after), (300, 3 * (25 + 2 * 7)));
     }
+}
+
+// ---- Error feedback (beyond PyTorch): `+ef`. ----
+
+/// What each rank saw over a run: its output at every step, and its state at the end.
+type EfRun = Vec<(Vec<Vec<f32>>, HookState)>;
+
+/// Runs the hook of `spec` on 2 thread ranks for `steps.len()` steps, rank `r` with
+/// `steps[t][r]` at step `t` (bucket 0), after loading `load[r]` when given.
+fn run_ef(spec: &str, steps: &[Vec<Vec<f32>>], load: Option<&[HookState]>) -> EfRun {
+    run_local_with_timeout(2, Duration::from_secs(30), |g| {
+        let rank = g.rank();
+        let group: Arc<dyn ProcessGroup> = Arc::new(g);
+        let be = Arc::new(CpuBackend::new().with_threads(1).unwrap());
+        let mut hook = spec.parse::<HookSpec>().unwrap().build(be, group).unwrap();
+        if let Some(states) = load {
+            hook.load_state(states[rank].clone()).unwrap();
+        }
+        let mut outs = Vec::new();
+        for inputs in steps {
+            let x = inputs[rank].clone();
+            let layout = Arc::new(Layout::packed(&[vec![x.len()]]).unwrap());
+            let bucket = GradBucket::new(0, 1, x, layout).unwrap();
+            outs.push(hook.run(bucket).wait().unwrap());
+        }
+        (outs, hook.save_state().unwrap())
+    })
+    .unwrap()
+    .into_iter()
+    .map(Result::unwrap)
+    .collect()
+}
+
+/// The memory of bucket 0 in a saved `+ef` state.
+fn memory(state: &HookState) -> Vec<f32> {
+    let HookState::Quantize { buckets, .. } = state else {
+        panic!("not a quantisation state: {state:?}")
+    };
+    buckets[&0].clone()
+}
+
+/// This rank's own dequantised values of `y` (PyTorch's arithmetic, one scalar at a
+/// time): per tensor (`bs = None`) or in padded rows of `bs`.
+fn ref_own(y: &[f32], bs: Option<usize>) -> Vec<f32> {
+    let n = y.len();
+    let bs = bs.unwrap_or(n.max(1) + 1);
+    let mut padded = y.to_vec();
+    padded.resize(n + bs - n % bs, 0.0);
+    let mut own = Vec::new();
+    for row in padded.chunks(bs) {
+        let (s, z) = ref_qparams(row);
+        own.extend(
+            row.iter()
+                .map(|&v| ref_dequantize(ref_quantize(v, s, z), s, z)),
+        );
+    }
+    own.truncate(n);
+    own
+}
+
+/// One step of error feedback in scalars: every rank quantises `x + e`; the output, and
+/// each rank's new `e = (x + e) − dequant_own`.
+fn ref_ef_step(xs: &[Vec<f32>], es: &[Vec<f32>], bs: Option<usize>) -> (Vec<f32>, Vec<Vec<f32>>) {
+    let ys: Vec<Vec<f32>> = xs
+        .iter()
+        .zip(es)
+        .map(|(x, e)| x.iter().zip(e).map(|(x, e)| x + e).collect())
+        .collect();
+    let (out, _) = match bs {
+        None => ref_per_tensor(&ys),
+        Some(bs) => ref_per_channel(&ys, bs),
+    };
+    let new_es = ys
+        .iter()
+        .map(|y| {
+            let own = ref_own(y, bs);
+            y.iter().zip(&own).map(|(y, d)| y - d).collect()
+        })
+        .collect();
+    (out, new_es)
+}
+
+const EF_SPECS: [(&str, Option<usize>); 3] = [
+    ("quantize_per_tensor+ef", None),
+    ("quantize_per_channel+ef:bucket_size=16", Some(16)),
+    (
+        "quantize_per_channel:bucket_size=7,error_feedback=true",
+        Some(7),
+    ),
+];
+
+/// Error feedback off is the existing hook, bit for bit, and `error_feedback=false` is
+/// that hook; its state stays stateless.
+#[test]
+fn error_feedback_off_is_the_plain_hook() {
+    let step = vec![noise(50, 1, 1.0), noise(50, 2, 0.3)];
+    let steps = vec![step.clone(), step.clone()];
+    for (spec, bs) in [
+        ("quantize_per_tensor:error_feedback=false", None),
+        (
+            "quantize_per_channel:bucket_size=16,error_feedback=false",
+            Some(16),
+        ),
+    ] {
+        let (want, _) = match bs {
+            None => ref_per_tensor(&step),
+            Some(bs) => ref_per_channel(&step, bs),
+        };
+        for (outs, state) in run_ef(spec, &steps, None) {
+            for o in &outs {
+                assert_eq!(bits(o), bits(&want), "{spec}");
+            }
+            assert!(matches!(state, HookState::Stateless { .. }), "{spec}");
+        }
+    }
+}
+
+/// After one step the memory is `x − dequant_own(x)` exactly; the second step quantises
+/// `x + e` (output and memory against the scalar reimplementation).
+#[test]
+fn error_feedback_memory_and_second_step() {
+    let step1 = vec![noise(40, 3, 1.0), noise(40, 4, 2.5)];
+    let step2 = vec![noise(40, 5, 0.8), noise(40, 6, 0.1)];
+    for (spec, bs) in EF_SPECS {
+        let res = run_ef(spec, std::slice::from_ref(&step1), None);
+        for (r, (outs, state)) in res.iter().enumerate() {
+            let own = ref_own(&step1[r], bs);
+            let want: Vec<f32> = step1[r].iter().zip(&own).map(|(x, d)| x - d).collect();
+            assert_eq!(bits(&memory(state)), bits(&want), "{spec}: rank {r}");
+            assert!(want.iter().any(|&e| e != 0.0), "{spec}: a trivial memory");
+            // The first step's output is the plain hook's (e = 0).
+            let (plain, _) = match bs {
+                None => ref_per_tensor(&step1),
+                Some(bs) => ref_per_channel(&step1, bs),
+            };
+            assert_eq!(bits(&outs[0]), bits(&plain), "{spec}");
+        }
+        let zeros = vec![vec![0.0; 40]; 2];
+        let (out1, es1) = ref_ef_step(&step1, &zeros, bs);
+        let (out2, es2) = ref_ef_step(&step2, &es1, bs);
+        let res = run_ef(spec, &[step1.clone(), step2.clone()], None);
+        for (r, (outs, state)) in res.iter().enumerate() {
+            assert_eq!(bits(&outs[0]), bits(&out1), "{spec}: step 1");
+            assert_eq!(bits(&outs[1]), bits(&out2), "{spec}: step 2");
+            assert_eq!(bits(&memory(state)), bits(&es2[r]), "{spec}: rank {r}");
+        }
+        // The second step differs from the plain hook's on `step2`.
+        let (plain2, _) = match bs {
+            None => ref_per_tensor(&step2),
+            Some(bs) => ref_per_channel(&step2, bs),
+        };
+        assert_ne!(bits(&out2), bits(&plain2), "{spec}");
+    }
+}
+
+/// A constant bucket whose values are not representable: the plain hook's output has the
+/// same bias at every step; with error feedback the running average over 50 steps
+/// converges to the exact mean (its error < 10% of the plain hook's).
+#[test]
+fn error_feedback_removes_the_bias() {
+    let step = vec![noise(100, 31, 1.0), noise(100, 32, 0.7)];
+    let exact: Vec<f64> = (0..100)
+        .map(|i| (step[0][i] as f64 + step[1][i] as f64) / 2.0)
+        .collect();
+    let steps = vec![step.clone(); 50];
+    let mean_err = |outs: &[Vec<f32>]| {
+        let t = outs.len() as f64;
+        (0..100)
+            .map(|i| (outs.iter().map(|o| o[i] as f64).sum::<f64>() / t - exact[i]).abs())
+            .sum::<f64>()
+            / 100.0
+    };
+    for (ef, plain) in [
+        ("quantize_per_tensor+ef", "quantize_per_tensor"),
+        (
+            "quantize_per_channel+ef:bucket_size=16",
+            "quantize_per_channel:bucket_size=16",
+        ),
+    ] {
+        let e_ef = mean_err(&run_ef(ef, &steps, None)[0].0);
+        let e_plain = mean_err(&run_ef(plain, &steps, None)[0].0);
+        assert!(e_plain > 0.0, "{plain}: exact");
+        assert!(e_ef < 0.1 * e_plain, "{ef}: {e_ef} vs {plain}: {e_plain}");
+    }
+}
+
+/// Saved after 3 steps and loaded into fresh hooks, the run continues bit for bit; a
+/// state of another configuration, of another bucket length, or non-finite, is refused
+/// (`Error::State`) and leaves the hook unchanged.
+#[test]
+fn error_feedback_state_round_trip_and_refusals() {
+    let steps: Vec<Vec<Vec<f32>>> = (0..6)
+        .map(|t| vec![noise(30, 40 + t, 1.0), noise(30, 50 + t, 0.4)])
+        .collect();
+    for (spec, _) in EF_SPECS {
+        let whole = run_ef(spec, &steps, None);
+        let first = run_ef(spec, &steps[..3], None);
+        let saved: Vec<HookState> = first.iter().map(|(_, s)| s.clone()).collect();
+        // Through JSON, as a checkpoint would.
+        let saved: Vec<HookState> = saved
+            .iter()
+            .map(|s| serde_json::from_str(&serde_json::to_string(s).unwrap()).unwrap())
+            .collect();
+        let rest = run_ef(spec, &steps[3..], Some(&saved));
+        for r in 0..2 {
+            for t in 0..3 {
+                assert_eq!(bits(&first[r].0[t]), bits(&whole[r].0[t]), "{spec}");
+                assert_eq!(bits(&rest[r].0[t]), bits(&whole[r].0[t + 3]), "{spec}");
+            }
+            assert_eq!(rest[r].1, whole[r].1, "{spec}");
+        }
+    }
+    // Refusals, on one rank.
+    let groups = collectives::ThreadGroup::create(1, Duration::from_secs(10)).unwrap();
+    let group: Arc<dyn ProcessGroup> = Arc::new(groups.into_iter().next().unwrap());
+    let be = Arc::new(CpuBackend::new());
+    let build = |s: &str| {
+        s.parse::<HookSpec>()
+            .unwrap()
+            .build(be.clone(), group.clone())
+            .unwrap()
+    };
+    let mut h = build("quantize_per_channel+ef:bucket_size=16");
+    let layout = Arc::new(Layout::packed(&[vec![30]]).unwrap());
+    h.run(GradBucket::new(0, 1, noise(30, 9, 1.0), layout.clone()).unwrap())
+        .wait()
+        .unwrap();
+    let before = h.save_state().unwrap();
+    assert_eq!(memory(&before).len(), 30);
+    let state = |hook: &str, len: usize, v: f32| HookState::Quantize {
+        hook: hook.into(),
+        buckets: [(0, vec![v; len])].into_iter().collect(),
+    };
+    for bad in [
+        state("quantize_per_channel+ef:bucket_size=8", 30, 0.0),
+        state("quantize_per_tensor+ef", 30, 0.0),
+        state("quantize_per_channel+ef:bucket_size=16", 29, 0.0),
+        state("quantize_per_channel+ef:bucket_size=16", 30, f32::NAN),
+        HookState::Stateless {
+            hook: "quantize_per_channel:bucket_size=16".into(),
+        },
+    ] {
+        assert!(
+            matches!(h.load_state(bad.clone()), Err(Error::State(_))),
+            "{bad:?}"
+        );
+        assert_eq!(h.save_state().unwrap(), before, "{bad:?}: the hook changed");
+    }
+    // The plain hook refuses an error-feedback state.
+    let plain = build("quantize_per_channel:bucket_size=16");
+    assert!(matches!(
+        plain.load_state(before.clone()),
+        Err(Error::State(_))
+    ));
+    // A fresh hook cannot see the bucket: the mismatch is the bucket's next step
+    // (`Error::Bucket`, before any collective), and the memory stays.
+    let mut fresh = build("quantize_per_channel+ef:bucket_size=16");
+    fresh
+        .load_state(state("quantize_per_channel+ef:bucket_size=16", 29, 0.5))
+        .unwrap();
+    let e = fresh
+        .run(GradBucket::new(0, 1, noise(30, 9, 1.0), layout).unwrap())
+        .wait()
+        .map_err(Error::from)
+        .unwrap_err();
+    assert!(matches!(e, Error::Bucket { index: 0, .. }), "{e:?}");
+    assert_eq!(memory(&fresh.save_state().unwrap()), vec![0.5; 29]);
 }

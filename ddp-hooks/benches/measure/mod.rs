@@ -81,7 +81,9 @@ pub fn bound_passes(spec: &HookSpec) -> Option<f64> {
         HookSpec::AllReduce | HookSpec::Fp16 | HookSpec::Bf16 => Some(2.0),
         HookSpec::Fp16Wrapped(inner) | HookSpec::Bf16Wrapped(inner) => bound_passes(inner),
         HookSpec::Noop => None,
-        HookSpec::QuantizePerTensor | HookSpec::QuantizePerChannel { .. } => None,
+        HookSpec::QuantizePerTensor { .. }
+        | HookSpec::QuantizePerChannel { .. }
+        | HookSpec::PostLocalSgd { .. } => None,
     }
 }
 
