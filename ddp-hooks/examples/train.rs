@@ -6,7 +6,17 @@
 //! ```sh
 //! cargo run --release -p ddp-hooks --example train -- --hook powersgd:rank=2,start_iter=10 --accumulate 4
 //! cargo run --release -p ddp-hooks --example train -- --compare     # allreduce vs PowerSGD ranks 1, 2, 4
+//! cargo run --release -p ddp-hooks --example train -- --local-sgd 16  # post-local SGD, averaging every 16 steps
+//! cargo run --release -p ddp-hooks --example train -- --diloco 64     # DiLoCo, H = 64, allreduce of the pseudo-gradient
 //! ```
+//!
+//! Besides a per-step hook, two methods that communicate less often: post-local SGD
+//! (`--local-sgd PERIOD`: the `PostLocalSgd` hook averages gradients for the first
+//! `--local-sgd-start` steps, then nothing per step, and a `PeriodicModelAverager`
+//! averages the parameters every PERIOD steps) and DiLoCo (`--diloco H`: H local steps,
+//! then an outer Nesterov step on the pseudo-gradient that `--hook` reduces). Both end
+//! with one more parameter average so that every rank ends with the same model. Rank 0
+//! reports its held-out loss every `--eval-every` steps (25).
 //!
 //! MLP 64 -> 128 -> 128 -> 32 (tanh), teacher a fixed random model of the same shape,
 //! inputs N(0, I), target noise 0.01, 2048 samples and batch 64 per rank, SGD lr 0.05

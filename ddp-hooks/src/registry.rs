@@ -283,10 +283,12 @@ fn post_local_sgd_options(opts: Option<&str>) -> Result<HookSpec, String> {
                     return Err(twice());
                 }
             }
-            _ => return Err(format!(
+            _ => {
+                return Err(format!(
                 "unknown post_local_sgd option `{}`; known: start_iter, subgroup_size, allreduce",
                 excerpt(k, QUOTE_PART)
-            )),
+            ))
+            }
         }
     }
     let start_iter = start.ok_or_else(|| {

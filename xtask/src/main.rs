@@ -16,6 +16,7 @@ mod gpu_check;
 mod sanitize;
 mod test;
 mod train;
+mod train_svg;
 
 use std::process::{Command, ExitCode};
 
@@ -37,7 +38,10 @@ commands:
                             powersgd:rank=2,start_iter=10, fp16+powersgd:rank=4,start_iter=10);
                             (--steps, --accumulate, --batch and any other flag go to the
                             training example as given, which checks them);
-                            --compare: allreduce vs PowerSGD ranks 1, 2, 4 as a table;
+                            --compare: allreduce vs PowerSGD ranks 1, 2, 4, quantize_per_tensor,
+                            quantize_per_channel(+ef), post-local SGD (--local-sgd 4, 16) and
+                            DiLoCo (--diloco 16, 64) as a table, and target/train/loss.svg
+                            (held-out loss against step);
                             --resume-at K: save at step K, restart from the files, check the end
                             is identical; --backend mpi: the same under mpirun -np N, checked
                             against the thread ranks; --pipe P: a P-stage pipe on a mesh of

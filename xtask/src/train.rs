@@ -33,12 +33,29 @@ enum Match {
     BitIdentical,
 }
 
-/// The PowerSGD runs of `--compare`, after allreduce.
-const COMPARE: [&str; 4] = [
-    "allreduce",
-    "powersgd:rank=1,start_iter=10",
-    "powersgd:rank=2,start_iter=10",
-    "powersgd:rank=4,start_iter=10",
+/// The runs of `--compare`, allreduce first (the baseline): (hook spec, the example's
+/// extra flags, whether the row is optional: a spec the example does not know yet is
+/// left out with a note instead of failing the comparison).
+const COMPARE: [(&str, &[&str], bool); 11] = [
+    ("allreduce", &[], false),
+    ("powersgd:rank=1,start_iter=10", &[], false),
+    ("powersgd:rank=2,start_iter=10", &[], false),
+    ("powersgd:rank=4,start_iter=10", &[], false),
+    ("quantize_per_tensor", &[], false),
+    ("quantize_per_channel", &[], false),
+    ("quantize_per_channel+ef", &[], true),
+    ("allreduce", &["--local-sgd", "4"], false),
+    ("allreduce", &["--local-sgd", "16"], false),
+    ("allreduce", &["--diloco", "16"], false),
+    ("allreduce", &["--diloco", "64"], false),
+];
+
+/// The goals `--compare` reports against: (row label prefix, the most its final loss may
+/// exceed allreduce's (relative), the least factor of fewer bytes per step it must send).
+const GOALS: [(&str, f64, f64); 3] = [
+    ("local_sgd:", 0.03, 10.0),
+    ("diloco:", 0.03, 10.0),
+    ("quantize_per_channel+ef", 0.01, 1.0),
 ];
 
 /// Where the process group lives.
@@ -149,7 +166,7 @@ pub fn parse(args: &[String]) -> Result<Options, String> {
         }
     }
     if o.compare && hook_given {
-        return Err("--compare trains allreduce and PowerSGD ranks 1, 2, 4; drop --hook".into());
+        return Err("--compare chooses its hooks and methods; drop --hook".into());
     }
     let modes = [o.compare, o.resume_at.is_some(), o.backend == Backend::Mpi];
     if modes.iter().filter(|&&m| m).count() > 1 {
@@ -317,6 +334,7 @@ fn run_child(mut cmd: Command, label: &str) -> Result<Value, TrainError> {
             .progress_chars("=> "),
     );
     let mut done = None;
+    let mut evals = Vec::new();
     for line in BufReader::new(stdout).lines() {
         let line = line?;
         let Ok(v) = serde_json::from_str::<Value>(&line) else {
@@ -343,6 +361,7 @@ fn run_child(mut cmd: Command, label: &str) -> Result<Value, TrainError> {
                 "{label}: checkpoint saved after step {}",
                 v["step"]
             )),
+            Some("eval") => evals.push(serde_json::json!([v["step"], v["loss"]])),
             Some("done") => done = Some(v),
             _ => bar.println(line),
         }
@@ -357,7 +376,10 @@ fn run_child(mut cmd: Command, label: &str) -> Result<Value, TrainError> {
     if !status.success() {
         return Err(Failure(format!("{cmd:?} failed with {status}")).into());
     }
-    done.ok_or_else(|| Failure(format!("{cmd:?} ended without a result")).into())
+    let mut done: Value = done.ok_or_else(|| Failure(format!("{cmd:?} ended without a result")))?;
+    // The held-out losses along the way, as `[[step, loss], ...]`.
+    done["evals"] = Value::Array(evals);
+    Ok(done)
 }
 
 fn num(v: &Value, key: &str) -> f64 {
@@ -390,36 +412,115 @@ fn summary(d: &Value) {
     );
 }
 
-/// `--compare`: allreduce and PowerSGD at ranks 1, 2, 4, then the table.
+/// `--compare`: allreduce, PowerSGD at ranks 1, 2, 4, the quantising hooks, post-local
+/// SGD and DiLoCo, then the table, the goals and `target/train/loss.svg`.
 fn compare(o: &Options) -> Result<(), TrainError> {
     let (name, features) = o.trainer();
     let exe = build_example(name, features, true)?;
     let mut results = Vec::new();
-    for hook in COMPARE {
-        results.push(run_child(example(&exe, o, hook), hook)?);
+    let mut skipped = Vec::new();
+    for (hook, extra, optional) in COMPARE {
+        let mut cmd = example(&exe, o, hook);
+        cmd.args(extra);
+        let label = if extra.is_empty() {
+            hook.to_string()
+        } else {
+            format!("{hook} {}", extra.join(" "))
+        };
+        match run_child(cmd, &label) {
+            Ok(done) => results.push(done),
+            Err(TrainError::Usage(_)) if optional => skipped.push(label),
+            Err(e) => return Err(e),
+        }
     }
-    let base = num(&results[0], "final_loss");
+    let base = &results[0];
+    let (base_loss, base_bytes) = (num(base, "final_loss"), num(base, "bytes_per_step"));
     println!(
         "{} ranks, {} steps, accumulate {} (teacher-student MLP, held-out loss)",
-        o.ranks, results[0]["steps"], results[0]["accumulate"]
+        o.ranks, base["steps"], base["accumulate"]
     );
     println!(
-        "{:<30} {:>11} {:>13} {:>16} {:>12} {:>12}",
+        "{:<32} {:>11} {:>13} {:>16} {:>12} {:>12}",
         "hook", "final loss", "vs allreduce", "bytes/rank/step", "ms/step 1G", "ms/step 10G"
     );
     for r in &results {
         println!(
-            "{:<30} {:>11.6} {:>12.4}x {:>16.0} {:>12.2} {:>12.2}",
+            "{:<32} {:>11.6} {:>12.4}x {:>16.0} {:>12.2} {:>12.2}",
             r["hook"].as_str().unwrap_or("?"),
             num(r, "final_loss"),
-            num(r, "final_loss") / base,
+            num(r, "final_loss") / base_loss,
             num(r, "bytes_per_step"),
             num(r, "step_ms_1gbit"),
             num(r, "step_ms_10gbit"),
         );
     }
     println!("ms/step: measured compute per step on this machine + the link model's cost of the step's collectives (20 us per message)");
+    println!("local_sgd and diloco: bytes include the warmup's gradient allreduces and one final parameter average, amortised over the steps");
+    for label in &skipped {
+        println!("left out: `{label}` (the example does not know it: see its message above)");
+    }
+    for line in goals(&results, base_loss, base_bytes) {
+        println!("{line}");
+    }
+    let curves: Vec<(String, Vec<(f64, f64)>)> = results
+        .iter()
+        .map(|r| {
+            let points = r["evals"]
+                .as_array()
+                .map(|a| {
+                    a.iter()
+                        .map(|p| {
+                            (
+                                p[0].as_f64().unwrap_or(f64::NAN),
+                                p[1].as_f64().unwrap_or(f64::NAN),
+                            )
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+            (r["hook"].as_str().unwrap_or("?").to_string(), points)
+        })
+        .collect();
+    let title = format!(
+        "Held-out loss vs step: teacher-student MLP, {} ranks, {} steps",
+        o.ranks, base["steps"]
+    );
+    let dir = crate::target_dir().join("train");
+    std::fs::create_dir_all(&dir)?;
+    let path = dir.join("loss.svg");
+    std::fs::write(&path, crate::train_svg::chart(&title, &curves))?;
+    println!("wrote {}", path.display());
     Ok(())
+}
+
+/// A line per row that a goal applies to: met or not, and by how much.
+fn goals(results: &[Value], base_loss: f64, base_bytes: f64) -> Vec<String> {
+    let mut lines = Vec::new();
+    for r in results {
+        let label = r["hook"].as_str().unwrap_or("?");
+        let Some(&(_, loss_tol, fewer)) = GOALS.iter().find(|(p, _, _)| label.starts_with(p))
+        else {
+            continue;
+        };
+        let excess = num(r, "final_loss") / base_loss - 1.0;
+        let factor = base_bytes / num(r, "bytes_per_step");
+        let loss_ok = excess <= loss_tol;
+        let bytes_ok = factor >= fewer;
+        let mut line = format!(
+            "goal {label}: final loss {:+.2}% vs allreduce (goal <= {:+.0}%){}",
+            excess * 100.0,
+            loss_tol * 100.0,
+            if loss_ok { " met" } else { " NOT met" },
+        );
+        if fewer > 1.0 {
+            line += &format!(
+                "; {factor:.1}x fewer bytes per step (goal >= {fewer:.0}x){}",
+                if bytes_ok { " met" } else { " NOT met" }
+            );
+        }
+        lines.push(line);
+    }
+    lines
 }
 
 /// `--resume-at K`: an uninterrupted run that also saves at step K, then a fresh process
@@ -575,6 +676,25 @@ mod tests {
             panic!("3 stages do not divide 4 ranks")
         };
         assert!(e.contains("--pipe must divide --ranks"), "{e}");
+    }
+
+    /// A goal line per local-SGD, DiLoCo and `+ef` row, none for the others.
+    #[test]
+    fn goals_report_the_rows_they_apply_to() {
+        let row = |hook: &str, loss: f64, bytes: f64| serde_json::json!({"hook": hook, "final_loss": loss, "bytes_per_step": bytes});
+        let rows = [
+            row("allreduce", 1.0, 1000.0),
+            row("local_sgd:period=4,start=10", 1.01, 250.0),
+            row("diloco:H=64+allreduce", 1.05, 20.0),
+            row("quantize_per_channel+ef", 1.001, 250.0),
+            row("fp16", 1.0, 500.0),
+        ];
+        let lines = goals(&rows, 1.0, 1000.0);
+        assert_eq!(lines.len(), 3, "{lines:?}");
+        assert!(lines[0].contains("met; 4.0x fewer") && lines[0].contains("NOT met"));
+        assert!(lines[1].contains("+5.00%") && lines[1].contains("(goal <= +3%) NOT met"));
+        assert!(lines[1].contains("50.0x fewer bytes per step (goal >= 10x) met"));
+        assert!(lines[2].ends_with("met") && !lines[2].contains("bytes"));
     }
 
     /// The example's flags reach it as given, in order (its parser checks them).

@@ -1,8 +1,10 @@
 //! One rank's checkpoint: the run it belongs to, the step, the model, the optimizer's
-//! momentum and the hook's state, as JSON (`rank<N>.json` in the checkpoint folder).
+//! momentum, the hook's state and local SGD's or DiLoCo's, as JSON (`rank<N>.json` in the checkpoint folder).
 //! `f32` values round-trip exactly through JSON (shortest representation, and hooks
 //! refuse to save non-finite memories).
 
+use ddp_hooks::averaging::AveragerState;
+use ddp_hooks::DiLoCoState;
 use ddp_hooks::HookState;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -10,7 +12,7 @@ use std::path::{Path, PathBuf};
 /// What must be equal for a checkpoint to continue a run.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RunId {
-    /// The hook spec as given.
+    /// The hook spec as given, or the method and its hook (`Config::label`).
     pub hook: String,
     /// Ranks.
     pub ranks: usize,
@@ -37,6 +39,13 @@ pub struct Checkpoint {
     pub velocity: Vec<Vec<f32>>,
     /// The hook's state (`CommHook::save_state`).
     pub hook: HookState,
+    /// Local SGD's model averager (its step), when the run uses it.
+    #[serde(default)]
+    pub averager: Option<AveragerState>,
+    /// DiLoCo's state (outer momentum, the last synchronised parameters, its step), when
+    /// the run uses it.
+    #[serde(default)]
+    pub diloco: Option<DiLoCoState>,
 }
 
 /// `dir/rank<rank>.json`.

@@ -2,7 +2,7 @@
 //! lines for people, or one JSON object per line (`--json`) for `cargo xtask train`.
 
 use super::args::{positive, text};
-use super::trainer::{Config, Event, Outcome, Plan};
+use super::trainer::{Config, Event, Method, Outcome, Plan};
 use serde_json::json;
 use std::io::Write;
 use std::path::PathBuf;
@@ -16,6 +16,18 @@ arguments:
                      fp16+powersgd:rank=4,start_iter=10, batched_powersgd:... (default allreduce)
   --accumulate K     micro-steps per optimizer step, synchronising only the last (default 1)
   --batch N          samples per micro-step and rank (default 64; divides 2048)
+  --local-sgd PERIOD post-local SGD: the post_local_sgd hook averages gradients for the first
+                     --local-sgd-start steps, then nothing is sent per step; the parameters are
+                     averaged every PERIOD steps from then on (PeriodicModelAverager)
+  --local-sgd-start S
+                     start_localSGD_iter and the averager's warmup (default 10)
+  --diloco H         DiLoCo: H local steps of SGD (lr 0.05, momentum 0.9), then an outer
+                     Nesterov step on the pseudo-gradient, which --hook reduces
+  --diloco-outer-lr X, --diloco-outer-momentum X
+                     the outer optimizer (default 0.7 and 0.9, Nesterov)
+  --diloco-fragments F
+                     streaming DiLoCo: F fragments synchronised in turn (default 1)
+  --eval-every N     report the held-out loss every N steps (default 25)
   --compare          allreduce, then PowerSGD at ranks 1, 2 and 4 (start_iter=10)
   --save-at K --checkpoint DIR
                      also save every rank's checkpoint after K steps
@@ -45,6 +57,8 @@ pub fn parse(args: &[String], default_ranks: usize) -> Result<Cli, String> {
     let mut compare = false;
     let mut json = false;
     let (mut save_at, mut checkpoint, mut resume) = (None, None, None);
+    let (mut local_sgd, mut local_sgd_start) = (None, None);
+    let (mut diloco, mut fragments, mut outer_lr, mut outer_momentum) = (None, None, None, None);
     let mut p = lexopt::Parser::from_args(args.iter().cloned());
     while let Some(arg) = p.next().map_err(|e| e.to_string())? {
         use lexopt::Arg::Long;
@@ -55,12 +69,53 @@ pub fn parse(args: &[String], default_ranks: usize) -> Result<Cli, String> {
             Long("batch") => config.batch = positive(&mut p, "--batch")?,
             Long("hook") => hook = Some(text(&mut p)?),
             Long("compare") => compare = true,
+            Long("local-sgd") => local_sgd = Some(positive(&mut p, "--local-sgd")?),
+            Long("local-sgd-start") => {
+                local_sgd_start = Some(natural(&mut p, "--local-sgd-start")?)
+            }
+            Long("diloco") => diloco = Some(positive(&mut p, "--diloco")?),
+            Long("diloco-fragments") => fragments = Some(positive(&mut p, "--diloco-fragments")?),
+            Long("diloco-outer-lr") => outer_lr = Some(real(&mut p, "--diloco-outer-lr")?),
+            Long("diloco-outer-momentum") => {
+                outer_momentum = Some(real(&mut p, "--diloco-outer-momentum")?)
+            }
+            Long("eval-every") => config.eval_every = positive(&mut p, "--eval-every")?,
             Long("save-at") => save_at = Some(positive(&mut p, "--save-at")?),
             Long("checkpoint") => checkpoint = Some(PathBuf::from(text(&mut p)?)),
             Long("resume") => resume = Some(PathBuf::from(text(&mut p)?)),
             Long("json") => json = true,
             other => return Err(other.unexpected().to_string()),
         }
+    }
+    config.method = match (local_sgd, diloco) {
+        (Some(_), Some(_)) => return Err("--local-sgd and --diloco: one method at a time".into()),
+        (Some(period), None) => {
+            if hook.as_deref().is_some_and(|h| h.trim() != "allreduce") {
+                return Err("--local-sgd uses the post-local SGD hook itself: drop --hook".into());
+            }
+            Method::LocalSgd {
+                period,
+                start: local_sgd_start.unwrap_or(10),
+            }
+        }
+        (None, Some(inner_steps)) => Method::DiLoCo {
+            inner_steps,
+            outer_lr: outer_lr.unwrap_or(0.7),
+            outer_momentum: outer_momentum.unwrap_or(0.9),
+            // Nesterov needs a momentum (an outer momentum of 0 is plain outer SGD).
+            nesterov: outer_momentum.is_none_or(|m| m > 0.0),
+            fragments: fragments.unwrap_or(1),
+        },
+        (None, None) => Method::Hook,
+    };
+    if local_sgd.is_none() && local_sgd_start.is_some() {
+        return Err("--local-sgd-start needs --local-sgd PERIOD".into());
+    }
+    if diloco.is_none() && (fragments.is_some() || outer_lr.is_some() || outer_momentum.is_some()) {
+        return Err("--diloco-fragments and --diloco-outer-* need --diloco H".into());
+    }
+    if compare && config.method != Method::Hook {
+        return Err("--compare chooses its runs; drop --local-sgd and --diloco".into());
     }
     let hooks = match (compare, hook) {
         (true, Some(_)) => return Err("--compare chooses its hooks; drop --hook".into()),
@@ -108,6 +163,22 @@ pub fn parse(args: &[String], default_ranks: usize) -> Result<Cli, String> {
     })
 }
 
+/// The next value, a non-negative integer (`name` for the message).
+fn natural(p: &mut lexopt::Parser, name: &str) -> Result<usize, String> {
+    let v = text(p)?;
+    v.parse::<usize>()
+        .map_err(|_| format!("{name} {v}: expected a non-negative integer"))
+}
+
+/// The next value, a finite non-negative number (`name` for the message).
+fn real(p: &mut lexopt::Parser, name: &str) -> Result<f32, String> {
+    let v = text(p)?;
+    v.parse::<f32>()
+        .ok()
+        .filter(|x| x.is_finite() && *x >= 0.0)
+        .ok_or_else(|| format!("{name} {v}: expected a finite number >= 0"))
+}
+
 /// Parses a hook spec; the error is the registry's.
 pub fn spec(text: &str) -> Result<ddp_hooks::HookSpec, String> {
     text.parse().map_err(|e: ddp_hooks::Error| e.to_string())
@@ -139,6 +210,10 @@ pub fn print_event(json_lines: bool, event: Event) {
             json!({"event": "step", "step": step, "loss": loss}).to_string()
         }
         (true, Event::Saved { step }) => json!({"event": "saved", "step": step}).to_string(),
+        (true, Event::Eval { step, loss }) => {
+            json!({"event": "eval", "step": step, "loss": loss}).to_string()
+        }
+        (false, Event::Eval { step, loss }) => format!("step {step}: held-out loss {loss:.6}"),
         (false, Event::Step { step, loss }) => format!("step {step}: running loss {loss:.6}"),
         (false, Event::Saved { step }) => format!("step {step}: checkpoint saved"),
     };
@@ -150,7 +225,8 @@ pub fn print_start(json_lines: bool, config: &Config, backend: &str) {
     let line = if json_lines {
         json!({
             "event": "start",
-            "hook": config.hook_text,
+            "hook": config.label(),
+            "hook_spec": config.hook_text,
             "ranks": config.ranks,
             "steps": config.steps,
             "accumulate": config.accumulate,
@@ -161,7 +237,11 @@ pub fn print_start(json_lines: bool, config: &Config, backend: &str) {
     } else {
         format!(
             "{}: {} {backend} ranks, {} steps, accumulate {}, batch {}",
-            config.hook_text, config.ranks, config.steps, config.accumulate, config.batch
+            config.label(),
+            config.ranks,
+            config.steps,
+            config.accumulate,
+            config.batch
         )
     };
     emit(&line);
@@ -172,7 +252,8 @@ pub fn print_done(json_lines: bool, config: &Config, out: &Outcome) {
     let line = if json_lines {
         json!({
             "event": "done",
-            "hook": config.hook_text,
+            "hook": config.label(),
+            "hook_spec": config.hook_text,
             "ranks": config.ranks,
             "steps": config.steps,
             "accumulate": config.accumulate,
@@ -189,7 +270,7 @@ pub fn print_done(json_lines: bool, config: &Config, out: &Outcome) {
     } else {
         format!(
             "{}: final loss {:.6} (from {:.6}), {:.0} bytes sent per rank and step, predicted {:.2} ms/step at 1 Gbit/s, {:.2} at 10 Gbit/s, model digest {:016x} [{:.1} s]",
-            config.hook_text,
+            config.label(),
             out.final_loss,
             out.initial_loss,
             out.bytes_per_step(config),

@@ -10,7 +10,10 @@ use super::{shapes, teacher_data, Mlp, Sgd, WIDTHS};
 use accum::Accumulator;
 use collectives::link::{Charge, Link, LinkOp, Linked};
 use collectives::{run_local, ProcessGroup};
+use collectives::{Buffer, ReduceOp};
+use ddp_hooks::averaging::{AveragerState, PeriodicModelAverager, PostLocalSgd};
 use ddp_hooks::{CommHook, HookSpec, Reducer, ReducerConfig};
+use ddp_hooks::{DiLoCo, DiLoCoConfig, DiLoCoState};
 use lowrank::CpuBackend;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -20,6 +23,45 @@ use std::time::{Duration, Instant};
 pub const LATENCY: Duration = Duration::from_micros(20);
 /// Held-out samples for the final loss.
 const HELD_OUT: usize = 512;
+
+/// How the ranks keep their models together.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Method {
+    /// The hook on every synchronised step's gradients (DDP).
+    Hook,
+    /// Post-local SGD, as PyTorch pairs it: the `PostLocalSgd` hook averages gradients
+    /// globally for the first `start` steps and then not at all
+    /// (`post_local_gradient_allreduce = false`), and a `PeriodicModelAverager { period,
+    /// warmup_steps = start }` averages the parameters after each optimizer step.
+    LocalSgd {
+        /// Steps between parameter averages.
+        period: usize,
+        /// `start_localSGD_iter`, and the averager's warmup.
+        start: usize,
+    },
+    /// DiLoCo: `inner_steps` local optimizer steps (SGD with momentum), then an outer
+    /// Nesterov step on the pseudo-gradient the configured hook reduces.
+    DiLoCo {
+        /// Inner steps per outer step (H).
+        inner_steps: usize,
+        /// Outer learning rate.
+        outer_lr: f32,
+        /// Outer momentum.
+        outer_momentum: f32,
+        /// Nesterov outer momentum.
+        nesterov: bool,
+        /// Streaming fragments (1: the whole model at once).
+        fragments: usize,
+    },
+}
+
+impl Method {
+    /// Whether the ranks' models may differ between synchronisations (then the run
+    /// averages the parameters once more at its end, so it ends with one model).
+    pub fn is_local(&self) -> bool {
+        !matches!(self, Method::Hook)
+    }
+}
 
 /// A training run.
 #[derive(Clone, Debug)]
@@ -42,6 +84,10 @@ pub struct Config {
     pub lr: f32,
     /// SGD momentum.
     pub momentum: f32,
+    /// Per-step hook, local SGD or DiLoCo.
+    pub method: Method,
+    /// Rank 0 reports the held-out loss every this many steps (and at the start and end).
+    pub eval_every: usize,
 }
 
 impl Default for Config {
@@ -56,15 +102,46 @@ impl Default for Config {
             samples: 2048,
             lr: 0.05,
             momentum: 0.9,
+            method: Method::Hook,
+            eval_every: 25,
         }
     }
 }
 
 impl Config {
+    /// The run's name in reports: the hook spec, or the method and its hook
+    /// (`local_sgd:period=4,start=10`, `diloco:H=16+allreduce`).
+    pub fn label(&self) -> String {
+        match &self.method {
+            Method::Hook => self.hook_text.clone(),
+            Method::LocalSgd { period, start } => {
+                format!("local_sgd:period={period},start={start}")
+            }
+            Method::DiLoCo {
+                inner_steps,
+                outer_lr,
+                outer_momentum,
+                nesterov,
+                fragments,
+            } => {
+                let mut l = format!("diloco:H={inner_steps}");
+                if (*outer_lr, *outer_momentum, *nesterov) != (0.7, 0.9, true) {
+                    l += &format!(
+                        ",outer_lr={outer_lr},momentum={outer_momentum},nesterov={nesterov}"
+                    );
+                }
+                if *fragments > 1 {
+                    l += &format!(",fragments={fragments}");
+                }
+                format!("{l}+{}", self.hook_text)
+            }
+        }
+    }
+
     /// The identity a checkpoint must match.
     pub fn run_id(&self) -> RunId {
         RunId {
-            hook: self.hook_text.clone(),
+            hook: self.label(),
             ranks: self.ranks,
             steps: self.steps,
             accumulate: self.accumulate,
@@ -76,6 +153,25 @@ impl Config {
     pub fn validate(&self) -> Result<(), String> {
         if self.ranks == 0 || self.steps == 0 || self.accumulate == 0 || self.batch == 0 {
             return Err("ranks, steps, accumulate and batch must be at least 1".into());
+        }
+        if self.eval_every == 0 {
+            return Err("the held-out loss must be reported every 1 or more steps".into());
+        }
+        match &self.method {
+            Method::LocalSgd { period: 0, .. } => {
+                return Err("--local-sgd: the period must be at least 1".into())
+            }
+            Method::DiLoCo {
+                inner_steps,
+                fragments,
+                ..
+            } if *inner_steps == 0 || *fragments == 0 => {
+                return Err("--diloco and --diloco-fragments must be at least 1".into())
+            }
+            _ => {}
+        }
+        if matches!(self.method, Method::LocalSgd { .. }) && self.hook != HookSpec::AllReduce {
+            return Err("--local-sgd uses the post-local SGD hook itself: drop --hook".into());
         }
         if !self.samples.is_multiple_of(self.batch) {
             return Err(format!(
@@ -103,6 +199,9 @@ pub enum Event {
     Step { step: usize, loss: f32 },
     /// Checkpoints written after this many steps.
     Saved { step: usize },
+    /// Rank 0's held-out loss after this many steps (every `eval_every`, the first and
+    /// the last).
+    Eval { step: usize, loss: f32 },
 }
 
 /// How one rank's run ended.
@@ -179,32 +278,55 @@ pub fn run_rank<G: ProcessGroup + 'static>(
     let shapes = shapes(&WIDTHS);
     let mut model = Mlp::random(&WIDTHS, 2);
     let mut opt = Sgd::new(&model, config.lr, config.momentum);
-    let (mut start, mut state) = (0, None);
+    let mut start = 0;
+    let mut saved = None;
     if let Some(dir) = &plan.resume {
         let c = Checkpoint::load(dir, rank, &config.run_id())?;
         if c.params.len() != shapes.len() || c.velocity.len() != shapes.len() {
             return Err(format!("{}: the model's shape differs", dir.display()));
         }
-        model.params = c.params;
-        opt.velocity = c.velocity;
+        model.params = c.params.clone();
+        opt.velocity = c.velocity.clone();
         start = c.step;
-        state = Some(c.hook);
+        saved = Some(c);
     }
     let link = Link::gbit(1.0, LATENCY).map_err(|e| e.to_string())?;
     let linked = Linked::new(group, link, Charge::Account);
     let log = linked.log_handle();
+    // Every collective of the run (the hook's, the averager's, DiLoCo's) goes through
+    // this one counted group.
+    let group: Arc<dyn ProcessGroup> = Arc::new(linked);
     let be = Arc::new(
         CpuBackend::new()
             .with_threads(1)
             .map_err(|e| e.to_string())?,
     );
-    let hook = config
-        .hook
-        .build(be.clone(), Arc::new(linked))
-        .map_err(|e| e.to_string())?;
-    if let Some(state) = state {
-        hook.load_state(state)
+    let mut sync = ModelSync::new(config, &be, &group, &model)?;
+    let hook: Box<dyn CommHook<CpuBackend>> = match &config.method {
+        // Pure local SGD after the start: the subgroup is never used.
+        Method::LocalSgd { start, .. } => Box::new(
+            PostLocalSgd::new(
+                be.clone(),
+                group.clone(),
+                group.clone(),
+                *start as u64,
+                false,
+            )
+            .map_err(|e| e.to_string())?,
+        ),
+        // DiLoCo's inner steps are local; its hook reduces the pseudo-gradient.
+        Method::DiLoCo { .. } => HookSpec::Noop
+            .build(be.clone(), group.clone())
+            .map_err(|e| e.to_string())?,
+        Method::Hook => config
+            .hook
+            .build(be.clone(), group.clone())
+            .map_err(|e| e.to_string())?,
+    };
+    if let Some(c) = saved {
+        hook.load_state(c.hook)
             .map_err(|e| format!("loading the hook's state: {e}"))?;
+        sync.load(c.averager, c.diloco)?;
     }
     let mut reducer =
         Reducer::new(be, &shapes, hook, ReducerConfig::default()).map_err(|e| e.to_string())?;
@@ -216,6 +338,14 @@ pub fn run_rank<G: ProcessGroup + 'static>(
     let mut acc = Accumulator::new(k).map_err(|e| e.to_string())?;
     let mut step = start;
     let mut running = None::<f32>;
+    // Time rank 0 spends on held-out losses, left out of the step time.
+    let mut eval_time = Duration::ZERO;
+    if rank == 0 && start == 0 {
+        on_event(Event::Eval {
+            step: 0,
+            loss: initial_loss,
+        });
+    }
     let t = Instant::now();
     for (micro_step, micro) in acc.epoch(start * k..config.steps * k) {
         let s = (micro * batch) % config.samples;
@@ -247,6 +377,7 @@ pub fn run_rank<G: ProcessGroup + 'static>(
             opt.step(&mut model, p, g);
         }
         reducer.zero_grad().map_err(|e| e.to_string())?;
+        sync.after_step(&mut model)?;
         step += 1;
         if rank == 0 && (step % report_every == 0 || step == config.steps) {
             on_event(Event::Step {
@@ -254,8 +385,15 @@ pub fn run_rank<G: ProcessGroup + 'static>(
                 loss: running.unwrap_or(f32::NAN),
             });
         }
+        if rank == 0 && step % config.eval_every == 0 && step < config.steps {
+            let e = Instant::now();
+            let loss = model.loss(&tx, &ty);
+            eval_time += e.elapsed();
+            on_event(Event::Eval { step, loss });
+        }
         if let Some((at, dir)) = &plan.save_at {
             if *at == step {
+                let (averager, diloco) = sync.save()?;
                 Checkpoint {
                     run: config.run_id(),
                     rank,
@@ -263,6 +401,8 @@ pub fn run_rank<G: ProcessGroup + 'static>(
                     params: model.params.clone(),
                     velocity: opt.velocity.clone(),
                     hook: reducer.hook().save_state().map_err(|e| e.to_string())?,
+                    averager,
+                    diloco,
                 }
                 .save(dir)?;
                 if rank == 0 {
@@ -271,10 +411,24 @@ pub fn run_rank<G: ProcessGroup + 'static>(
             }
         }
     }
-    let elapsed = t.elapsed();
+    if config.method.is_local() {
+        // The ranks' models differ since their last synchronisation: one last average,
+        // so the run ends with one model (its bytes are counted as the others).
+        let mut params: Vec<&mut [f32]> =
+            model.params.iter_mut().map(|p| p.as_mut_slice()).collect();
+        average(&*group, &mut params)?;
+    }
+    let elapsed = t.elapsed().saturating_sub(eval_time);
+    let final_loss = model.loss(&tx, &ty);
+    if rank == 0 {
+        on_event(Event::Eval {
+            step: config.steps,
+            loss: final_loss,
+        });
+    }
     let ops = std::mem::take(&mut *log.lock().unwrap_or_else(|p| p.into_inner()));
     Ok(Outcome {
-        final_loss: model.loss(&tx, &ty),
+        final_loss,
         initial_loss,
         start_step: start,
         bytes_sent: ops.iter().map(|op| op.bytes() as u64).sum(),
@@ -282,6 +436,124 @@ pub fn run_rank<G: ProcessGroup + 'static>(
         elapsed,
         digest: digest(&model.params),
     })
+}
+
+/// Averages `params` over `group` in place (divided by the size, then summed, as
+/// PyTorch's model averagers do).
+fn average(group: &dyn ProcessGroup, params: &mut [&mut [f32]]) -> Result<(), String> {
+    let size = group.size() as f32;
+    let flat: Vec<f32> = params
+        .iter()
+        .flat_map(|p| p.iter().map(|&x| x / size))
+        .collect();
+    let out = group
+        .all_reduce(Buffer::from(flat), ReduceOp::Sum)
+        .wait_timeout(group.timeout())
+        .map_err(|e| e.to_string())?;
+    let out = Vec::<f32>::try_from(out).map_err(|e| e.to_string())?;
+    let mut offset = 0;
+    for p in params.iter_mut() {
+        let len = p.len();
+        let part = out
+            .get(offset..offset + len)
+            .ok_or("the averaged parameters came back short")?;
+        p.copy_from_slice(part);
+        offset += len;
+    }
+    Ok(())
+}
+
+/// What keeps the models together besides the per-step hook: nothing, the local-SGD
+/// averager, or DiLoCo's outer loop; called after each optimizer step.
+enum ModelSync {
+    None,
+    Averager(PeriodicModelAverager),
+    DiLoCo(Box<DiLoCo<Box<dyn CommHook<CpuBackend>>, CpuBackend>>),
+}
+
+impl ModelSync {
+    fn new(
+        config: &Config,
+        be: &Arc<CpuBackend>,
+        group: &Arc<dyn ProcessGroup>,
+        model: &Mlp,
+    ) -> Result<ModelSync, String> {
+        Ok(match &config.method {
+            Method::Hook => ModelSync::None,
+            Method::LocalSgd { period, start } => ModelSync::Averager(
+                PeriodicModelAverager::new(*period as u64, *start as u64, group.clone())
+                    .map_err(|e| e.to_string())?,
+            ),
+            Method::DiLoCo {
+                inner_steps,
+                outer_lr,
+                outer_momentum,
+                nesterov,
+                fragments,
+            } => {
+                let hook = config
+                    .hook
+                    .build(be.clone(), group.clone())
+                    .map_err(|e| e.to_string())?;
+                let params: Vec<&[f32]> = model.params.iter().map(|p| p.as_slice()).collect();
+                let d = DiLoCo::with_shapes(
+                    DiLoCoConfig {
+                        inner_steps: *inner_steps as u64,
+                        outer_lr: *outer_lr,
+                        outer_momentum: *outer_momentum,
+                        nesterov: *nesterov,
+                        fragments: *fragments,
+                        timeout: group.timeout(),
+                    },
+                    hook,
+                    be.clone(),
+                    &params,
+                    &shapes(&model.widths),
+                )
+                .map_err(|e| e.to_string())?;
+                ModelSync::DiLoCo(Box::new(d))
+            }
+        })
+    }
+
+    fn after_step(&mut self, model: &mut Mlp) -> Result<(), String> {
+        let mut params: Vec<&mut [f32]> =
+            model.params.iter_mut().map(|p| p.as_mut_slice()).collect();
+        match self {
+            ModelSync::None => Ok(()),
+            ModelSync::Averager(a) => a
+                .average_parameters(&mut params)
+                .map(drop)
+                .map_err(|e| e.to_string()),
+            ModelSync::DiLoCo(d) => d.step(&mut params).map(drop).map_err(|e| e.to_string()),
+        }
+    }
+
+    /// The averager's and DiLoCo's states, for a checkpoint.
+    fn save(&self) -> Result<(Option<AveragerState>, Option<DiLoCoState>), String> {
+        Ok(match self {
+            ModelSync::None => (None, None),
+            ModelSync::Averager(a) => (Some(a.state()), None),
+            ModelSync::DiLoCo(d) => (None, Some(d.state().map_err(|e| e.to_string())?)),
+        })
+    }
+
+    /// Continues from a checkpoint's states (each must be there when its method runs).
+    fn load(
+        &mut self,
+        averager: Option<AveragerState>,
+        diloco: Option<DiLoCoState>,
+    ) -> Result<(), String> {
+        match (self, averager, diloco) {
+            (ModelSync::None, None, None) => Ok(()),
+            (ModelSync::Averager(a), Some(s), None) => {
+                a.load_state(s);
+                Ok(())
+            }
+            (ModelSync::DiLoCo(d), None, Some(s)) => d.load_state(s).map_err(|e| e.to_string()),
+            _ => Err("the checkpoint's averaging state does not fit this run's method".into()),
+        }
+    }
 }
 
 /// Trains on `config.ranks` thread ranks; returns rank 0's outcome after checking that
