@@ -18,6 +18,9 @@
 //! - the step time at 1, 10, 100 and 400 Gbit/s: hook time plus the ring cost of every
 //!   collective of one step from `collectives::link` (20 us per message, no overlap
 //!   assumed), and the speedup over allreduce at each;
+//! - local SGD and DiLoCo rows (periods 4 and 16, H = 16 and 64): they all-reduce the
+//!   model (or its pseudo-gradient) once a period, so their time, bytes and link cost are
+//!   the all-reduce row's over the period (`amortised_over`);
 //! - the break-even bandwidth: step time is `a + b / bandwidth` for every hook, so the
 //!   speed at which a hook and allreduce take equally long is solved exactly; it is
 //!   given where the hook wins below it and loses above it, `null` where one of them
@@ -229,7 +232,7 @@ fn main() {
         "link": "accounted",
         "quick": a.quick,
     }));
-    emit(json!({"kind": "plan", "rows": presets.len() * HOOKS.len()}));
+    emit(json!({"kind": "plan", "rows": presets.len() * (HOOKS.len() + AMORTISED.len())}));
     for (model, shapes, direct) in presets {
         let shapes = shapes();
         let params = models::params(&shapes);
@@ -305,8 +308,48 @@ fn main() {
                 "ms_gbit": round(line.1, 6),
             }));
             if allreduce.is_none() {
+                // Local SGD and DiLoCo, which all-reduce the whole model (or its
+                // pseudo-gradient) once every `period` steps: the all-reduce's time, bytes
+                // and link cost amortised over the period.
+                for (method, period) in AMORTISED {
+                    let p = period as f64;
+                    let line = (line.0 / p, line.1 / p);
+                    let at: Vec<f64> = at.iter().map(|t| t / p).collect();
+                    emit(json!({
+                        "kind": "row",
+                        "model": model,
+                        "hook": method,
+                        "rank": 0,
+                        "ranks": RANKS,
+                        "amortised_over": period,
+                        "hook_ms": round(hook_ms / p, 4),
+                        "hook_ms_min": round(ms(*m.steps.iter().min().expect("steps")) / p, 4),
+                        "hook_ms_max": round(ms(*m.steps.iter().max().expect("steps")) / p, 4),
+                        "steps": steps,
+                        "params": params,
+                        "gbps": round(grad_bytes as f64 / (hook_ms / p / 1e3) / 1e9, 4),
+                        "bytes_sent": sent / period as usize,
+                        "compression_ratio": round(p * grad_bytes as f64 / sent.max(1) as f64, 3),
+                        "bound_ratio": null,
+                        "vs_allreduce": round(1.0 / p, 3),
+                        "step_ms_at": keyed(at.iter().copied()),
+                        "speedup_at": keyed(base_at.iter().zip(&at).map(|(b, s)| b / s)),
+                        "break_even_gbit": null,
+                        "fixed_ms": round(line.0, 6),
+                        "ms_gbit": round(line.1, 6),
+                    }));
+                }
                 allreduce = Some(m);
             }
         }
     }
 }
+
+/// The methods that all-reduce once every `period` steps, priced from the all-reduce's
+/// row: (name in the report, period).
+const AMORTISED: [(&str, u64); 4] = [
+    ("local_sgd:period=4", 4),
+    ("local_sgd:period=16", 16),
+    ("diloco:H=16", 16),
+    ("diloco:H=64", 64),
+];

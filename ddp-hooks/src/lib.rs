@@ -51,6 +51,7 @@ pub mod powersgd;
 mod quantize;
 mod reducer;
 mod registry;
+mod sequence;
 mod wire;
 
 pub use averaging::{HierarchicalModelAverager, PeriodicModelAverager, PostLocalSgd};

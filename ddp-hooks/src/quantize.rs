@@ -6,6 +6,7 @@
 //! The arithmetic, the error bound and the differences from PyTorch are documented on
 //! [`QuantizePerTensor`].
 
+use crate::sequence::Sequencer;
 use crate::{CommBackend, CommHook, CompressionStats, Error, GradBucket, HookState, Result};
 use collectives::{Buffer, ProcessGroup, Work};
 use std::collections::{BTreeMap, BTreeSet};
@@ -390,6 +391,9 @@ pub struct QuantizePerTensor<B> {
     group: Arc<dyn ProcessGroup>,
     stats: (u64, u64),
     memories: Option<Shared>,
+    /// Each bucket's two all-gathers reach the group after the previous bucket's (the
+    /// second is issued from a continuation: see `sequence.rs`).
+    sequence: Sequencer,
 }
 
 impl<B: CommBackend> QuantizePerTensor<B> {
@@ -400,6 +404,7 @@ impl<B: CommBackend> QuantizePerTensor<B> {
             group,
             stats: (0, 0),
             memories: None,
+            sequence: Sequencer::default(),
         }
     }
 
@@ -411,6 +416,7 @@ impl<B: CommBackend> QuantizePerTensor<B> {
     ) -> Self {
         QuantizePerTensor {
             memories: error_feedback.then(Shared::default),
+            sequence: Sequencer::default(),
             ..Self::new(backend, group)
         }
     }
@@ -454,49 +460,55 @@ impl<B: CommBackend> CommHook<B> for QuantizePerTensor<B> {
         let (backend, group) = (self.backend.clone(), self.group.clone());
         let (rank, world) = (group.rank(), group.size());
         let hook = self.name();
-        self.group
-            .all_gather(Buffer::F32(vec![scale, zp]))
-            .and_then(move |params| {
-                let params = match gathered_params(params, 2, index) {
-                    Ok(p) => p,
-                    Err(e) => return failed(e),
-                };
-                if let Some(r) = params.iter().position(|p| !p.iter().all(|v| v.is_finite())) {
-                    let local = if r == rank { local } else { None };
-                    return failed(nonfinite(&hook, index, r, None, params[r][0], local));
-                }
-                let (s, z) = (params[rank][0], params[rank][1]);
-                let mut q = match try_vec(n, 0u8) {
-                    Ok(q) => q,
-                    Err(e) => return failed(e),
-                };
-                for (q, &v) in q.iter_mut().zip(&x) {
-                    *q = quantize(v, s, z);
-                }
-                match lease.as_mut() {
-                    Some(l) => {
-                        let mut x = x;
-                        residual(&mut x, &q, |_| (s, z));
-                        l.pending = Some(x);
+        let first = self.group.clone();
+        self.sequence.next(move |issued| {
+            first
+                .all_gather(Buffer::F32(vec![scale, zp]))
+                .and_then(move |params| {
+                    let params = match gathered_params(params, 2, index) {
+                        Ok(p) => p,
+                        Err(e) => return failed(e),
+                    };
+                    if let Some(r) = params.iter().position(|p| !p.iter().all(|v| v.is_finite())) {
+                        let local = if r == rank { local } else { None };
+                        return failed(nonfinite(&hook, index, r, None, params[r][0], local));
                     }
-                    None => drop(x),
-                }
-                group.all_gather(Buffer::U8(q)).then(move |r| {
-                    let qs = gathered_bytes(r?, n, index)?;
-                    let mut out = try_vec(n, 0.0f32)?;
-                    for (q, p) in qs.iter().zip(&params) {
-                        let (s, z) = (p[0], p[1]);
-                        for (o, &b) in out.iter_mut().zip(q) {
-                            *o += dequantize(b, s, z);
+                    let (s, z) = (params[rank][0], params[rank][1]);
+                    let mut q = match try_vec(n, 0u8) {
+                        Ok(q) => q,
+                        Err(e) => return failed(e),
+                    };
+                    for (q, &v) in q.iter_mut().zip(&x) {
+                        *q = quantize(v, s, z);
+                    }
+                    match lease.as_mut() {
+                        Some(l) => {
+                            let mut x = x;
+                            residual(&mut x, &q, |_| (s, z));
+                            l.pending = Some(x);
                         }
+                        None => drop(x),
                     }
-                    let out = finish(&*backend, out, world)?;
-                    if let Some(l) = lease {
-                        l.commit();
-                    }
-                    Ok(out)
+                    let sent = group.all_gather(Buffer::U8(q));
+                    // Both of this bucket's collectives are issued: the next bucket may go.
+                    issued.complete(Ok(()));
+                    sent.then(move |r| {
+                        let qs = gathered_bytes(r?, n, index)?;
+                        let mut out = try_vec(n, 0.0f32)?;
+                        for (q, p) in qs.iter().zip(&params) {
+                            let (s, z) = (p[0], p[1]);
+                            for (o, &b) in out.iter_mut().zip(q) {
+                                *o += dequantize(b, s, z);
+                            }
+                        }
+                        let out = finish(&*backend, out, world)?;
+                        if let Some(l) = lease {
+                            l.commit();
+                        }
+                        Ok(out)
+                    })
                 })
-            })
+        })
     }
 
     /// [`HookState::Stateless`] without error feedback; with it, [`HookState::Quantize`]
@@ -543,6 +555,9 @@ pub struct QuantizePerChannel<B> {
     bucket_size: usize,
     stats: (u64, u64),
     memories: Option<Shared>,
+    /// Each bucket's two all-gathers reach the group after the previous bucket's (the
+    /// second is issued from a continuation: see `sequence.rs`).
+    sequence: Sequencer,
 }
 
 impl<B: CommBackend> QuantizePerChannel<B> {
@@ -564,6 +579,7 @@ impl<B: CommBackend> QuantizePerChannel<B> {
             bucket_size,
             stats: (0, 0),
             memories: None,
+            sequence: Sequencer::default(),
         })
     }
 
@@ -577,6 +593,7 @@ impl<B: CommBackend> QuantizePerChannel<B> {
     ) -> Result<Self> {
         Ok(QuantizePerChannel {
             memories: error_feedback.then(Shared::default),
+            sequence: Sequencer::default(),
             ..Self::new(backend, group, bucket_size)?
         })
     }
@@ -645,59 +662,65 @@ impl<B: CommBackend> CommHook<B> for QuantizePerChannel<B> {
         let (backend, group) = (self.backend.clone(), self.group.clone());
         let (rank, world) = (group.rank(), group.size());
         let hook = self.name();
-        self.group
-            .all_gather(Buffer::F32(params))
-            .and_then(move |params| {
-                let params = match gathered_params(params, 2 * rows, index) {
-                    Ok(p) => p,
-                    Err(e) => return failed(e),
-                };
-                for (r, p) in params.iter().enumerate() {
-                    if let Some(c) =
-                        (0..rows).find(|&c| !p[c].is_finite() || !p[rows + c].is_finite())
-                    {
-                        let here = local.filter(|_| r == rank).map(|(_, l)| l);
-                        let row = local.filter(|_| r == rank).map_or(c, |(c, _)| c);
-                        return failed(nonfinite(&hook, index, r, Some(row), p[row], here));
-                    }
-                }
-                let own = &params[rank];
-                let mut q = match try_vec(n, 0u8) {
-                    Ok(q) => q,
-                    Err(e) => return failed(e),
-                };
-                for (c, (q, x)) in q.chunks_mut(bs).zip(x.chunks(bs)).enumerate() {
-                    let (s, z) = (own[c], own[rows + c]);
-                    for (q, &v) in q.iter_mut().zip(x) {
-                        *q = quantize(v, s, z);
-                    }
-                }
-                match lease.as_mut() {
-                    Some(l) => {
-                        let mut x = x;
-                        residual(&mut x, &q, |i| (own[i / bs], own[rows + i / bs]));
-                        l.pending = Some(x);
-                    }
-                    None => drop(x),
-                }
-                group.all_gather(Buffer::U8(q)).then(move |r| {
-                    let qs = gathered_bytes(r?, n, index)?;
-                    let mut out = try_vec(n, 0.0f32)?;
-                    for (q, p) in qs.iter().zip(&params) {
-                        for (c, (o, q)) in out.chunks_mut(bs).zip(q.chunks(bs)).enumerate() {
-                            let (s, z) = (p[c], p[rows + c]);
-                            for (o, &b) in o.iter_mut().zip(q) {
-                                *o += dequantize(b, s, z);
-                            }
+        let first = self.group.clone();
+        self.sequence.next(move |issued| {
+            first
+                .all_gather(Buffer::F32(params))
+                .and_then(move |params| {
+                    let params = match gathered_params(params, 2 * rows, index) {
+                        Ok(p) => p,
+                        Err(e) => return failed(e),
+                    };
+                    for (r, p) in params.iter().enumerate() {
+                        if let Some(c) =
+                            (0..rows).find(|&c| !p[c].is_finite() || !p[rows + c].is_finite())
+                        {
+                            let here = local.filter(|_| r == rank).map(|(_, l)| l);
+                            let row = local.filter(|_| r == rank).map_or(c, |(c, _)| c);
+                            return failed(nonfinite(&hook, index, r, Some(row), p[row], here));
                         }
                     }
-                    let out = finish(&*backend, out, world)?;
-                    if let Some(l) = lease {
-                        l.commit();
+                    let own = &params[rank];
+                    let mut q = match try_vec(n, 0u8) {
+                        Ok(q) => q,
+                        Err(e) => return failed(e),
+                    };
+                    for (c, (q, x)) in q.chunks_mut(bs).zip(x.chunks(bs)).enumerate() {
+                        let (s, z) = (own[c], own[rows + c]);
+                        for (q, &v) in q.iter_mut().zip(x) {
+                            *q = quantize(v, s, z);
+                        }
                     }
-                    Ok(out)
+                    match lease.as_mut() {
+                        Some(l) => {
+                            let mut x = x;
+                            residual(&mut x, &q, |i| (own[i / bs], own[rows + i / bs]));
+                            l.pending = Some(x);
+                        }
+                        None => drop(x),
+                    }
+                    let sent = group.all_gather(Buffer::U8(q));
+                    // Both of this bucket's collectives are issued: the next bucket may go.
+                    issued.complete(Ok(()));
+                    sent.then(move |r| {
+                        let qs = gathered_bytes(r?, n, index)?;
+                        let mut out = try_vec(n, 0.0f32)?;
+                        for (q, p) in qs.iter().zip(&params) {
+                            for (c, (o, q)) in out.chunks_mut(bs).zip(q.chunks(bs)).enumerate() {
+                                let (s, z) = (p[c], p[rows + c]);
+                                for (o, &b) in o.iter_mut().zip(q) {
+                                    *o += dequantize(b, s, z);
+                                }
+                            }
+                        }
+                        let out = finish(&*backend, out, world)?;
+                        if let Some(l) = lease {
+                            l.commit();
+                        }
+                        Ok(out)
+                    })
                 })
-            })
+        })
     }
 
     /// [`HookState::Stateless`] without error feedback; with it, [`HookState::Quantize`]

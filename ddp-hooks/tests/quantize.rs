@@ -683,3 +683,60 @@ fn error_feedback_state_round_trip_and_refusals() {
     assert!(matches!(e, Error::Bucket { index: 0, .. }), "{e:?}");
     assert_eq!(memory(&fresh.save_state().unwrap()), vec![0.5; 29]);
 }
+
+/// Many buckets in flight at once, as the reducer launches them: each bucket's second
+/// all-gather is issued from a continuation, and the hooks keep every rank's collectives
+/// in one order (without it the ranks' all-gathers would cross: a mismatch or a hang).
+/// Each bucket's result is the one it gets alone.
+#[test]
+fn buckets_in_flight_together_keep_one_order() {
+    for spec in [
+        "quantize_per_tensor",
+        "quantize_per_channel:bucket_size=16",
+        "quantize_per_channel+ef",
+    ] {
+        let sizes = [100usize, 7, 4096, 1, 513, 64, 2000, 33];
+        let inputs = |rank: usize| -> Vec<Vec<f32>> {
+            sizes
+                .iter()
+                .enumerate()
+                .map(|(b, &n)| noise(n, (rank * 10 + b) as u64, 1.0 + b as f32))
+                .collect()
+        };
+        let out = run_local_with_timeout(3, Duration::from_secs(20), |g| {
+            let rank = g.rank();
+            let group: Arc<dyn ProcessGroup> = Arc::new(g);
+            let parsed: HookSpec = spec.parse().unwrap();
+            let mut hook = parsed.build(Arc::new(CpuBackend::new()), group).unwrap();
+            let xs = inputs(rank);
+            // Launch every bucket before waiting for any.
+            let works: Vec<_> = xs
+                .iter()
+                .enumerate()
+                .map(|(b, x)| {
+                    let layout = Arc::new(Layout::packed(&[vec![x.len()]]).unwrap());
+                    hook.run(GradBucket::new(b, sizes.len(), x.clone(), layout).unwrap())
+                })
+                .collect();
+            works
+                .into_iter()
+                .map(|w| w.wait().unwrap())
+                .collect::<Vec<_>>()
+        })
+        .unwrap();
+        let outs: Vec<Vec<Vec<f32>>> = out.into_iter().map(Result::unwrap).collect();
+        for (b, &n) in sizes.iter().enumerate() {
+            let per_rank: Vec<Vec<f32>> = (0..3).map(|r| inputs(r)[b].clone()).collect();
+            let want = match spec {
+                "quantize_per_tensor" => ref_per_tensor(&per_rank).0,
+                "quantize_per_channel:bucket_size=16" => ref_per_channel(&per_rank, 16).0,
+                // The first step of error feedback quantises x + 0: the plain hook's.
+                _ => ref_per_channel(&per_rank, 512).0,
+            };
+            for o in &outs {
+                assert_eq!(o[b].len(), n);
+                assert_eq!(bits(&o[b]), bits(&want), "{spec}: bucket {b}");
+            }
+        }
+    }
+}

@@ -12,8 +12,8 @@
 
 use super::config::PowerSgdConfig;
 use super::progress::{count_nonfinite, in_flight, lock, observe_nonfinite, Progress};
-use super::sequence::Sequencer;
 use super::state::{PowerSgdState, SavedBucket};
+use crate::sequence::Sequencer;
 use crate::{CommBackend, CompressionStats, Error, GradBucket, Result};
 use collectives::{ProcessGroup, ReduceOp, Work};
 use lowrank::Backend;

@@ -47,7 +47,6 @@ mod hook;
 mod memory;
 mod plan;
 mod progress;
-mod sequence;
 mod state;
 mod step;
 

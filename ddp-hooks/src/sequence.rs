@@ -1,4 +1,5 @@
-//! One order of collectives on every rank.
+//! One order of collectives on every rank, for the hooks that issue a bucket's later
+//! collectives from continuations (PowerSGD, the quantisation hooks).
 //!
 //! A PowerSGD bucket issues its last collective (the `Q` all-reduce) from a continuation,
 //! on the process group's progress thread, while the caller may already be starting the
@@ -16,7 +17,7 @@ use std::sync::Mutex;
 
 /// Chains each bucket's collectives after the previous bucket's.
 #[derive(Default)]
-pub(super) struct Sequencer {
+pub(crate) struct Sequencer {
     last: Mutex<Option<Work<()>>>,
 }
 
@@ -24,7 +25,7 @@ impl Sequencer {
     /// Runs `issue` once every earlier bucket has issued its collectives; `issue` must
     /// complete the `Completer` once it has issued its own last collective (dropping it
     /// also releases the next bucket).
-    pub fn next<T: Send + 'static>(
+    pub(crate) fn next<T: Send + 'static>(
         &self,
         issue: impl FnOnce(Completer<()>) -> Work<T> + Send + 'static,
     ) -> Work<T> {
