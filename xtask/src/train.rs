@@ -247,25 +247,30 @@ pub fn run(o: Options) -> Result<(), TrainError> {
 /// for 200 steps (where native `MPI_Iallreduce`, adding in its own order, drifts by
 /// 3e-4). Together about 10 s on 2 cores once built.
 pub fn mpi_check() -> Result<(), Failure> {
-    let run = |ranks: usize, steps: usize, accumulate: usize| {
+    let run = |ranks: usize, steps: usize, hook: &str, extra: &[&str]| {
+        let mut example_args = vec!["--steps".into(), steps.to_string()];
+        example_args.extend(extra.iter().map(|a| a.to_string()));
         let o = Options {
             ranks,
-            hook: "powersgd:rank=2,start_iter=10".into(),
+            hook: hook.into(),
             compare: false,
             resume_at: None,
             backend: Backend::Mpi,
             pipe: None,
-            example_args: vec![
-                "--steps".into(),
-                steps.to_string(),
-                "--accumulate".into(),
-                accumulate.to_string(),
-            ],
+            example_args,
         };
         let (threads, mpi) = mpi_pair(&o, false, &[(DETERMINISTIC_ENV, "1")])?;
         mpi_verdict(&threads, &mpi, Match::BitIdentical)
     };
-    let result = run(2, 60, 2).and_then(|()| run(4, 200, 1));
+    let powersgd = "powersgd:rank=2,start_iter=10";
+    // PowerSGD with accumulation and without; the quantisation hook with error feedback
+    // (all-gathers of bytes), local SGD (parameter averaging) and DiLoCo (the outer step
+    // through the hook): each bit-identical to the same run on thread ranks.
+    let result = run(2, 60, powersgd, &["--accumulate", "2"])
+        .and_then(|()| run(4, 200, powersgd, &["--accumulate", "1"]))
+        .and_then(|()| run(2, 40, "quantize_per_channel+ef", &[]))
+        .and_then(|()| run(2, 40, "allreduce", &["--local-sgd", "4"]))
+        .and_then(|()| run(2, 40, "allreduce", &["--diloco", "8"]));
     match result {
         Ok(()) => Ok(()),
         Err(TrainError::Failed(f)) => Err(f),
