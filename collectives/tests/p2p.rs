@@ -185,21 +185,21 @@ fn a_peer_that_drops_its_group_fails_the_pending_receive() {
 
 #[test]
 fn a_continuation_of_a_receive_runs_on_its_rank_s_progress_thread() {
+    // Rank 1 attaches the continuation, then lets rank 0 send: the send completes the
+    // receive from rank 0's thread, and the continuation must still run on rank 1's.
+    let attached = std::sync::Barrier::new(2);
     let out = run_local(2, |g| {
         if g.rank() == 0 {
-            // Let the receive and its continuation be posted first: the send completes
-            // the receive from this thread.
-            std::thread::sleep(Duration::from_millis(50));
+            attached.wait();
             g.send(f32s(&[1.0]), 1, 0).wait().unwrap();
             String::new()
         } else {
-            g.recv(f32s(&[0.0]), 0, 0)
-                .then(|r| {
-                    r?;
-                    Ok(std::thread::current().name().unwrap_or("").to_string())
-                })
-                .wait()
-                .unwrap()
+            let work = g.recv(f32s(&[0.0]), 0, 0).then(|r| {
+                r?;
+                Ok(std::thread::current().name().unwrap_or("").to_string())
+            });
+            attached.wait();
+            work.wait().unwrap()
         }
     })
     .unwrap();
