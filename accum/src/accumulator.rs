@@ -124,7 +124,7 @@ struct EpochState {
 }
 
 /// Decides, micro-step by micro-step, when gradients synchronise (Accelerate's
-/// `accumulate`), with the corrections of `../shared/reference/pipe-skip-accum.md`: the
+/// `accumulate`), with two corrections to it: the
 /// short last group of an epoch is scaled by its actual size, and the scheduler is gated
 /// with the optimizer.
 ///

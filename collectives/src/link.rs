@@ -396,7 +396,7 @@ mod tests {
     use super::*;
     use crate::run_local;
 
-    /// Regression (issue 8 item 11): `gbit(0.0, ..)` gave costs that panicked
+    /// Regression: `gbit(0.0, ..)` gave costs that panicked
     /// (`Duration::from_secs_f64(inf)`), and NaN or negative bandwidths cost nothing.
     #[test]
     fn bad_bandwidths_are_errors() {

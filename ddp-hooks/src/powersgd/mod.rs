@@ -1,6 +1,6 @@
 //! PowerSGD (Vogels et al., 2019) as a DDP communication hook, per layer: the behaviour
-//! of PyTorch's `powerSGD_hook` with the choices of
-//! `../shared/reference/powersgd.md` ("Our choices").
+//! of PyTorch's `powerSGD_hook`; where ours differs (zero columns, the fused passes)
+//! the list below says so.
 //!
 //! One compressed step of a bucket, for each tensor `M` (`n x m`) that passes the
 //! compression test:
