@@ -1,24 +1,63 @@
-//! `launch`: start N local ranks of a program, like `torchrun --standalone`.
+//! `launch`: start the ranks of a program on this node, like `torchrun`: a one-node job
+//! (`torchrun --standalone`) or this node's part of a job across nodes.
 //!
 //! ```text
-//! launch -n N [--port P] [--timeout SECS] [--grace SECS] [--] PROGRAM [ARGS...]
+//! launch -n P [--port PORT] [--timeout SECS] [--grace SECS] [--] PROGRAM [ARGS...]
+//! launch --nnodes N --node-rank K --nproc-per-node P --master-addr HOST --master-port PORT
+//!        [--token-file PATH] [--timeout SECS] [--grace SECS] [--] PROGRAM [ARGS...]
 //! ```
 //!
-//! Each rank gets `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
-//! `MASTER_ADDR=127.0.0.1`, `MASTER_PORT` (the given port, or a free one) and
-//! `LOWRANK_STORE_TOKEN` (the one in launch's environment, or a fresh random one), which
-//! `collectives::env::EnvInfo::from_env` reads. The ranks' output goes straight through;
-//! their standard input is empty.
+//! The options have torchrun's names and meanings, and torchrun's underscore spellings
+//! (`--nproc_per_node`, `--node_rank`, `--master_addr`, `--master_port`) are accepted
+//! too; `-n P` is a one-node job of `P` ranks, and `--port` is `--master-port`. A job of
+//! `N` nodes is `N` launches, one per node, each given the same `--nnodes`,
+//! `--nproc-per-node`, `--master-addr` (node 0's host, as the other nodes reach it),
+//! `--master-port` and token, and its own `--node-rank`. torchrun's elastic options
+//! (`--nnodes MIN:MAX`, `--rdzv-*`, restarts) are not supported.
+//!
+//! Local rank `L` (0 to `P - 1`) of node `K` gets these variables, torchrun's, which
+//! `collectives::env::EnvInfo::from_env` reads:
+//!
+//! | variable           | value                                                     |
+//! |--------------------|-----------------------------------------------------------|
+//! | `RANK`             | `K * P + L`                                               |
+//! | `LOCAL_RANK`       | `L`                                                       |
+//! | `WORLD_SIZE`       | `N * P`                                                   |
+//! | `LOCAL_WORLD_SIZE` | `P`                                                       |
+//! | `GROUP_RANK`       | `K` (torchrun's node index)                               |
+//! | `GROUP_WORLD_SIZE` | `N`                                                       |
+//! | `ROLE_RANK`        | `RANK` (every rank has torchrun's one role, `default`)    |
+//! | `ROLE_WORLD_SIZE`  | `WORLD_SIZE`                                              |
+//! | `ROLE_NAME`        | `default`                                                 |
+//! | `MASTER_ADDR`      | `--master-addr` (one node: 127.0.0.1 by default)          |
+//! | `MASTER_PORT`      | `--master-port` (one node: a free port by default)        |
+//! | `LOWRANK_STORE_TOKEN` | the job's token, below                                 |
+//!
+//! torchrun's `TORCHELASTIC_*` variables are not set: there is no elastic agent (and
+//! no agent store) behind `launch`. The ranks' output goes straight through; their
+//! standard input is empty.
+//!
+//! # The token
+//! Rank 0 serves the rendezvous store, which refuses every client without the job's
+//! token, and serves an address other hosts reach only with a token. A job has one,
+//! the same on every node: read from `--token-file PATH` (node 0, finding `PATH`
+//! missing, creates it with a fresh token, mode 0600, for the other nodes to read over a
+//! shared filesystem; they wait for it, up to `--timeout` or 10 minutes); else
+//! `LOWRANK_STORE_TOKEN` in launch's environment; else, for a one-node job, a fresh
+//! random one. A job of several nodes without `--token-file` or `LOWRANK_STORE_TOKEN`
+//! is a usage error that says how to set one.
 //!
 //! # Guarantees
-//! - Exit status 0 when every rank exits successfully.
+//! Each launch supervises the ranks of its own node, and these hold on every node:
+//! - Exit status 0 when every rank of the node exits successfully.
 //! - Each rank runs in a process group of its own, with whatever it starts. When a rank
 //!   exits, what is left of its group is killed; nothing of a rank outlives `launch`
 //!   (except what leaves the group on purpose, with `setsid`).
 //! - When a rank fails (non-zero exit or a signal), the first failure seen is reported on
-//!   stderr with its rank and status, the other ranks' groups are killed (SIGKILL), and
-//!   the status is 1.
-//! - After `--timeout SECS` every rank's group is killed and the status is 124.
+//!   stderr with its rank and status, the node's other ranks' groups are killed
+//!   (SIGKILL), and the status is 1.
+//! - After `--timeout SECS` every rank's group is killed and the status is 124 (also
+//!   when the wait for a token file takes that long, before any rank started).
 //! - SIGTERM or SIGINT sent to `launch` is forwarded to every rank's group; groups still
 //!   there after `--grace SECS` (default 10), or at a second signal, are killed; the
 //!   status is 128 + the signal's number (143, 130).
@@ -27,115 +66,53 @@
 //!   kernel kills it when `launch` dies, and a rank whose `launch` died while it was
 //!   being started exits before running the program. What a rank itself started is
 //!   not covered by this (it is by the group kill above whenever `launch` can act).
-//! - Usage errors are reported with the usage and status 2; a program that cannot be
-//!   started, status 127; no free port or no token, status 1.
+//! - Usage errors (an unknown option, `--node-rank` not below `--nnodes`, no ranks, no
+//!   `--master-addr` or `--master-port` for several nodes, more ranks than the store's
+//!   `MAX_WORLD_SIZE`, several nodes without a token) are reported with the usage and
+//!   status 2; a program that cannot be started, status 127; no free port, a bad token
+//!   or token file, status 1.
+//!
+//! Across nodes: the launches of a job do not talk to each other. A failure on one node
+//! (status 1 there) reaches the other nodes' ranks through the store, whose requests
+//! then fail (rank 0's store is gone, or reports the job's failure) or time out at the
+//! ranks' own store timeout; their launches then exit 1 as well. Nodes that disagree
+//! on `WORLD_SIZE`, or two nodes with one `--node-rank`, fail at the store's
+//! rendezvous on every rank, by name. Give every node a `--timeout` to bound the job
+//! whatever happens.
+//!
+//! # Example: 2 nodes × 8 ranks
+//! Node 0 is `10.0.0.1`; both nodes share the home directory, where node 0 writes the
+//! token for node 1 (`--token-file` can name an existing file, from
+//! `openssl rand -hex 16 > ~/.job.token`, as well):
+//!
+//! ```text
+//! node0$ launch --nnodes 2 --node-rank 0 --nproc-per-node 8 --master-addr 10.0.0.1 \
+//!            --master-port 29500 --token-file ~/.job.token -- ./train
+//! node1$ launch --nnodes 2 --node-rank 1 --nproc-per-node 8 --master-addr 10.0.0.1 \
+//!            --master-port 29500 --token-file ~/.job.token -- ./train
+//! ```
+//!
+//! Node 0 runs ranks 0 to 7 (`GROUP_RANK=0`), node 1 ranks 8 to 15 (`GROUP_RANK=1`),
+//! each with `LOCAL_RANK` 0 to 7, `WORLD_SIZE=16` and `LOCAL_WORLD_SIZE=8`; rank 0's
+//! store listens on 10.0.0.1:29500.
 
-use std::ffi::OsString;
+mod args;
+mod signals;
+mod token;
+
 use std::io;
-use std::net::{Ipv4Addr, TcpListener};
+use std::net::TcpListener;
 use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, ExitCode, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use collectives::store::{StoreToken, TOKEN_ENV};
+use collectives::store::TOKEN_ENV;
 
-mod signals {
-    //! The signals `launch` forwards, caught into a flag that the supervising loop polls.
-
-    use std::io;
-    use std::sync::atomic::{AtomicI32, Ordering};
-
-    /// The last signal caught and not yet taken, or 0.
-    static CAUGHT: AtomicI32 = AtomicI32::new(0);
-
-    /// Only stores into a lock-free atomic: async-signal-safe.
-    extern "C" fn on_signal(signal: libc::c_int) {
-        CAUGHT.store(signal, Ordering::SeqCst);
-    }
-
-    /// Catches SIGTERM and SIGINT from now on.
-    pub(crate) fn catch() -> io::Result<()> {
-        for signal in [libc::SIGTERM, libc::SIGINT] {
-            // SAFETY: an all-zero `sigaction` is a valid value of the plain C struct
-            // (no handler, empty flags); the fields that matter are set below.
-            let mut action: libc::sigaction = unsafe { std::mem::zeroed() };
-            action.sa_sigaction = on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
-            action.sa_flags = libc::SA_RESTART;
-            // SAFETY: `action.sa_mask` is a valid, exclusively borrowed `sigset_t`.
-            unsafe { libc::sigemptyset(&mut action.sa_mask) };
-            // SAFETY: `action` is initialised and outlives the call; the old action is
-            // not asked for (null). The handler only stores into an atomic, which is
-            // async-signal-safe, and runs on whatever thread takes the signal.
-            if unsafe { libc::sigaction(signal, &action, std::ptr::null_mut()) } != 0 {
-                return Err(io::Error::last_os_error());
-            }
-        }
-        Ok(())
-    }
-
-    /// The signal caught since the last call, if any.
-    pub(crate) fn take() -> Option<i32> {
-        match CAUGHT.swap(0, Ordering::SeqCst) {
-            0 => None,
-            signal => Some(signal),
-        }
-    }
-
-    /// The signal's name, for messages.
-    pub(crate) fn name(signal: i32) -> String {
-        match signal {
-            libc::SIGTERM => "SIGTERM".into(),
-            libc::SIGINT => "SIGINT".into(),
-            libc::SIGKILL => "SIGKILL".into(),
-            other => format!("signal {other}"),
-        }
-    }
-}
-
-const USAGE: &str = "\
-usage: launch -n N [--port P] [--timeout SECS] [--grace SECS] [--] PROGRAM [ARGS...]
-
-Starts N local processes of PROGRAM with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
-MASTER_ADDR=127.0.0.1, MASTER_PORT and LOWRANK_STORE_TOKEN set, and waits for them.
-
-options:
-  -n, --nproc N      number of ranks (at least 1)
-      --port P       MASTER_PORT (default, or 0: a free port)
-      --timeout SECS kill every rank after SECS seconds (default: no limit)
-      --grace SECS   after forwarding SIGTERM or SIGINT, wait SECS for the ranks to
-                     exit before killing them (default 10)
-  -h, --help         print this help
-
-token:
-  Rank 0 serves the rendezvous store; it refuses every client that does not present
-  the token in LOWRANK_STORE_TOKEN, before reading any key. launch passes each rank
-  the LOWRANK_STORE_TOKEN of its own environment if set (16 to 1024 printable ASCII
-  characters, no spaces), and otherwise a fresh random one (128 bits) for this job
-  alone. For a job across hosts, started otherwise, set the same LOWRANK_STORE_TOKEN
-  on every rank (e.g. from `openssl rand -hex 16`) and a MASTER_ADDR the other hosts
-  reach; rank 0's store binds only that address. The token travels in the clear: it
-  keeps out other users of the hosts and network, not someone who reads the traffic.
-
-processes and signals:
-  Each rank runs in its own process group, with what it starts; what is left of a
-  group when its rank exits is killed. On a failed rank or the timeout, every group
-  is killed. SIGTERM and SIGINT are forwarded to every group, which is killed after
-  --grace SECS or a second signal; launch then exits with 128 + the signal number.";
+use args::{parse_args, Options, USAGE};
 
 /// How often running ranks are polled: std offers no wait on any of several children.
 const POLL: Duration = Duration::from_millis(10);
-
-/// What to launch.
-#[derive(Debug)]
-struct Options {
-    nproc: usize,
-    port: Option<u16>,
-    timeout: Option<Duration>,
-    grace: Duration,
-    program: OsString,
-    args: Vec<OsString>,
-}
 
 /// How a launch ended, when not with every rank succeeding.
 #[derive(Debug)]
@@ -151,6 +128,17 @@ enum Failure {
     Signal { signal: i32, killed: Vec<usize> },
     /// A rank could not be started.
     Spawn { rank: usize, error: String },
+    /// No token appeared in the token file within `after` (`--timeout`, when
+    /// `timed_out`).
+    TokenWait {
+        path: String,
+        after: Duration,
+        timed_out: bool,
+    },
+    /// `launch` caught this signal before it started any rank (waiting for the token).
+    Interrupted { signal: i32 },
+    /// The command line asks for a job that cannot run as asked (status 2).
+    Usage(String),
     /// Something the launch needs is missing: a free port, a token, signal handlers.
     Setup(String),
 }
@@ -169,109 +157,64 @@ fn main() -> ExitCode {
     };
     match launch(&options) {
         Ok(()) => ExitCode::SUCCESS,
-        Err(failure) => {
-            let code = match &failure {
-                Failure::Rank { rank, status } => {
-                    eprintln!("launch: rank {rank} failed ({status}); killed the other ranks");
-                    1
-                }
-                Failure::TimedOut { after, running } => {
-                    eprintln!("launch: timed out after {after:?}; killed ranks {running:?}");
-                    124
-                }
-                Failure::Signal { signal, killed } => {
-                    let name = signals::name(*signal);
-                    if killed.is_empty() {
-                        eprintln!("launch: {name}: forwarded to every rank; all have exited");
-                    } else {
-                        eprintln!(
-                            "launch: {name}: forwarded to every rank; killed ranks {killed:?}"
-                        );
-                    }
-                    u8::try_from(128 + signal).unwrap_or(1)
-                }
-                Failure::Spawn { rank, error } => {
-                    eprintln!("launch: cannot start rank {rank}: {error}");
-                    127
-                }
-                Failure::Setup(error) => {
-                    eprintln!("launch: {error}");
-                    1
-                }
-            };
-            ExitCode::from(code)
-        }
+        Err(failure) => ExitCode::from(report(&failure)),
     }
 }
 
-/// Parses `SECS` of `--name SECS`: a positive number of seconds.
-fn seconds(name: &str, v: &str) -> Result<Duration, String> {
-    match v.parse::<f64>().ok().map(Duration::try_from_secs_f64) {
-        Some(Ok(t)) if !t.is_zero() => Ok(t),
-        _ => Err(format!("{name} {v:?}: not a positive number of seconds")),
-    }
-}
-
-/// The options, `Ok(None)` for `--help`, or a usage error (lexopt, as every argument
-/// parser of the workspace): the options, then the program and its arguments as given.
-fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Option<Options>, String> {
-    use lexopt::Arg::{Long, Short, Value};
-    let args: Vec<OsString> = args.into_iter().collect();
-    // lexopt takes `--` itself: a missing program after it is told apart by the last word.
-    let ends_in_separator = args.last().is_some_and(|a| a == "--");
-    let mut p = lexopt::Parser::from_args(args);
-    let (mut nproc, mut port, mut timeout) = (None, None, None);
-    let mut grace = Duration::from_secs(10);
-    let program = loop {
-        // The flag as written (for messages) and what it asks, owned: the next value is
-        // read from the parser below.
-        let (flag, arg) = match p.next().map_err(|e| e.to_string())? {
-            None if ends_in_separator => return Err("no program after --".into()),
-            None => return Err("no program to launch".into()),
-            Some(Value(program)) => break program,
-            Some(Long(name)) => (format!("--{name}"), name.to_string()),
-            Some(Short(c)) => (format!("-{c}"), c.to_string()),
-        };
-        let mut value = |what: &str| -> Result<String, String> {
-            p.value()
-                .map_err(|_| format!("{flag} needs {what}"))?
-                .into_string()
-                .map_err(|v| format!("{flag} {v:?}: not valid UTF-8"))
-        };
-        match arg.as_str() {
-            "h" | "help" => return Ok(None),
-            "n" | "nproc" => {
-                let v = value("a number of ranks")?;
-                match v.parse::<usize>() {
-                    Ok(n) if n >= 1 => nproc = Some(n),
-                    _ => return Err(format!("{flag} {v:?}: not a number of ranks (1 or more)")),
-                }
-            }
-            "port" if flag.starts_with("--") => {
-                let v = value("a port")?;
-                port = Some(
-                    v.parse::<u16>()
-                        .map_err(|_| format!("--port {v:?}: not a port"))?,
-                );
-            }
-            "timeout" if flag.starts_with("--") => {
-                timeout = Some(seconds(&flag, &value("a number of seconds")?)?)
-            }
-            "grace" if flag.starts_with("--") => {
-                grace = seconds(&flag, &value("a number of seconds")?)?
-            }
-            _ => return Err(format!("unknown option {flag}")),
+/// Reports `failure` on stderr; the exit status it calls for.
+fn report(failure: &Failure) -> u8 {
+    match failure {
+        Failure::Rank { rank, status } => {
+            eprintln!("launch: rank {rank} failed ({status}); killed the other ranks");
+            1
         }
-    };
-    let nproc = nproc.ok_or("-n N is required")?;
-    Ok(Some(Options {
-        nproc,
-        port: port.filter(|&p| p != 0),
-        timeout,
-        grace,
-        program,
-        args: p.raw_args().map_err(|e| e.to_string())?.collect(),
-    }))
+        Failure::TimedOut { after, running } => {
+            eprintln!("launch: timed out after {after:?}; killed ranks {running:?}");
+            124
+        }
+        Failure::Signal { signal, killed } => {
+            let name = signals::name(*signal);
+            if killed.is_empty() {
+                eprintln!("launch: {name}: forwarded to every rank; all have exited");
+            } else {
+                eprintln!("launch: {name}: forwarded to every rank; killed ranks {killed:?}");
+            }
+            u8::try_from(128 + signal).unwrap_or(1)
+        }
+        Failure::Interrupted { signal } => {
+            let name = signals::name(*signal);
+            eprintln!("launch: {name} before any rank was started");
+            u8::try_from(128 + signal).unwrap_or(1)
+        }
+        Failure::Spawn { rank, error } => {
+            eprintln!("launch: cannot start rank {rank}: {error}");
+            127
+        }
+        Failure::TokenWait {
+            path,
+            after,
+            timed_out,
+        } => {
+            eprintln!(
+                "launch: timed out after {after:?} waiting for the store token in {path}: \
+                 node 0's launch writes it there (is it started, with the same --token-file, \
+                 on a filesystem this node shares?); no rank was started"
+            );
+            if *timed_out {
+                124
+            } else {
+                1
+            }
+        }
+        Failure::Usage(message) => {
+            eprintln!("launch: {message}\n{USAGE}");
+            2
+        }
+        Failure::Setup(error) => {
+            eprintln!("launch: {error}");
+            1
+        }
+    }
 }
 
 /// One started rank: the leader of its own process group (its pid is the group's id).
@@ -328,32 +271,36 @@ fn exited_unreaped(pid: u32) -> io::Result<bool> {
     Ok(unsafe { info.si_pid() } != 0)
 }
 
-/// Starts the ranks and waits for them; kills the rest on the first failure, the
-/// timeout or a forwarded signal.
+/// Starts this node's ranks and waits for them; kills the rest on the first failure,
+/// the timeout or a forwarded signal.
 fn launch(options: &Options) -> Result<(), Failure> {
-    signals::catch().map_err(|e| Failure::Setup(format!("cannot catch signals: {e}")))?;
-    let port = match options.port {
-        Some(port) => port,
-        None => free_port().map_err(|e| Failure::Setup(format!("cannot find a free port: {e}")))?,
-    };
-    let token = match StoreToken::from_env() {
-        Ok(Some(token)) => token,
-        Ok(None) => StoreToken::generate()
-            .map_err(|e| Failure::Setup(format!("cannot make a store token: {e}")))?,
-        Err(e) => return Err(Failure::Setup(e.to_string())),
-    };
     let start = Instant::now();
+    signals::catch().map_err(|e| Failure::Setup(format!("cannot catch signals: {e}")))?;
+    let token = token::resolve(options, start)?;
+    let port = match options.master_port {
+        Some(port) => port,
+        None => free_port(&options.master_addr)
+            .map_err(|e| Failure::Setup(format!("cannot find a free port: {e}")))?,
+    };
+    let (world_size, nproc) = (options.world_size().to_string(), options.nproc.to_string());
+    let (nnodes, node_rank) = (options.nnodes.to_string(), options.node_rank.to_string());
     let mut running: Vec<Rank> = Vec::with_capacity(options.nproc);
-    for rank in 0..options.nproc {
+    for local in 0..options.nproc {
+        let rank = options.rank_of(local);
         let mut command = Command::new(&options.program);
         die_with_launch(&mut command);
         let spawned = command
             .args(&options.args)
             .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", options.nproc.to_string())
-            .env("LOCAL_RANK", rank.to_string())
-            .env("LOCAL_WORLD_SIZE", options.nproc.to_string())
-            .env("MASTER_ADDR", "127.0.0.1")
+            .env("LOCAL_RANK", local.to_string())
+            .env("WORLD_SIZE", &world_size)
+            .env("LOCAL_WORLD_SIZE", &nproc)
+            .env("GROUP_RANK", &node_rank)
+            .env("GROUP_WORLD_SIZE", &nnodes)
+            .env("ROLE_RANK", rank.to_string())
+            .env("ROLE_WORLD_SIZE", &world_size)
+            .env("ROLE_NAME", "default")
+            .env("MASTER_ADDR", &options.master_addr)
             .env("MASTER_PORT", port.to_string())
             .env(TOKEN_ENV, token.secret())
             // Its own group: killed as one, and out of the terminal's foreground group,
@@ -476,11 +423,10 @@ fn forward(signal: i32, running: &mut Vec<Rank>, grace: Duration) -> Failure {
     }
 }
 
-/// A port that was free a moment ago; rank 0 binds it soon after.
-fn free_port() -> io::Result<u16> {
-    Ok(TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?
-        .local_addr()?
-        .port())
+/// A port of `host` (a one-node job's MASTER_ADDR) that was free a moment ago; rank 0
+/// binds it soon after.
+fn free_port(host: &str) -> io::Result<u16> {
+    Ok(TcpListener::bind((host, 0))?.local_addr()?.port())
 }
 
 /// Kills (SIGKILL) the group of every rank still running, then reaps the ranks; returns
