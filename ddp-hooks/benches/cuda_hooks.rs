@@ -21,10 +21,12 @@
 //!   bandwidth measured first (a 1 GiB device-to-device copy, read plus write).
 //!   `bound_ratio` is the hook time over it.
 //!
-//! Output: a table, then one JSON object per row on stdout (`preset`, `rank`, `path`,
-//! `hook_ms`, `bound_ms`, `bound_ratio`, and `step_ms`, `noop_ms`,
-//! `compressed_elements`, `copy_gbps`), also written to `$OUT/cuda_hooks.jsonl` when `OUT`
-//! is set. Without a CUDA driver or NCCL it prints one `skipped: ...` line and exits 0.
+//! Output: a table, then one JSON object per row on stdout (`device`, the GPU's name;
+//! `hook`, always `powersgd`; `preset`, `rank`, `path`, `hook_ms`, `bound_ms`,
+//! `bound_ratio`, and `step_ms`, `noop_ms`, `compressed_elements`, `copy_gbps`), also
+//! written to `$OUT/cuda_hooks.jsonl` when `OUT` is set (`gpu-check/run.sh` sets it to
+//! `gpu-check/out`): the file `cargo xtask bench --gpu-report FILE` merges into the
+//! compression report (`xtask/src/bench/gpu.rs`). Without a CUDA driver or NCCL it prints one `skipped: ...` line and exits 0.
 //!
 //! For a profiler (`ncu`), `CUDA_HOOKS_ONLY=preset:rank:path` (each part may be empty
 //! for all, e.g. `bert-base:1:device`) measures only the matching rows, and
@@ -310,6 +312,8 @@ fn preset(
                 hook_ms / bound_ms
             );
             rows.push(json!({
+                "device": be.name(),
+                "hook": "powersgd",
                 "preset": name,
                 "rank": rank,
                 "path": path,

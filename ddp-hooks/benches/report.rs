@@ -15,40 +15,47 @@
 //! - `bound_ratio`: the hook time over its memory traffic at the single-thread read
 //!   bandwidth measured at the start: 7 passes of the gradient memory for PowerSGD, 2 for
 //!   the all-reduce and the 16-bit hooks (`measure::bound_passes`);
-//! - the step time at 1, 10, 100 and 400 Gbit/s: hook time plus the ring cost of every
-//!   collective of one step from `collectives::link` (20 us per message, no overlap
-//!   assumed), and the speedup over allreduce at each;
+//! - per link speed (1, 10, 100 and 400 Gbit/s), from the step-time model of
+//!   `measure/overlap.rs` on the link model of `collectives::link` (20 us per message,
+//!   ring costs at `--ranks N` ranks, default 2): the **communication-only** time (hook
+//!   time plus the link time of every collective of one step; no backward, no overlap)
+//!   and, with `--backward-ms MS`, the **step** time: the buckets (in launch order, each
+//!   with its collectives, attributed by one untimed step after the timed ones) become
+//!   ready as a backward of MS ms produces the gradients, and one stream serialises
+//!   their hook and link times; each with its speedup over allreduce;
 //! - local SGD and DiLoCo rows (periods 4 and 16, H = 16 and 64): they all-reduce the
 //!   model (or its pseudo-gradient) once a period, so their time, bytes and link cost are
 //!   the all-reduce row's over the period (`amortised_over`);
-//! - the break-even bandwidth: step time is `a + b / bandwidth` for every hook, so the
-//!   speed at which a hook and allreduce take equally long is solved exactly; it is
-//!   given where the hook wins below it and loses above it, `null` where one of them
-//!   wins at every speed.
+//! - the break-even bandwidth of each (the speed at which a hook and allreduce take
+//!   equally long, found on a log grid and refined by bisection); it is given where the
+//!   hook wins below it and loses above it, `null` where one of them wins at every speed
+//!   from 0.001 to 10^6 Gbit/s.
 //!
 //! Output, one JSON object per line: `{"kind":"machine",...}` (CPU, cores, instruction
 //! set, read bandwidth), `{"kind":"plan","rows":N}`, then `{"kind":"start",...}`
 //! before each measurement (one for the three alternated hooks) and `{"kind":"row",...}`
 //! per row after.
 //!
-//! Arguments: `--quick` (4 x Linear and BERT-base, fewer steps), `--models a,b`,
-//! `--steps N` (timed steps of every model), `--isa avx512|avx2|portable` (the kernels
-//! and the thread backend's 16-bit loops of that instruction set, as on a CPU that has
-//! no wider one).
+//! Arguments (anything else is an error): `--quick` (4 x Linear and BERT-base, fewer
+//! steps), `--models a,b` (presets), `--shapes FILE` (the user's model, a JSON list of
+//! parameter shapes, `models/shapes.rs`; alone unless `--models` adds presets),
+//! `--ranks N` (the link model's world size, 2 to 2^20; the hooks still run on 2 thread
+//! ranks), `--backward-ms MS` (the backward the buckets overlap with), `--steps N` (timed
+//! steps of every model), `--isa avx512|avx2|portable` (the kernels and the thread
+//! backend's 16-bit loops of that instruction set, as on a CPU that has no wider one).
 
 #[path = "measure/mod.rs"]
 mod measure;
 #[path = "models/mod.rs"]
 mod models;
 
-use collectives::link::{Link, LinkOp};
 use ddp_hooks::HookSpec;
+use measure::overlap::{self, Profile};
 use measure::{LATENCY, RANKS};
 use serde_json::{json, Value};
 use std::io::Write;
 
-/// The link speeds of the report, in Gbit/s.
-const SPEEDS: [f64; 4] = [1.0, 10.0, 100.0, 400.0];
+use overlap::SPEEDS;
 
 /// The hooks of the report: (name in the report, spec, PowerSGD rank or 0). The first
 /// ones with rank 0 run alternated step by step; the quantization hooks (PyTorch's
@@ -76,7 +83,16 @@ struct Args {
     models: Option<Vec<String>>,
     steps: Option<usize>,
     isa: Option<String>,
+    /// `--shapes FILE`: the user's model.
+    shapes: Option<models::shapes::UserModel>,
+    /// `--ranks N`: the link model's world size.
+    ranks: Option<usize>,
+    /// `--backward-ms MS`: the backward pass the buckets overlap with.
+    backward_ms: Option<f64>,
 }
+
+/// The most ranks `--ranks` takes.
+const MAX_LINK_RANKS: usize = 1 << 20;
 
 fn args() -> Result<Args, String> {
     let mut a = Args {
@@ -84,6 +100,9 @@ fn args() -> Result<Args, String> {
         models: None,
         steps: None,
         isa: None,
+        shapes: None,
+        ranks: None,
+        backward_ms: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -92,6 +111,32 @@ fn args() -> Result<Args, String> {
             "--models" => {
                 let v = it.next().ok_or("--models needs a list")?;
                 a.models = Some(v.split(',').map(str::to_string).collect());
+            }
+            "--shapes" => {
+                let v = it.next().ok_or("--shapes needs a file")?;
+                a.shapes = Some(models::shapes::read(std::path::Path::new(&v))?);
+            }
+            "--ranks" => {
+                let v = it.next().ok_or("--ranks needs a number")?;
+                a.ranks = Some(
+                    v.parse()
+                        .ok()
+                        .filter(|n| (2..=MAX_LINK_RANKS).contains(n))
+                        .ok_or(format!(
+                            "--ranks {v}: expected an integer from 2 to {MAX_LINK_RANKS}"
+                        ))?,
+                );
+            }
+            "--backward-ms" => {
+                let v = it.next().ok_or("--backward-ms needs milliseconds")?;
+                a.backward_ms = Some(
+                    v.parse::<f64>()
+                        .ok()
+                        .filter(|x| x.is_finite() && *x > 0.0 && *x <= 1e7)
+                        .ok_or(format!(
+                            "--backward-ms {v}: expected a positive number of milliseconds (at most 1e7)"
+                        ))?,
+                );
             }
             "--steps" => {
                 let v = it.next().ok_or("--steps needs a number")?;
@@ -135,42 +180,15 @@ fn cpu_model() -> String {
         .unwrap_or_else(|| std::env::consts::ARCH.to_string())
 }
 
-/// Step time as `fixed + per_gbit / bandwidth` (ms, bandwidth in Gbit/s), from the link
-/// model: every cost is linear in the inverse bandwidth, so two speeds determine it.
-fn step_model(hook_ms: f64, ops: &[LinkOp]) -> (f64, f64) {
-    let cost = |gbit: f64| {
-        let link = Link::gbit(gbit, LATENCY).expect("positive link speeds");
-        ops.iter()
-            .map(|&op| link.cost(RANKS, op).as_secs_f64() * 1e3)
-            .sum::<f64>()
-    };
-    let (at1, at2) = (cost(1.0), cost(2.0));
-    let per_gbit = 2.0 * (at1 - at2);
-    (hook_ms + at1 - per_gbit, per_gbit)
+/// `row` with the fields of `more` added.
+fn with(mut row: Value, more: serde_json::Map<String, Value>) -> Value {
+    if let Value::Object(o) = &mut row {
+        o.extend(more);
+    }
+    row
 }
 
-/// The bandwidth below which the hook's step (`a_h + b_h / x`) is faster than
-/// allreduce's (`a_a + b_a / x`), if the two cross with the hook winning on the slow
-/// side; `None` where one wins at every speed (or the hook wins only on the fast side).
-fn break_even((a_h, b_h): (f64, f64), (a_a, b_a): (f64, f64)) -> Option<f64> {
-    let (da, db) = (a_h - a_a, b_a - b_h);
-    (da > 0.0 && db > 0.0).then(|| db / da)
-}
-
-fn keyed(values: impl Iterator<Item = f64>) -> Value {
-    Value::Object(
-        SPEEDS
-            .iter()
-            .zip(values)
-            .map(|(g, v)| (format!("{g}"), json!(round(v, 4))))
-            .collect(),
-    )
-}
-
-fn round(x: f64, digits: i32) -> f64 {
-    let s = 10f64.powi(digits);
-    (x * s).round() / s
-}
+use overlap::round;
 
 fn emit(v: Value) {
     let mut out = std::io::stdout().lock();
@@ -205,6 +223,9 @@ fn main() {
             std::process::exit(2);
         }
         presets.retain(|(n, ..)| wanted.iter().any(|w| w == n));
+    } else if a.shapes.is_some() {
+        // The user's model alone, unless `--models` adds presets to compare with.
+        presets.clear();
     } else if a.quick {
         presets.retain(|(n, ..)| matches!(*n, "linear4x1024" | "bert-base"));
     }
@@ -218,6 +239,22 @@ fn main() {
             std::process::exit(1);
         }
     }
+    // (name, shapes, whether the hook runs on one bucket of everything), in report order.
+    let mut runs: Vec<(String, Vec<Vec<usize>>, bool)> = presets
+        .iter()
+        .map(|(n, shapes, direct)| (n.to_string(), shapes(), *direct))
+        .collect();
+    if let Some(user) = a.shapes.clone() {
+        if models::presets().iter().any(|(n, ..)| *n == user.name) {
+            eprintln!(
+                "report: --shapes: the model is named `{}`, as a preset is; name it otherwise with {{\"name\": ..., \"shapes\": [...]}}",
+                user.name
+            );
+            std::process::exit(2);
+        }
+        runs.push((user.name, user.shapes, false));
+    }
+    let link_ranks = a.ranks.unwrap_or(RANKS);
     let bw = measure::read_bandwidth();
     let isa = measure::backend().isa();
     emit(json!({
@@ -227,19 +264,21 @@ fn main() {
         "isa": isa.name(),
         "read_gbps": round(bw / 1e9, 2),
         "ranks": RANKS,
+        "link_ranks": link_ranks,
+        "backward_ms": a.backward_ms,
         "threads_per_rank": 1,
         "latency_us": LATENCY.as_secs_f64() * 1e6,
         "link": "accounted",
         "quick": a.quick,
     }));
-    emit(json!({"kind": "plan", "rows": presets.len() * (HOOKS.len() + AMORTISED.len())}));
-    for (model, shapes, direct) in presets {
-        let shapes = shapes();
+    emit(json!({"kind": "plan", "rows": runs.len() * (HOOKS.len() + AMORTISED.len())}));
+    for (model, shapes, direct) in runs {
+        let model = model.as_str();
         let params = models::params(&shapes);
         let grad_bytes = 4 * params;
         let steps = a.steps.unwrap_or_else(|| steps_for(model, a.quick));
         let grads = measure::synthetic_ranks(&shapes);
-        let mut base: Option<((f64, f64), Vec<f64>)> = None;
+        let mut base: Option<Profile> = None;
         // The all-reduce and the 16-bit hooks alternate step by step, so that load drifts
         // between them do not move their comparison; the others run one by one.
         let stateless = HOOKS.iter().take_while(|h| h.2 == 0).count();
@@ -268,29 +307,27 @@ fn main() {
             let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
             let hook_ms = ms(m.median());
             let sent = m.bytes_sent();
-            let at: Vec<f64> = SPEEDS
-                .iter()
-                .map(|&g| hook_ms + ms(m.link_time(g)))
-                .collect();
-            let line = step_model(hook_ms, &m.ops);
-            // The line must reproduce the link model at every priced speed, or the chart
-            // and the break-even would not match the table.
-            for (&g, &t) in SPEEDS.iter().zip(&at) {
-                let modelled = line.0 + line.1 / g;
-                if (modelled - t).abs() > 1e-6 * t.max(1.0) {
-                    eprintln!("report: {model} {hook}: the step-time line gives {modelled} ms at {g} Gbit/s, the link model {t} ms");
+            let profile = m.profile(&shapes, hook_ms, link_ranks);
+            // The buckets must add up to the whole step's hook and link time at every
+            // priced speed, or the overlapped figures would price another step.
+            for &g in &SPEEDS {
+                let whole = hook_ms + ms(m.link_time_on(g, link_ranks));
+                let parts = profile.comm_only_ms(g);
+                if (parts - whole).abs() > 1e-6 * whole.max(1.0) {
+                    eprintln!("report: {model} {hook}: the buckets give {parts} ms at {g} Gbit/s, the whole step {whole} ms");
                     std::process::exit(1);
                 }
             }
-            let (base_line, base_at) = base.get_or_insert_with(|| (line, at.clone())).clone();
+            let base_profile = base.get_or_insert_with(|| profile.clone()).clone();
             let bound = measure::bound_passes(parsed)
                 .map(|passes| hook_ms / (passes * grad_bytes as f64 / bw * 1e3));
-            emit(json!({
+            let row = json!({
                 "kind": "row",
                 "model": model,
                 "hook": hook,
                 "rank": rank,
                 "ranks": RANKS,
+                "link_ranks": link_ranks,
                 "hook_ms": round(hook_ms, 4),
                 "hook_ms_min": round(ms(*m.steps.iter().min().expect("steps")), 4),
                 "hook_ms_max": round(ms(*m.steps.iter().max().expect("steps")), 4),
@@ -301,26 +338,29 @@ fn main() {
                 "compression_ratio": round(grad_bytes as f64 / sent.max(1) as f64, 3),
                 "bound_ratio": bound.map(|b| round(b, 3)),
                 "vs_allreduce": vs_allreduce,
-                "step_ms_at": keyed(at.iter().copied()),
-                "speedup_at": keyed(base_at.iter().zip(&at).map(|(b, s)| b / s)),
-                "break_even_gbit": break_even(line, base_line).map(|b| round(b, 3)),
-                "fixed_ms": round(line.0, 6),
-                "ms_gbit": round(line.1, 6),
-            }));
+            });
+            emit(with(
+                row,
+                overlap::priced(&profile, &base_profile, a.backward_ms),
+            ));
             if allreduce.is_none() {
                 // Local SGD and DiLoCo, which all-reduce the whole model (or its
-                // pseudo-gradient) once every `period` steps: the all-reduce's time, bytes
-                // and link cost amortised over the period.
+                // pseudo-gradient) once every `period` steps, after the optimizer step:
+                // the all-reduce's time, bytes and link cost amortised over the period,
+                // not overlapped with the backward.
                 for (method, period) in AMORTISED {
                     let p = period as f64;
-                    let line = (line.0 / p, line.1 / p);
-                    let at: Vec<f64> = at.iter().map(|t| t / p).collect();
-                    emit(json!({
+                    let amortised = Profile {
+                        period,
+                        ..profile.clone()
+                    };
+                    let row = json!({
                         "kind": "row",
                         "model": model,
                         "hook": method,
                         "rank": 0,
                         "ranks": RANKS,
+                        "link_ranks": link_ranks,
                         "amortised_over": period,
                         "hook_ms": round(hook_ms / p, 4),
                         "hook_ms_min": round(ms(*m.steps.iter().min().expect("steps")) / p, 4),
@@ -332,12 +372,11 @@ fn main() {
                         "compression_ratio": round(p * grad_bytes as f64 / sent.max(1) as f64, 3),
                         "bound_ratio": null,
                         "vs_allreduce": round(1.0 / p, 3),
-                        "step_ms_at": keyed(at.iter().copied()),
-                        "speedup_at": keyed(base_at.iter().zip(&at).map(|(b, s)| b / s)),
-                        "break_even_gbit": null,
-                        "fixed_ms": round(line.0, 6),
-                        "ms_gbit": round(line.1, 6),
-                    }));
+                    });
+                    emit(with(
+                        row,
+                        overlap::priced(&amortised, &base_profile, a.backward_ms),
+                    ));
                 }
                 allreduce = Some(m);
             }

@@ -30,7 +30,10 @@ commands:
                             benchmarks in release builds. Without SUITE: the compression-throughput
                             report (every hook on 4 x Linear, ResNet-50, BERT-base, GPT-2 small, priced
                             at 1-400 Gbit/s; writes target/bench/report.jsonl and speedup.svg).
-                            SUITE: report, lowrank, collectives, hooks, accum, pipe
+                            SUITE: report, lowrank, collectives, hooks, accum, pipe.
+                            The report's flags: --shapes FILE (your model's parameter shapes, JSON),
+                            --models A,B, --ranks N (link world size), --steps K, --backward-ms MS
+                            (your backward: overlapped step times), --gpu-report FILE (cuda_hooks.jsonl)
   train [--hook SPEC] [--ranks N] [--steps N] [--accumulate K] [--batch N] [--pipe P]
         [--compare | --resume-at K | --backend threads|mpi]
                             N thread ranks (default 4) train the teacher-student MLP through the
@@ -72,6 +75,13 @@ impl<E: std::fmt::Display> From<E> for Failure {
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    if !matches!(
+        args.first().map(String::as_str),
+        None | Some("-h" | "--help" | "help")
+    ) {
+        // Outside a workspace, say so before anything else.
+        workspace_root();
+    }
     let result = match args.first().map(String::as_str) {
         Some("test") => test::run(&args[1..]),
         Some("bench") => match bench::parse(&args[1..]) {
@@ -138,10 +148,76 @@ pub fn target_dir() -> std::path::PathBuf {
         .unwrap_or_else(|| workspace_root().join("target"))
 }
 
-/// The workspace root (the parent of this crate's directory).
+/// The workspace root, found at run time from the current directory (see
+/// [`find_workspace`]), once per process. Outside a workspace this prints why and exits
+/// with status 1: nothing `cargo xtask` does makes sense there.
+///
+/// Not the directory xtask was compiled in (`env!("CARGO_MANIFEST_DIR")`): with one
+/// `CARGO_TARGET_DIR` shared by two clones, cargo reuses one xtask binary for both, and
+/// a compile-time root would send one clone's output into the other.
 pub fn workspace_root() -> std::path::PathBuf {
-    let here = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-    here.parent().unwrap_or(here).to_path_buf()
+    static ROOT: std::sync::OnceLock<Result<std::path::PathBuf, String>> =
+        std::sync::OnceLock::new();
+    let root = ROOT.get_or_init(|| {
+        std::env::current_dir()
+            .map_err(|e| format!("cannot read the current directory: {e}"))
+            .and_then(|cwd| find_workspace(&cwd))
+    });
+    match root {
+        Ok(root) => root.clone(),
+        Err(why) => {
+            eprintln!("xtask: {why}");
+            std::process::exit(1);
+        }
+    }
+}
+
+/// The root of the Cargo workspace that `dir` is in: the folder of the manifest that
+/// `cargo locate-project --workspace --message-format plain` names when run in `dir`,
+/// if that manifest has a `[workspace]` table; otherwise the nearest folder at or above
+/// `dir` whose `Cargo.toml` has one ([`walk_up_to_workspace`]). Neither: an error
+/// naming `dir`.
+pub fn find_workspace(dir: &std::path::Path) -> Result<std::path::PathBuf, String> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let located = Command::new(&cargo)
+        .args(["locate-project", "--workspace", "--message-format", "plain"])
+        .current_dir(dir)
+        .stdin(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .output();
+    let why = match located {
+        Ok(out) if out.status.success() => {
+            let manifest = std::path::PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+            if has_workspace_table(&manifest) {
+                if let Some(root) = manifest.parent() {
+                    return Ok(root.to_path_buf());
+                }
+            }
+            format!("{} has no [workspace] table", manifest.display())
+        }
+        Ok(out) => String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        Err(e) => format!("could not run `{cargo} locate-project`: {e}"),
+    };
+    walk_up_to_workspace(dir).ok_or_else(|| {
+        format!(
+            "not inside a Cargo workspace: no Cargo.toml with a [workspace] table in {} or any folder above it (cargo locate-project: {why}); run `cargo xtask` from the workspace",
+            dir.display()
+        )
+    })
+}
+
+/// The nearest folder at or above `dir` whose `Cargo.toml` has a `[workspace]` table.
+pub fn walk_up_to_workspace(dir: &std::path::Path) -> Option<std::path::PathBuf> {
+    dir.ancestors()
+        .find(|d| has_workspace_table(&d.join("Cargo.toml")))
+        .map(std::path::Path::to_path_buf)
+}
+
+/// Whether the manifest at `path` has a `[workspace]` table (a line `[workspace]`).
+fn has_workspace_table(path: &std::path::Path) -> bool {
+    std::fs::read_to_string(path)
+        .map(|s| s.lines().any(|l| l.trim() == "[workspace]"))
+        .unwrap_or(false)
 }
 
 /// Whether `program` is on `PATH`.
@@ -195,4 +271,89 @@ pub fn mpirun(ranks: usize) -> Command {
     .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none");
     cmd
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::{Path, PathBuf};
+
+    /// A fresh folder under the system's temporary one, removed when dropped.
+    struct TempDir(PathBuf);
+
+    impl TempDir {
+        fn new(tag: &str) -> TempDir {
+            let dir = std::env::temp_dir().join(format!(
+                "xtask-{tag}-{}-{:?}",
+                std::process::id(),
+                std::time::SystemTime::now()
+            ));
+            std::fs::create_dir_all(&dir).unwrap();
+            TempDir(dir.canonicalize().unwrap())
+        }
+    }
+
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    /// A minimal workspace, as a second clone would be: a `[workspace]` manifest and one
+    /// member package.
+    fn workspace(tag: &str) -> TempDir {
+        let t = TempDir::new(tag);
+        std::fs::write(
+            t.0.join("Cargo.toml"),
+            "[workspace]\nmembers = [\"member\"]\nresolver = \"2\"\n",
+        )
+        .unwrap();
+        std::fs::create_dir_all(t.0.join("member/src/deep")).unwrap();
+        std::fs::write(
+            t.0.join("member/Cargo.toml"),
+            "[package]\nname = \"member\"\nversion = \"0.1.0\"\nedition = \"2021\"\n",
+        )
+        .unwrap();
+        std::fs::write(t.0.join("member/src/lib.rs"), "").unwrap();
+        t
+    }
+
+    /// From a member folder of another workspace, the root is that workspace's, not the
+    /// one xtask was compiled in; the walk-up fallback agrees.
+    #[test]
+    fn the_workspace_is_found_from_the_current_directory() {
+        let ws = workspace("root");
+        let compiled_in = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+        for cwd in [
+            ws.0.join("member"),
+            ws.0.join("member/src/deep"),
+            ws.0.clone(),
+        ] {
+            let root = find_workspace(&cwd).unwrap();
+            assert_eq!(root, ws.0, "from {}", cwd.display());
+            assert_ne!(root, compiled_in);
+            assert_eq!(walk_up_to_workspace(&cwd), Some(ws.0.clone()));
+        }
+    }
+
+    /// Outside any workspace, the error says so and names the folder.
+    #[test]
+    fn outside_a_workspace_is_a_clear_error() {
+        let t = TempDir::new("none");
+        std::fs::create_dir_all(t.0.join("a/b")).unwrap();
+        // A package that is not a workspace does not count either.
+        std::fs::write(
+            t.0.join("a/Cargo.toml"),
+            "[package]\nname = \"a\"\nversion = \"0.1.0\"\n",
+        )
+        .unwrap();
+        let dir = t.0.join("a/b");
+        if walk_up_to_workspace(&dir).is_some() {
+            // The temporary folder itself lies inside a workspace: nothing to check.
+            return;
+        }
+        let e = find_workspace(&dir).unwrap_err();
+        assert!(e.contains("not inside a Cargo workspace"), "{e}");
+        assert!(e.contains(&dir.display().to_string()), "{e}");
+    }
 }

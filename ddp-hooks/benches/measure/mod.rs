@@ -5,12 +5,15 @@
 
 #![allow(dead_code)]
 
+pub mod overlap;
+
 use collectives::link::{Charge, Link, LinkOp, Linked};
 use collectives::{run_local, ProcessGroup};
 use ddp_hooks::{CommHook, GradBucket, HookSpec, Layout, Reducer, ReducerConfig};
 use lowrank::{CpuBackend, NormalRng};
 use std::hint::black_box;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// Ranks of every hook measurement.
@@ -144,6 +147,10 @@ pub struct Measured {
     pub steps: Vec<Duration>,
     /// The collectives of one step, as rank 0 issued them.
     pub ops: Vec<LinkOp>,
+    /// Per bucket of that step, in launch order: its parameter indices (forward order)
+    /// and the collectives it issued, from one untimed step after the timed ones
+    /// (see [`Attributed`]). One bucket of every parameter for a `direct` run.
+    pub buckets: Vec<(Vec<usize>, Vec<LinkOp>)>,
 }
 
 impl Measured {
@@ -171,10 +178,53 @@ impl Measured {
         self.ops.iter().map(LinkOp::bytes).sum()
     }
 
-    /// Modelled link time of one step at `gbit` Gbit/s.
+    /// Modelled link time of one step at `gbit` Gbit/s on [`RANKS`] ranks.
     pub fn link_time(&self, gbit: f64) -> Duration {
+        self.link_time_on(gbit, RANKS)
+    }
+
+    /// Modelled link time of one step at `gbit` Gbit/s on `ranks` ranks.
+    pub fn link_time_on(&self, gbit: f64, ranks: usize) -> Duration {
         let link = Link::gbit(gbit, LATENCY).expect("benchmark link speeds are positive");
-        self.ops.iter().map(|&op| link.cost(RANKS, op)).sum()
+        self.ops.iter().map(|&op| link.cost(ranks, op)).sum()
+    }
+
+    /// The step's communication profile for the step-time model ([`overlap`]): per
+    /// bucket, when the backward pass (over `shapes`) has it ready, its share of
+    /// `hook_ms` (by element count) and the link time of its collectives on `ranks`
+    /// ranks, as `fixed + per_gbit / gbit` (every link cost is linear in the inverse
+    /// bandwidth, so two speeds determine it).
+    pub fn profile(&self, shapes: &[Vec<usize>], hook_ms: f64, ranks: usize) -> overlap::Profile {
+        let params: Vec<Vec<usize>> = self.buckets.iter().map(|(p, _)| p.clone()).collect();
+        let ready = overlap::ready_fractions(shapes, &params);
+        let elements = |ps: &[usize]| -> f64 {
+            ps.iter()
+                .map(|&p| shapes[p].iter().product::<usize>() as f64)
+                .sum()
+        };
+        let total: f64 = params.iter().map(|p| elements(p)).sum::<f64>().max(1.0);
+        let cost = |ops: &[LinkOp], gbit: f64| {
+            let link = Link::gbit(gbit, LATENCY).expect("positive link speeds");
+            ops.iter()
+                .map(|&op| link.cost(ranks, op).as_secs_f64() * 1e3)
+                .sum::<f64>()
+        };
+        let buckets = self
+            .buckets
+            .iter()
+            .zip(ready)
+            .map(|((ps, ops), ready)| {
+                let (at1, at2) = (cost(ops, 1.0), cost(ops, 2.0));
+                let per_gbit = 2.0 * (at1 - at2);
+                overlap::BucketCost {
+                    ready,
+                    hook_ms: hook_ms * elements(ps) / total,
+                    link_fixed_ms: at1 - per_gbit,
+                    link_ms_gbit: per_gbit,
+                }
+            })
+            .collect();
+        overlap::Profile { buckets, period: 1 }
     }
 }
 
@@ -228,32 +278,56 @@ pub fn measure_alternating(
                 let hook = spec
                     .build(be.clone(), Arc::new(linked) as Arc<dyn ProcessGroup>)
                     .expect("hook");
+                let attributed = Attributed::new(hook, log.clone());
+                let marks = attributed.marks.clone();
+                let serial = attributed.serial.clone();
                 let run = if direct {
-                    Run::Direct(hook)
+                    Run::Direct(Box::new(attributed))
                 } else {
                     Run::Reducer(Box::new(
-                        Reducer::new(be.clone(), shapes, hook, ReducerConfig::default())
-                            .expect("reducer"),
+                        Reducer::new(
+                            be.clone(),
+                            shapes,
+                            Box::new(attributed) as Box<dyn CommHook<CpuBackend>>,
+                            ReducerConfig::default(),
+                        )
+                        .expect("reducer"),
                     ))
                 };
-                (run, log, Vec::with_capacity(steps))
+                HookRun {
+                    run,
+                    log,
+                    times: Vec::with_capacity(steps),
+                    marks,
+                    serial,
+                    timed_ops: Vec::new(),
+                    buckets: Vec::new(),
+                }
             })
             .collect();
         let n = runs.len();
-        for step in 0..warmup + steps {
+        for step in 0..warmup + steps + 1 {
+            // The step after the timed ones attributes each bucket's collectives to it
+            // (each bucket waited for before the next starts); it is not timed.
+            let attribute = step == warmup + steps;
             // Each step starts at the next hook, so that no hook always runs right after
             // the same other one.
             for k in 0..n {
-                let (run, log, times) = &mut runs[(step + k) % n];
-                let t = match run {
+                let h = &mut runs[(step + k) % n];
+                if attribute {
+                    h.timed_ops = std::mem::take(&mut *h.log.lock().expect("log"));
+                    h.marks.lock().expect("marks").clear();
+                    h.serial.store(true, Ordering::SeqCst);
+                }
+                if step == warmup {
+                    h.log.lock().expect("log").clear();
+                }
+                let t = match &mut h.run {
                     Run::Direct(hook) => {
                         let bucket = {
                             let (flat, layout) = direct_bucket.as_ref().expect("a direct run");
                             GradBucket::new(0, 1, flat.clone(), layout.clone()).expect("bucket")
                         };
-                        if step == warmup {
-                            log.lock().expect("log").clear();
-                        }
                         let t = Instant::now();
                         black_box(hook.run(bucket).wait().expect("hook"));
                         t.elapsed()
@@ -261,9 +335,6 @@ pub fn measure_alternating(
                     Run::Reducer(reducer) => {
                         for (p, g) in grads.iter().enumerate() {
                             reducer.grad_mut(p).expect("grad").copy_from_slice(g);
-                        }
-                        if step == warmup {
-                            log.lock().expect("log").clear();
                         }
                         let t = Instant::now();
                         for p in (0..shapes.len()).rev() {
@@ -273,14 +344,22 @@ pub fn measure_alternating(
                         t.elapsed()
                     }
                 };
-                times.push(t);
+                if attribute {
+                    h.serial.store(false, Ordering::SeqCst);
+                    let params = match &h.run {
+                        Run::Direct(_) => vec![(0..shapes.len()).collect()],
+                        Run::Reducer(reducer) => reducer.bucket_params(),
+                    };
+                    let ops = std::mem::take(&mut *h.log.lock().expect("log"));
+                    let marks = h.marks.lock().expect("marks").clone();
+                    h.buckets = split_by_bucket(params, &ops, &marks);
+                } else {
+                    h.times.push(t);
+                }
             }
         }
         runs.into_iter()
-            .map(|(_, log, mut times)| {
-                let ops = std::mem::take(&mut *log.lock().expect("log"));
-                (times.split_off(warmup), ops)
-            })
+            .map(|mut h| (h.times.split_off(warmup), h.timed_ops, h.buckets))
             .collect::<Vec<_>>()
     })
     .expect("ranks");
@@ -292,10 +371,110 @@ pub fn measure_alternating(
                 .collect();
             let ops = &ranks[0][h].1;
             let per_step = ops.len() / steps.max(1);
+            let ops = ops[..per_step].to_vec();
+            let buckets = ranks[0][h].2.clone();
+            // The attributed step must have issued what a timed step did, or the
+            // per-bucket split would price another step than the table.
+            let mut attributed: Vec<LinkOp> = buckets
+                .iter()
+                .flat_map(|(_, o)| o.iter().copied())
+                .collect();
+            let mut timed = ops.clone();
+            let key = |o: &LinkOp| format!("{o:?}");
+            attributed.sort_by_key(key);
+            timed.sort_by_key(key);
+            assert_eq!(
+                attributed, timed,
+                "the attributed step issued other collectives than a timed step"
+            );
             Measured {
                 steps: steps_max,
-                ops: ops[..per_step].to_vec(),
+                ops,
+                buckets,
             }
+        })
+        .collect()
+}
+
+/// One hook of [`measure_alternating`] on one rank.
+struct HookRun {
+    run: Run,
+    log: Arc<Mutex<Vec<LinkOp>>>,
+    times: Vec<Duration>,
+    marks: Arc<Mutex<Vec<(usize, usize, usize)>>>,
+    serial: Arc<AtomicBool>,
+    /// The collectives of the timed steps.
+    timed_ops: Vec<LinkOp>,
+    /// Per bucket of the attributed step: its parameters and collectives.
+    buckets: Vec<(Vec<usize>, Vec<LinkOp>)>,
+}
+
+/// A hook that, while `serial` is set, waits for each bucket before returning it (as a
+/// finished [`collectives::Work`]) and records which collectives of the link log it
+/// issued: `(bucket index, log length before, after)`. Unset, it only forwards; the
+/// timed steps run with it unset, the attribution step after them with it set.
+pub struct Attributed {
+    inner: Box<dyn CommHook<CpuBackend>>,
+    log: Arc<Mutex<Vec<LinkOp>>>,
+    /// The recorded `(bucket, log start, log end)` of the serial buckets.
+    pub marks: Arc<Mutex<Vec<(usize, usize, usize)>>>,
+    /// Whether buckets are waited for and attributed.
+    pub serial: Arc<AtomicBool>,
+}
+
+/// How long the attribution step waits for one bucket.
+const BUCKET_TIMEOUT: Duration = Duration::from_secs(300);
+
+impl Attributed {
+    /// Wraps `inner`, whose group logs its collectives into `log`.
+    pub fn new(inner: Box<dyn CommHook<CpuBackend>>, log: Arc<Mutex<Vec<LinkOp>>>) -> Self {
+        Attributed {
+            inner,
+            log,
+            marks: Arc::default(),
+            serial: Arc::default(),
+        }
+    }
+}
+
+impl CommHook<CpuBackend> for Attributed {
+    fn name(&self) -> String {
+        self.inner.name()
+    }
+
+    fn run(&mut self, bucket: GradBucket<CpuBackend>) -> collectives::Work<Vec<f32>> {
+        if !self.serial.load(Ordering::SeqCst) {
+            return self.inner.run(bucket);
+        }
+        let index = bucket.index();
+        let before = self.log.lock().expect("log").len();
+        let result = self.inner.run(bucket).wait_timeout(BUCKET_TIMEOUT);
+        let after = self.log.lock().expect("log").len();
+        self.marks
+            .lock()
+            .expect("marks")
+            .push((index, before, after));
+        collectives::Work::ready(result)
+    }
+}
+
+/// Splits the attributed step's log by bucket: bucket `b` (parameters `params[b]`) gets
+/// the log entries its mark names (none where it has no mark).
+fn split_by_bucket(
+    params: Vec<Vec<usize>>,
+    ops: &[LinkOp],
+    marks: &[(usize, usize, usize)],
+) -> Vec<(Vec<usize>, Vec<LinkOp>)> {
+    params
+        .into_iter()
+        .enumerate()
+        .map(|(b, ps)| {
+            let mine = marks
+                .iter()
+                .filter(|m| m.0 == b)
+                .flat_map(|&(_, lo, hi)| ops.get(lo..hi).unwrap_or_default().iter().copied())
+                .collect();
+            (ps, mine)
         })
         .collect()
 }

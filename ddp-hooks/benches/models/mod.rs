@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod shapes;
+
 /// 4 x Linear(1024, 1024) with bias: 4.2 M parameters, 16.8 MB of gradients.
 pub fn linear4() -> Vec<Vec<usize>> {
     (0..4)

@@ -102,12 +102,19 @@ pub fn zero(layers: &mut [Box<dyn Layer<CpuTensor>>]) {
 }
 
 /// The workspace's target directory (`CARGO_TARGET_DIR`, or `target/` beside the crates),
-/// where the benches write their pictures and traces.
+/// where the benches write their pictures and traces. The package folder is read at run
+/// time (`CARGO_MANIFEST_DIR`, which `cargo bench` sets for the bench it runs, else the
+/// current directory, which cargo makes the package folder), not at compile time: with
+/// a target directory shared by two clones, one compiled bench would otherwise write
+/// into the clone it was built from.
 pub fn target_dir() -> std::path::PathBuf {
     std::env::var_os("CARGO_TARGET_DIR")
         .map(std::path::PathBuf::from)
         .unwrap_or_else(|| {
-            std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            std::env::var_os("CARGO_MANIFEST_DIR")
+                .map(std::path::PathBuf::from)
+                .or_else(|| std::env::current_dir().ok())
+                .unwrap_or_else(|| std::path::PathBuf::from("."))
                 .join("..")
                 .join("target")
         })

@@ -1,8 +1,10 @@
 //! The compression-throughput report: runs `ddp-hooks/benches/report.rs` (release),
-//! shows a progress bar while it measures, then prints the table and writes
-//! `target/bench/report.jsonl`, `report.txt` and `speedup.svg`.
+//! shows a progress bar while it measures, merges the GPU rows of `--gpu-report`, then
+//! prints the table and writes `target/bench/report.jsonl`, `report.txt` and
+//! `speedup.svg`.
 
 use super::rows::{Machine, Row, SPEEDS};
+use super::ReportOptions;
 use crate::{built_executable, Failure};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::Value;
@@ -18,16 +20,32 @@ fn out_dir() -> PathBuf {
 
 /// Builds and runs the report, then writes its files and prints the table (or, with
 /// `json`, the JSON lines).
-pub fn run(quick: bool, json: bool, isa: Option<&str>) -> Result<(), Failure> {
+pub fn run(
+    quick: bool,
+    json: bool,
+    isa: Option<&str>,
+    options: &ReportOptions,
+) -> Result<(), Failure> {
+    let gpu = match &options.gpu_report {
+        Some(f) => Some(super::gpu::read(f).map_err(Failure)?),
+        None => None,
+    };
     let exe = built_executable("bench", &["-p", "ddp-hooks", "--bench", "report"], "report")?;
     let started = std::time::Instant::now();
     let mut cmd = Command::new(&exe);
+    // The bench runs in the workspace root, so a relative `--shapes` means what it meant
+    // where xtask was started only if it is made absolute first.
+    let mut options = options.clone();
+    if let Some(f) = &options.shapes {
+        options.shapes = Some(std::path::absolute(f)?);
+    }
     if quick {
         cmd.arg("--quick");
     }
     if let Some(isa) = isa {
         cmd.args(["--isa", isa]);
     }
+    cmd.args(options.bench_args());
     cmd.stdout(Stdio::piped()).stderr(Stdio::inherit());
     eprintln!("xtask: running {cmd:?}");
     let mut child = cmd
@@ -83,11 +101,15 @@ pub fn run(quick: bool, json: bool, isa: Option<&str>) -> Result<(), Failure> {
     if rows.is_empty() {
         return Err(Failure("the report measured no rows".into()));
     }
+    let notes = match &gpu {
+        Some(gpu) => super::gpu::merge(&mut rows, gpu, machine.backward_ms()),
+        None => Vec::new(),
+    };
     let dir = out_dir();
     std::fs::create_dir_all(&dir)?;
     let jsonl: String = rows.iter().map(|r| r.jsonl() + "\n").collect();
     std::fs::write(dir.join("report.jsonl"), &jsonl)?;
-    let text = table(&machine, &rows);
+    let text = table(&machine, &rows, &notes);
     std::fs::write(dir.join("report.txt"), &text)?;
     std::fs::write(dir.join("speedup.svg"), super::svg::chart(&machine, &rows))?;
     if json {
@@ -128,36 +150,112 @@ fn ms(x: f64) -> String {
     }
 }
 
-/// The break-even column: where the hook stops beating allreduce, or whether one of the
-/// two wins at every speed.
-fn break_even(row: &Row, base: Option<&Row>) -> String {
-    if let Some(b) = row.0["break_even_gbit"].as_f64() {
+/// A number, or `-` where there is none.
+fn or_dash(x: f64, show: impl Fn(f64) -> String) -> String {
+    if x.is_finite() {
+        show(x)
+    } else {
+        "-".into()
+    }
+}
+
+/// The break-even column of the figures keyed `prefix` (`comm_only` or `step`): where
+/// the hook stops beating its baseline, or whether one of the two wins at every speed.
+fn break_even(row: &Row, base: Option<&Row>, prefix: &str, backward: Option<f64>) -> String {
+    if let Some(b) = row.0[format!("{prefix}_break_even_gbit")].as_f64() {
         return format!("< {b:.1} Gbit/s");
     }
     let Some(base) = base else {
         return "-".into();
     };
-    if row.str("hook") == "allreduce" {
+    if row.label() == base.label() {
         return "-".into();
     }
-    // No crossing: the hook wins everywhere or nowhere; its speed at 1 Gbit/s says which.
-    if row.step_ms(1.0) < base.step_ms(1.0) {
+    // No crossing: the hook wins everywhere or nowhere; its time at 1 Gbit/s says which.
+    let backward = if prefix == "step" { backward } else { None };
+    if row.time_ms(backward, 1.0) < base.time_ms(backward, 1.0) {
         "always".into()
     } else {
         "never".into()
     }
 }
 
-/// The terminal table: what was measured, then what it predicts per link speed.
-pub fn table(machine: &Machine, rows: &[Row]) -> String {
+/// One table of priced figures: `prefix` `comm_only` or `step`.
+fn priced_table(
+    t: &mut String,
+    rows: &[Row],
+    prefix: &str,
+    backward: Option<f64>,
+    w: (usize, usize),
+) {
+    let (wm, wh) = w;
+    let _ = write!(t, "{:<wm$} {:<wh$}", "model", "hook");
+    for s in SPEEDS {
+        let _ = write!(t, " {:>16}", format!("{s} Gbit/s"));
+    }
+    let _ = writeln!(t, " {:>16}", "break-even");
+    for r in rows {
+        let base = r.base_in(rows);
+        let _ = write!(t, "{:<wm$} {:<wh$}", r.str("model"), r.label());
+        for s in SPEEDS {
+            let cell = format!(
+                "{} ({:.2}x)",
+                ms(r.at(&format!("{prefix}_ms_at"), s)),
+                r.at(&format!("{prefix}_speedup_at"), s)
+            );
+            let _ = write!(t, " {cell:>16}");
+        }
+        let _ = writeln!(t, " {:>16}", break_even(r, base, prefix, backward));
+    }
+}
+
+/// The terminal table: what was measured, then what it predicts per link speed. `notes`:
+/// the GPU merge's.
+pub fn table(machine: &Machine, rows: &[Row], notes: &[String]) -> String {
     let mut t = String::new();
+    let backward = machine.backward_ms();
+    let n = machine.link_ranks();
     let _ = writeln!(t, "compression-throughput report");
     let _ = writeln!(t, "machine: {}", machine.describe());
     let _ = writeln!(t, "method:  {}", machine.method());
-    let _ = writeln!(t);
+    match backward {
+        None => {
+            let _ = writeln!(
+                t,
+                "figures: COMMUNICATION-ONLY: hook time + modelled link time per step; no forward or backward, no overlap.\n         Speedups are of the communication alone; pass --backward-ms MS (your measured backward pass) for step times."
+            );
+        }
+        Some(b) => {
+            let _ = writeln!(
+                t,
+                "figures: comm-only ms (hook + link, no compute, no overlap), and step ms: a {b} ms backward producing the\n         buckets in reverse order, each bucket's hook and link starting when it is ready, one stream serialising them;\n         the step ends when the last bucket is reduced (end_k = max(ready_k * {b}, end_k-1) + hook_k + link_k; step = max({b}, end_last))."
+            );
+        }
+    }
     let _ = writeln!(
         t,
-        "{:<13} {:<19} {:>20} {:>7} {:>10} {:>8} {:>6} {:>6}",
+        "ranks:   the link is priced for {n} ranks (--ranks N; the hooks ran on {} thread ranks). A ring all-reduce sends 2(N-1)/N of\n         its payload per rank, so the all-reduce's link time grows with N (to twice that of 2 ranks) while PowerSGD's hook\n         time does not: PowerSGD's advantage grows with N (the all-gather based quantize hooks send (N-1)x their payload).",
+        machine.0["ranks"]
+    );
+    for note in notes {
+        let _ = writeln!(t, "gpu:     {note}");
+    }
+    let _ = writeln!(t);
+    let wm = rows
+        .iter()
+        .map(|r| r.str("model").chars().count())
+        .max()
+        .unwrap_or(0)
+        .max(13);
+    let wh = rows
+        .iter()
+        .map(|r| r.label().chars().count())
+        .max()
+        .unwrap_or(0)
+        .max(19);
+    let _ = writeln!(
+        t,
+        "{:<wm$} {:<wh$} {:>20} {:>7} {:>10} {:>8} {:>6} {:>6}",
         "model", "hook", "hook ms (min-max)", "GB/s", "sent/rank", "ratio", "bound", "/ AR"
     );
     for r in rows {
@@ -167,18 +265,23 @@ pub fn table(machine: &Machine, rows: &[Row]) -> String {
         let vs = r.0["vs_allreduce"]
             .as_f64()
             .map_or("-".to_string(), |v| format!("{v:.2}x"));
-        let _ = writeln!(
-            t,
-            "{:<13} {:<19} {:>20} {:>7.2} {:>10} {:>7.0}x {:>6} {:>6}",
-            r.str("model"),
-            r.label(),
+        let hook = if r.num("hook_ms_min").is_finite() {
             format!(
                 "{} ({}-{})",
                 ms(r.num("hook_ms")),
                 ms(r.num("hook_ms_min")),
                 ms(r.num("hook_ms_max"))
-            ),
-            r.num("gbps"),
+            )
+        } else {
+            ms(r.num("hook_ms"))
+        };
+        let _ = writeln!(
+            t,
+            "{:<wm$} {:<wh$} {:>20} {:>7} {:>10} {:>7.0}x {:>6} {:>6}",
+            r.str("model"),
+            r.label(),
+            hook,
+            or_dash(r.num("gbps"), |g| format!("{g:.2}")),
             bytes(r.num("bytes_sent")),
             r.num("compression_ratio"),
             bound,
@@ -188,27 +291,16 @@ pub fn table(machine: &Machine, rows: &[Row]) -> String {
     let _ = writeln!(t);
     let _ = writeln!(
         t,
-        "predicted step ms (speedup over allreduce) at link speed; break-even: the hook is faster below it"
+        "comm-only ms (speedup over allreduce) at link speed: hook + link, no forward/backward, no overlap; break-even: the hook is faster below it"
     );
-    let _ = write!(t, "{:<13} {:<19}", "model", "hook");
-    for s in SPEEDS {
-        let _ = write!(t, " {:>16}", format!("{s} Gbit/s"));
-    }
-    let _ = writeln!(t, " {:>16}", "break-even");
-    for r in rows {
-        let base = rows
-            .iter()
-            .find(|b| b.str("model") == r.str("model") && b.str("hook") == "allreduce");
-        let _ = write!(t, "{:<13} {:<19}", r.str("model"), r.label());
-        for s in SPEEDS {
-            let cell = format!(
-                "{} ({:.2}x)",
-                ms(r.at("step_ms_at", s)),
-                r.at("speedup_at", s)
-            );
-            let _ = write!(t, " {cell:>16}");
-        }
-        let _ = writeln!(t, " {:>16}", break_even(r, base));
+    priced_table(&mut t, rows, "comm_only", backward, (wm, wh));
+    if let Some(b) = backward {
+        let _ = writeln!(t);
+        let _ = writeln!(
+            t,
+            "step ms (backward {b} ms, overlapped) (speedup over allreduce) at link speed; break-even: the hook is faster below it"
+        );
+        priced_table(&mut t, rows, "step", backward, (wm, wh));
     }
     let _ = writeln!(
         t,
@@ -226,33 +318,88 @@ pub fn table(machine: &Machine, rows: &[Row]) -> String {
         t,
         "/ AR: fp16/bf16 run alternated step by step with allreduce; median over the steps of their time / allreduce's."
     );
+    if rows.iter().any(|r| !r.0["device"].is_null()) {
+        let _ = writeln!(
+            t,
+            "gpu rows: hook ms measured on the GPU by gpu-check (NCCL world size 1: the compression's device work and host part); bytes, buckets and link as the CPU row; bound: cuda_hooks' HBM bound."
+        );
+    }
     t
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::bench::overlap::{priced, BucketCost, Profile};
     use serde_json::json;
+
+    /// A row whose one bucket costs `hook + per_gbit / g` ms, priced against `base`.
+    fn row(
+        hook: &str,
+        hook_ms: f64,
+        per_gbit: f64,
+        base: Option<&Profile>,
+        backward: Option<f64>,
+    ) -> (Row, Profile) {
+        let p = Profile {
+            buckets: vec![BucketCost {
+                ready: 1.0,
+                hook_ms,
+                link_fixed_ms: 0.0,
+                link_ms_gbit: per_gbit,
+            }],
+            period: 1,
+        };
+        let mut v = json!({"model": "m", "hook": hook, "rank": 0});
+        v.as_object_mut()
+            .unwrap()
+            .extend(priced(&p, base.unwrap_or(&p), backward));
+        (Row(v), p)
+    }
 
     /// The break-even column names the crossing, or which side wins everywhere.
     #[test]
     fn break_even_column() {
-        let row = |hook: &str, fixed: f64, per_gbit: f64, b: Option<f64>| {
-            Row(json!({"hook": hook, "fixed_ms": fixed, "ms_gbit": per_gbit, "break_even_gbit": b}))
-        };
-        let base = row("allreduce", 5.0, 100.0, None);
-        assert_eq!(break_even(&base, Some(&base)), "-");
+        let (base, bp) = row("allreduce", 5.0, 100.0, None, None);
+        assert_eq!(break_even(&base, Some(&base), "comm_only", None), "-");
+        // 15 + 1/g = 5 + 100/g at g = 9.9.
+        let (r, _) = row("powersgd", 15.0, 1.0, Some(&bp), None);
         assert_eq!(
-            break_even(&row("powersgd", 15.0, 1.0, Some(9.9)), Some(&base)),
+            break_even(&r, Some(&base), "comm_only", None),
             "< 9.9 Gbit/s"
         );
-        assert_eq!(
-            break_even(&row("powersgd", 4.0, 1.0, None), Some(&base)),
-            "always"
+        let (r, _) = row("powersgd", 4.0, 1.0, Some(&bp), None);
+        assert_eq!(break_even(&r, Some(&base), "comm_only", None), "always");
+        let (r, _) = row("fp16", 9.0, 150.0, Some(&bp), None);
+        assert_eq!(break_even(&r, Some(&base), "comm_only", None), "never");
+    }
+
+    /// Without --backward-ms the table says its figures are communication-only and has
+    /// no step table; with it, both tables, labelled.
+    #[test]
+    fn the_table_labels_its_figures() {
+        let machine = |b: Option<f64>| {
+            Machine(
+                json!({"cpu": "c", "cores": 2, "isa": "avx2", "read_gbps": 9.0, "ranks": 2,
+                "link_ranks": 16, "threads_per_rank": 1, "latency_us": 20.0, "backward_ms": b}),
+            )
+        };
+        let (base, bp) = row("allreduce", 5.0, 100.0, None, None);
+        let (r, _) = row("powersgd", 15.0, 1.0, Some(&bp), None);
+        let t = table(&machine(None), &[base, r], &[]);
+        assert!(t.contains("COMMUNICATION-ONLY"), "{t}");
+        assert!(t.contains("comm-only ms (speedup over allreduce)"), "{t}");
+        assert!(!t.contains("step ms (backward"), "{t}");
+        assert!(
+            t.contains("priced for 16 ranks") && t.contains("advantage grows with N"),
+            "{t}"
         );
-        assert_eq!(
-            break_even(&row("fp16", 9.0, 150.0, None), Some(&base)),
-            "never"
-        );
+        let (base, bp) = row("allreduce", 5.0, 100.0, None, Some(50.0));
+        let (r, _) = row("powersgd", 15.0, 1.0, Some(&bp), Some(50.0));
+        let t = table(&machine(Some(50.0)), &[base, r], &[]);
+        assert!(!t.contains("COMMUNICATION-ONLY"), "{t}");
+        assert!(t.contains("step ms (backward 50 ms, overlapped)"), "{t}");
+        // The step table's 1 Gbit/s cell of PowerSGD: max(50, 50 + 15 + 1) = 66 ms.
+        assert!(t.contains("66.0 ("), "{t}");
     }
 }

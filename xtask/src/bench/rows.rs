@@ -1,26 +1,35 @@
 //! The report's data as the benchmark printed it: its rows, the machine it ran on, the
 //! link speeds it priced. Read by the table (`report.rs`) and the chart (`svg.rs`).
 
+use super::overlap::Profile;
 use serde_json::Value;
 
-/// The link speeds of the report (Gbit/s), as the keys of `step_ms_at` and `speedup_at`.
+/// The link speeds of the report (Gbit/s), as the keys of the `..._at` fields.
 pub const SPEEDS: [&str; 4] = ["1", "10", "100", "400"];
 
 /// The fields of `report.jsonl`, in order.
-const FIELDS: [&str; 13] = [
+pub const FIELDS: [&str; 21] = [
     "model",
     "hook",
     "rank",
+    "label",
+    "device",
     "ranks",
+    "link_ranks",
     "hook_ms",
     "gbps",
     "bytes_sent",
     "compression_ratio",
     "bound_ratio",
     "vs_allreduce",
+    "base",
+    "comm_only_ms_at",
+    "comm_only_speedup_at",
+    "comm_only_break_even_gbit",
+    "backward_ms",
     "step_ms_at",
-    "speedup_at",
-    "break_even_gbit",
+    "step_speedup_at",
+    "step_break_even_gbit",
 ];
 
 /// One measured row, as the benchmark printed it.
@@ -42,24 +51,59 @@ impl Row {
         self.0[key][speed].as_f64().unwrap_or(f64::NAN)
     }
 
+    /// The row's `label` where it has one (GPU rows: `powersgd r2 gpu:device`), else
     /// `hook` with its PowerSGD rank: `powersgd r2`.
     pub fn label(&self) -> String {
+        if let Some(l) = self.0["label"].as_str() {
+            return l.to_string();
+        }
         match self.0["rank"].as_u64() {
             Some(r) if r > 0 => format!("{} r{r}", self.str("hook")),
             _ => self.str("hook").to_string(),
         }
     }
 
-    /// Step time (ms) at `gbit` Gbit/s from the link model's line `fixed + k / gbit`.
-    pub fn step_ms(&self, gbit: f64) -> f64 {
-        self.num("fixed_ms") + self.num("ms_gbit") / gbit
+    /// The label of the row this one's speedups are over: `base`, or `allreduce`.
+    pub fn base(&self) -> String {
+        self.0["base"].as_str().unwrap_or("allreduce").to_string()
     }
 
-    /// The object written to `report.jsonl`: exactly [`FIELDS`], in that order.
+    /// This row's baseline among `rows`: the row of the same model labelled
+    /// [`base`](Self::base).
+    pub fn base_in<'a>(&self, rows: &'a [Row]) -> Option<&'a Row> {
+        let (model, base) = (self.str("model"), self.base());
+        rows.iter()
+            .find(|b| b.str("model") == model && b.label() == base)
+    }
+
+    /// The step-time model's profile of the row (its `buckets`).
+    pub fn profile(&self) -> Option<Profile> {
+        Profile::from_row(&self.0)
+    }
+
+    /// The time (ms) at `gbit` Gbit/s the report's figures use: the overlapped step with
+    /// a backward of `backward` ms, or without one the communication-only time.
+    pub fn time_ms(&self, backward: Option<f64>, gbit: f64) -> f64 {
+        match (self.profile(), backward) {
+            (Some(p), Some(b)) => p.step_ms(b, gbit),
+            (Some(p), None) => p.comm_only_ms(gbit),
+            (None, _) => f64::NAN,
+        }
+    }
+
+    /// The object written to `report.jsonl`: exactly [`FIELDS`], in that order (the
+    /// fields a row lacks as `null`; `label` always, `base` defaulting to `allreduce`).
     pub(super) fn jsonl(&self) -> String {
         let fields: Vec<String> = FIELDS
             .iter()
-            .map(|k| format!("{}:{}", Value::from(*k), self.0[*k]))
+            .map(|k| {
+                let v = match *k {
+                    "label" => Value::from(self.label()),
+                    "base" => Value::from(self.base()),
+                    _ => self.0[*k].clone(),
+                };
+                format!("{}:{v}", Value::from(*k))
+            })
             .collect();
         format!("{{{}}}", fields.join(","))
     }
@@ -85,9 +129,34 @@ impl Machine {
     pub fn method(&self) -> String {
         let m = &self.0;
         format!(
-            "{} thread ranks, {} CPU thread each, synthetic gradients; link: ring cost model, {} us per message, accounted (not slept), no overlap",
-            m["ranks"], m["threads_per_rank"], m["latency_us"]
+            "hooks on {} thread ranks, {} CPU thread each, synthetic gradients; link: ring cost model at {} ranks, {} us per message, accounted (not slept)",
+            m["ranks"],
+            m["threads_per_rank"],
+            self.link_ranks(),
+            m["latency_us"]
         )
+    }
+
+    /// The link model's world size (`--ranks`).
+    pub fn link_ranks(&self) -> u64 {
+        self.0["link_ranks"]
+            .as_u64()
+            .or_else(|| self.0["ranks"].as_u64())
+            .unwrap_or(2)
+    }
+
+    /// `--backward-ms`, where it was given.
+    pub fn backward_ms(&self) -> Option<f64> {
+        self.0["backward_ms"].as_f64()
+    }
+
+    /// What the priced figures are, for headers and axis titles:
+    /// `comm-only ms` or `step ms (backward 50 ms, overlapped)`.
+    pub fn figure(&self) -> String {
+        match self.backward_ms() {
+            Some(b) => format!("step ms (backward {b} ms, overlapped)"),
+            None => "comm-only ms".into(),
+        }
     }
 }
 
@@ -100,7 +169,7 @@ mod tests {
     /// benchmark printed.
     #[test]
     fn jsonl_has_exactly_the_fields() {
-        let mut v = json!({"kind": "row", "fixed_ms": 1.0, "hook_ms_min": 2.0});
+        let mut v = json!({"kind": "row", "buckets": [[1.0, 1.0, 0.0, 1.0]], "hook_ms_min": 2.0});
         for (i, f) in FIELDS.iter().enumerate() {
             v[*f] = json!(i);
         }

@@ -1,7 +1,10 @@
 //! `speedup.svg`, written by hand: speedup over allreduce against link bandwidth, both
-//! axes logarithmic, one line per hook, one panel each for 4 x Linear(1024, 1024) and
-//! BERT-base. Lines follow the link model between the report's speeds (`fixed + k /
-//! bandwidth` per hook); dots mark the four speeds of the table.
+//! axes logarithmic, one line per hook, one panel each for 4 x Linear(1024, 1024),
+//! BERT-base and every model that is not a preset (`--shapes`). Lines follow the
+//! step-time model between the report's speeds (`overlap.rs`: the communication-only
+//! time, or with `--backward-ms` the overlapped step, as the title says); dots mark the
+//! four speeds of the table. GPU rows (`--gpu-report`) are drawn against their own
+//! baseline.
 
 use super::rows::{Machine, Row, SPEEDS};
 use std::fmt::Write as _;
@@ -58,10 +61,25 @@ pub fn chart(machine: &Machine, rows: &[Row]) -> String {
     let mut labels: Vec<String> = Vec::new();
     for r in rows {
         let l = r.label();
-        if r.str("hook") != "allreduce" && !labels.contains(&l) {
+        if l != r.base() && !labels.contains(&l) {
             labels.push(l);
         }
     }
+    let backward = machine.backward_ms();
+    // The presets' panels, then one per model that is not a preset (the user's).
+    let mut panels: Vec<(String, String)> = PANELS
+        .iter()
+        .filter(|(m, _)| rows.iter().any(|r| r.str("model") == *m))
+        .map(|(m, t)| (m.to_string(), t.to_string()))
+        .collect();
+    for r in rows {
+        let m = r.str("model");
+        let preset = super::models::presets().iter().any(|p| p.0 == m);
+        if !preset && !panels.iter().any(|(p, _)| p == m) {
+            panels.push((m.to_string(), m.to_string()));
+        }
+    }
+    let width = (80.0 + panels.len() as f64 * (PLOT_W + 110.0)).max(WIDTH);
     let color = |label: &str| {
         let i = labels.iter().position(|l| l == label).unwrap_or(0);
         COLORS[i % COLORS.len()]
@@ -69,34 +87,47 @@ pub fn chart(machine: &Machine, rows: &[Row]) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" viewBox="0 0 {WIDTH} {HEIGHT}" font-family="sans-serif" font-size="12">"#
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{HEIGHT}" viewBox="0 0 {width} {HEIGHT}" font-family="sans-serif" font-size="12">"#
     );
     let _ = writeln!(
         s,
-        r#"<rect width="{WIDTH}" height="{HEIGHT}" fill="white"/>"#
+        r#"<rect width="{width}" height="{HEIGHT}" fill="white"/>"#
     );
+    let what = match backward {
+        Some(b) => format!(
+            "{}: a {b} ms backward overlapped with the buckets' hook + link time",
+            machine.figure()
+        ),
+        None => "comm-only ms: measured hook time + link model; no forward/backward, no overlap"
+            .to_string(),
+    };
     let _ = writeln!(
         s,
-        r#"<text x="{}" y="24" text-anchor="middle" font-size="16">Speedup over allreduce vs link bandwidth (measured hook time + link model)</text>"#,
-        WIDTH / 2.0
+        r#"<text x="{}" y="24" text-anchor="middle" font-size="16">Speedup over allreduce vs link bandwidth ({}, {} ranks)</text>"#,
+        width / 2.0,
+        escape(&what),
+        machine.link_ranks()
     );
     let _ = writeln!(
         s,
         r##"<text x="{}" y="44" text-anchor="middle" fill="#555">{}</text>"##,
-        WIDTH / 2.0,
+        width / 2.0,
         escape(&machine.describe())
     );
-    let panels: Vec<_> = PANELS
-        .iter()
-        .filter(|(m, _)| rows.iter().any(|r| r.str("model") == *m))
-        .collect();
+    let figure = machine.figure();
     for (i, (model, title)) in panels.iter().enumerate() {
         let left = 80.0 + i as f64 * (PLOT_W + 110.0);
-        let model_rows: Vec<&Row> = rows.iter().filter(|r| r.str("model") == *model).collect();
-        let Some(base) = model_rows.iter().find(|r| r.str("hook") == "allreduce") else {
-            continue;
-        };
-        panel(&mut s, left, title, base, &model_rows, &color);
+        let model_rows: Vec<&Row> = rows.iter().filter(|r| r.str("model") == model).collect();
+        panel(
+            &mut s,
+            left,
+            title,
+            rows,
+            &model_rows,
+            &color,
+            backward,
+            &figure,
+        );
     }
     // The legend, under the panels.
     let mut x = 80.0;
@@ -129,24 +160,37 @@ pub fn chart(machine: &Machine, rows: &[Row]) -> String {
     s
 }
 
-/// One panel: axes, grid, the allreduce line at 1 and a curve per hook.
+/// One panel: axes, grid, the allreduce line at 1 and a curve per hook (over its own
+/// baseline among `all`).
+#[allow(clippy::too_many_arguments)]
 fn panel(
     s: &mut String,
     left: f64,
     title: &str,
-    base: &Row,
+    all: &[Row],
     rows: &[&Row],
     color: &dyn Fn(&str) -> &'static str,
+    backward: Option<f64>,
+    figure: &str,
 ) {
     let xs: Vec<f64> = (0..=96)
         .map(|k| 10f64.powf(X_MIN as f64 + (X_MAX - X_MIN) as f64 * k as f64 / 96.0))
         .collect();
+    let speedup_key = if backward.is_some() {
+        "step_speedup_at"
+    } else {
+        "comm_only_speedup_at"
+    };
     let curves: Vec<(&Row, Vec<f64>)> = rows
         .iter()
-        .filter(|r| r.str("hook") != "allreduce")
-        .map(|r| {
-            let ys = xs.iter().map(|&x| base.step_ms(x) / r.step_ms(x)).collect();
-            (*r, ys)
+        .filter(|r| r.label() != r.base())
+        .filter_map(|r| {
+            let base = r.base_in(all)?;
+            let ys = xs
+                .iter()
+                .map(|&x| base.time_ms(backward, x) / r.time_ms(backward, x))
+                .collect();
+            Some((*r, ys))
         })
         .collect();
     let finite = curves
@@ -198,9 +242,10 @@ fn panel(
     );
     let _ = writeln!(
         s,
-        r#"<text transform="translate({},{}) rotate(-90)" text-anchor="middle">speedup over allreduce</text>"#,
+        r#"<text transform="translate({},{}) rotate(-90)" text-anchor="middle">speedup over allreduce ({})</text>"#,
         left - 48.0,
-        TOP + PLOT_H / 2.0
+        TOP + PLOT_H / 2.0,
+        escape(figure)
     );
     let _ = writeln!(
         s,
@@ -225,7 +270,7 @@ fn panel(
         for speed in SPEEDS {
             let (x, y) = (
                 speed.parse::<f64>().unwrap_or(1.0),
-                r.at("speedup_at", speed),
+                r.at(speedup_key, speed),
             );
             if y.is_finite() && y > 0.0 {
                 let _ = writeln!(
@@ -243,16 +288,32 @@ fn panel(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::bench::overlap::{priced, BucketCost, Profile};
     use serde_json::json;
 
-    fn row(model: &str, hook: &str, rank: u64, fixed: f64, per_gbit: f64) -> Row {
-        Row(json!({
-            "model": model, "hook": hook, "rank": rank, "fixed_ms": fixed, "ms_gbit": per_gbit,
-            "speedup_at": {"1": 2.0, "10": 1.0, "100": 0.5, "400": 0.4},
-        }))
+    fn profile(hook_ms: f64, per_gbit: f64) -> Profile {
+        Profile {
+            buckets: vec![BucketCost {
+                ready: 1.0,
+                hook_ms,
+                link_fixed_ms: 0.0,
+                link_ms_gbit: per_gbit,
+            }],
+            period: 1,
+        }
     }
 
-    /// Both panels, one line per hook, the legend, and balanced tags.
+    fn row(model: &str, hook: &str, rank: u64, fixed: f64, per_gbit: f64) -> Row {
+        let p = profile(fixed, per_gbit);
+        let mut v = json!({"model": model, "hook": hook, "rank": rank});
+        v.as_object_mut()
+            .unwrap()
+            .extend(priced(&p, &profile(5.0, 134.0), None));
+        Row(v)
+    }
+
+    /// A panel per preset model and per user model, one line per hook, the legend, the
+    /// figures named, and balanced tags.
     #[test]
     fn chart_has_a_panel_per_model_and_a_line_per_hook() {
         let rows = vec![
@@ -261,20 +322,30 @@ mod tests {
             row("bert-base", "allreduce", 0, 80.0, 3500.0),
             row("bert-base", "powersgd", 2, 600.0, 16.0),
             row("resnet50", "allreduce", 0, 60.0, 800.0),
+            row("my model", "allreduce", 0, 6.0, 100.0),
+            row("my model", "powersgd", 2, 10.0, 1.0),
         ];
-        let svg = chart(&Machine(json!({"cpu": "a <cpu>", "cores": 2})), &rows);
+        let svg = chart(
+            &Machine(json!({"cpu": "a <cpu>", "cores": 2, "link_ranks": 8})),
+            &rows,
+        );
         assert!(svg.starts_with("<svg") && svg.ends_with("</svg>\n"));
         assert_eq!(
             svg.matches("<polyline").count(),
-            2,
+            3,
             "one line per hook and panel"
         );
         assert_eq!(
             svg.matches("<circle").count(),
-            8,
+            12,
             "a dot per speed and line"
         );
         assert!(svg.contains("4 x Linear(1024, 1024)") && svg.contains("BERT-base"));
+        assert!(svg.contains(">my model<"), "the user's model has a panel");
+        assert!(
+            svg.contains("comm-only ms") && svg.contains("8 ranks"),
+            "the figures are named"
+        );
         assert!(svg.contains("a &lt;cpu&gt;"), "text is escaped");
         assert_eq!(svg.matches("<text").count(), svg.matches("</text>").count());
     }
