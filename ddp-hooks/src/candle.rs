@@ -195,6 +195,19 @@ impl<H: CommHook<CpuBackend>> CandleDdp<H> {
         self
     }
 
+    /// Copies rank 0's variables into every rank's, bit for bit (DDP's broadcast of rank
+    /// 0's parameters at construction): call it once after building the model on every
+    /// rank, so that every replica starts from the same weights. Over the reducer's
+    /// process group ([`CandleDdp::from_spec`] or [`CandleDdp::with_process_group`] set
+    /// it; without one, [`CandleError::Reducer`] holding [`crate::Error::Config`]), through
+    /// [`Reducer::broadcast_parameters`]: coalesced, bounded by the group's timeout, and
+    /// failing on every rank when the variables' lengths differ between ranks.
+    pub fn broadcast_parameters(&self) -> Result<()> {
+        broadcast_with(&self.vars, |params| {
+            self.reducer.broadcast_parameters(params)
+        })
+    }
+
     /// The variables, in the order given.
     pub fn vars(&self) -> &[Var] {
         &self.vars
@@ -295,6 +308,44 @@ impl<H: CommHook<CpuBackend>> CandleDdp<H> {
         }
         Ok(self.reducer.mark_ready(p)?)
     }
+}
+
+/// Copies `root`'s `vars` into every rank's, bit for bit, over `group` (see
+/// [`crate::broadcast_parameters`]): the same vars (`f32`, in host memory) in the same
+/// order on every rank, for a model not wrapped in a [`CandleDdp`] (its
+/// [`CandleDdp::broadcast_parameters`] broadcasts from rank 0 over its own group). A var
+/// that is not `f32` on the CPU is [`CandleError::Var`], before any communication (so
+/// the peers' broadcast fails by the group's timeout).
+pub fn broadcast_vars(group: &dyn ProcessGroup, vars: &[Var], root: usize) -> Result<()> {
+    broadcast_with(vars, |params| {
+        crate::broadcast_parameters(group, params, root)
+    })
+}
+
+/// Reads each var into a host vector, lets `broadcast` overwrite them, and sets every
+/// var to its vector (nothing is set if `broadcast` fails).
+fn broadcast_with(
+    vars: &[Var],
+    broadcast: impl FnOnce(&mut [&mut [f32]]) -> crate::Result<()>,
+) -> Result<()> {
+    for (i, var) in vars.iter().enumerate() {
+        if let Some(problem) = unfit(var) {
+            return Err(CandleError::Var { var: i, problem });
+        }
+    }
+    let mut data = vars
+        .iter()
+        .map(|v| v.as_tensor().flatten_all()?.to_vec1::<f32>())
+        .collect::<std::result::Result<Vec<Vec<f32>>, candle_core::Error>>()?;
+    {
+        let mut slices: Vec<&mut [f32]> = data.iter_mut().map(Vec::as_mut_slice).collect();
+        broadcast(&mut slices)?;
+    }
+    for (var, values) in vars.iter().zip(data) {
+        let t = Tensor::from_vec(values, var.dims(), &candle_core::Device::Cpu)?;
+        var.set(&t)?;
+    }
+    Ok(())
 }
 
 /// Why `t` cannot live in the reducer, if it cannot.

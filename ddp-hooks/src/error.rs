@@ -16,8 +16,9 @@ pub enum Error {
         /// What is wrong.
         why: String,
     },
-    /// A hook name or option that the registry does not know.
-    #[error("unknown hook spec `{spec}`: {why}")]
+    /// A hook spec the registry cannot parse: an unknown hook or option, or a bad value
+    /// (`why` names it as typed and says what to type).
+    #[error("invalid hook spec `{spec}`: {why}")]
     Spec {
         /// The string that was parsed: its first 100 characters, then `…` if it is longer.
         spec: String,

@@ -32,12 +32,12 @@
 //!
 //! Hooks can be chosen by name: [`HookSpec`] parses `powersgd:rank=2,start_iter=10`.
 //!
-//! **Status (issue 4):** every hook above, `PowerSgd` (per layer), `BatchedPowerSgd`, the
-//! registry, the fp16/bf16 wrappers ([`HalfWire`]) and the reducer are here; CUDA
-//! buffers go through the process group staged via host memory until NCCL takes them.
+//! With the `cuda` feature, buckets live on the GPU (`lowrank::CudaBackend`): NCCL
+//! reduces them on the device, the thread and MPI backends stage them through host memory.
 #![deny(missing_docs)]
 
 pub mod averaging;
+mod broadcast;
 mod bucket;
 #[cfg(feature = "candle")]
 pub mod candle;
@@ -55,6 +55,7 @@ mod sequence;
 mod wire;
 
 pub use averaging::{HierarchicalModelAverager, PeriodicModelAverager, PostLocalSgd};
+pub use broadcast::{broadcast_parameters, broadcast_parameters_bucketed, BROADCAST_BUCKET_BYTES};
 pub use bucket::{GradBucket, Layout, ParamSlot};
 pub use comm::{CommBackend, CommElement};
 pub use diloco::{DiLoCo, DiLoCoConfig, DiLoCoState};
@@ -69,6 +70,6 @@ pub use registry::HookSpec;
 pub use wire::{HalfWire, WireFormat};
 
 /// The README's examples, compiled and run as doctests so they cannot rot.
-#[doc = include_str!("../../README.md")]
 #[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
 pub struct ReadmeDoctests;

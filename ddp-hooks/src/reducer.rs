@@ -268,6 +268,25 @@ impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
         self
     }
 
+    /// Copies rank 0's `params` into every rank's, bit for bit, over the reducer's
+    /// process group: DDP's broadcast of rank 0's parameters and buffers at construction,
+    /// so every replica starts from the same model. `params`: any `f32` slices (the
+    /// parameters, in the reducer's order or not, and buffers), the same lengths in the
+    /// same order on every rank; see [`broadcast_parameters`](crate::broadcast_parameters)
+    /// for the coalescing, the timeout and the errors (lengths that differ between ranks
+    /// fail on every rank). Without a process group ([`Reducer::with_process_group`]):
+    /// [`Error::Config`], before any communication.
+    pub fn broadcast_parameters(&self, params: &mut [&mut [f32]]) -> Result<()> {
+        let group = self.group.as_deref().ok_or_else(|| {
+            Error::Config(
+                "Reducer::broadcast_parameters needs the reducer's process group \
+                 (Reducer::with_process_group)"
+                    .into(),
+            )
+        })?;
+        crate::broadcast_parameters(group, params, 0)
+    }
+
     /// The configuration.
     pub fn config(&self) -> &ReducerConfig {
         &self.config

@@ -112,6 +112,8 @@ fn cuda_powersgd_matches_cpu() {
     let cfg = PowerSgdConfig {
         matrix_approximation_rank: 2,
         start_powersgd_iter: 2,
+        // Unset ("auto"): the backend's choice (the default is PyTorch's off).
+        batch_tensors_with_same_shape: None,
         ..Default::default()
     };
     let steps = 6;
@@ -142,7 +144,7 @@ fn cuda_powersgd_matches_cpu() {
             cfg.clone(),
         )
         .unwrap();
-        // `cfg` leaves `batch_tensors_with_same_shape` unset: on CUDA that is on.
+        // `cfg` leaves `batch_tensors_with_same_shape` unset (auto): on CUDA that is on.
         assert!(hook.batches_same_shape(), "unset must batch on CUDA");
         (0..steps)
             .map(|s| {

@@ -252,16 +252,17 @@ fn the_registry_key_batch_same_shape_works() {
     assert!(e.contains("true or false"), "{e}");
 }
 
-/// The CPU backend keeps PyTorch's default (off): batching saves nothing there. Unset
-/// (`PowerSgdConfig::default()`, a registry spec without `batch_same_shape`), a hook on
-/// the CPU does not batch; `Some(true)` makes it batch, `Some(false)` not.
+/// The default is PyTorch's (off: `PowerSgdConfig::default()`, a registry spec without
+/// `batch_same_shape`), and the CPU backend's own choice is off too (batching saves
+/// nothing there): unset (`None`, `batch_same_shape=auto`), a hook on the CPU does not
+/// batch; `Some(true)` makes it batch, `Some(false)` not.
 #[test]
 fn the_cpu_default_is_off() {
     let cpu = CpuBackend::new();
     assert!(!PowerSgdConfig::batches_on(&cpu));
     assert_eq!(
         PowerSgdConfig::default().batch_tensors_with_same_shape,
-        None
+        Some(false)
     );
     assert_eq!(
         PowerSgdConfig::default_for(&cpu),
@@ -287,7 +288,7 @@ fn the_cpu_default_is_off() {
     assert!(!built(None), "unset must not batch on the CPU");
     assert!(built(Some(true)), "Some(true) must batch on the CPU");
     assert!(!built(Some(false)));
-    // Through the registry: absent is unset, so off on the CPU.
+    // Through the registry: absent is PyTorch's off; `auto` is unset, off on the CPU.
     let by_spec = |spec: &str| {
         let spec: HookSpec = spec.parse().unwrap();
         let HookSpec::PowerSgd(cfg) = spec else {
@@ -302,6 +303,7 @@ fn the_cpu_default_is_off() {
         out.into_iter().next().unwrap().unwrap()
     };
     assert!(!by_spec("powersgd:rank=2"));
+    assert!(!by_spec("powersgd:rank=2,batch_same_shape=auto"));
     assert!(by_spec("powersgd:rank=2,batch_same_shape=true"));
 }
 

@@ -33,14 +33,16 @@ pub struct PowerSgdConfig {
     /// batched product of each kind and one batched orthogonalisation per shape
     /// (PyTorch's flag, PR #75157).
     ///
-    /// - **Default: the backend's.** `None` (in [`Default`], and for a registry spec
-    ///   without `batch_same_shape`) means what [`PowerSgdConfig::batches_on`] says for
-    ///   the backend the hook is built with: off on [`lowrank::CpuBackend`] (and any
-    ///   other backend), which matches PyTorch's default (`False`), and on for
-    ///   [`lowrank::CudaBackend`], where batching pays. The hook resolves it once, when
-    ///   it is built ([`PowerSgdConfig::batches_with`]; [`PowerSgd::batches_same_shape`]
-    ///   reports the result). `Some(b)` forces it either way. A state saved when this
-    ///   field was a plain `bool` holds `true` or `false`, which loads as `Some`.
+    /// - **Default: off, as PyTorch's `False`.** [`Default`] is `Some(false)` (it was
+    ///   `None`, the backend's choice, before: a CUDA hook built from the defaults
+    ///   batched). `None` asks for the backend's choice ("auto": the registry's
+    ///   `batch_same_shape=auto`), what [`PowerSgdConfig::batches_on`] says for the
+    ///   backend the hook is built with: off on [`lowrank::CpuBackend`] (and any other
+    ///   backend), on for [`lowrank::CudaBackend`], where batching pays. The hook resolves
+    ///   it once, when it is built ([`PowerSgdConfig::batches_with`];
+    ///   [`PowerSgd::batches_same_shape`] reports the result). `Some(b)` forces it either
+    ///   way. A state saved when this field was a plain `bool` holds `true` or `false`,
+    ///   which loads as `Some`; a saved state without the field loads as `None`.
     /// - **Same results.** The outputs are the unbatched hook's up to rounding
     ///   (bit-identical on the CPU backend, whose batched kernels compute each matrix as
     ///   the unbatched ones); the random `Q` of every tensor is the same either way (drawn
@@ -79,7 +81,8 @@ impl Default for PowerSgdConfig {
             orthogonalization_epsilon: 0.0,
             random_seed: 0,
             compression_stats_logging_frequency: 10_000,
-            batch_tensors_with_same_shape: None,
+            // PyTorch's `batch_tensors_with_same_shape: bool = False`.
+            batch_tensors_with_same_shape: Some(false),
         }
     }
 }
@@ -87,8 +90,8 @@ impl Default for PowerSgdConfig {
 impl PowerSgdConfig {
     /// PyTorch's defaults, with [`batch_tensors_with_same_shape`] set to what
     /// [`PowerSgdConfig::batches_on`] says for `backend` (`Some(true)` for CUDA,
-    /// `Some(false)` otherwise): the setting a hook built from [`Default`] on `backend`
-    /// resolves to, written out.
+    /// `Some(false)` otherwise): the setting a hook built with the field unset (`None`,
+    /// "auto") on `backend` resolves to, written out.
     ///
     /// ```
     /// use ddp_hooks::PowerSgdConfig;
@@ -98,7 +101,9 @@ impl PowerSgdConfig {
     ///     ..PowerSgdConfig::default_for(&cpu)
     /// };
     /// assert_eq!(config.batch_tensors_with_same_shape, Some(false));
-    /// assert!(!PowerSgdConfig::default().batches_with(&cpu));
+    /// assert!(!PowerSgdConfig::default().batches_with(&cpu)); // PyTorch's False
+    /// let auto = PowerSgdConfig { batch_tensors_with_same_shape: None, ..config };
+    /// assert!(!auto.batches_with(&cpu)); // the CPU's choice: off
     /// ```
     ///
     /// [`batch_tensors_with_same_shape`]: PowerSgdConfig::batch_tensors_with_same_shape

@@ -15,8 +15,9 @@ use std::sync::Arc;
 ///
 /// Each step calls each kernel once per tensor, or once per shape with
 /// [`PowerSgdConfig::batch_tensors_with_same_shape`] (the same results; see that field
-/// for the copies it may make and where it pays). Left unset, the flag takes the
-/// backend's default, resolved when the hook is built ([`PowerSgd::batches_same_shape`]).
+/// for the copies it may make and where it pays). Off by default, as in PyTorch; left
+/// unset (`None`, "auto"), the flag takes the backend's choice, resolved when the hook
+/// is built ([`PowerSgd::batches_same_shape`]).
 ///
 /// **Buckets run side by side.** A step holds its bucket's memory for itself while it
 /// runs and takes the hook's lock only to take and return it: the kernels of bucket `k`'s
@@ -92,7 +93,7 @@ impl<B: CommBackend> PowerSgd<B> {
     }
 
     /// Whether this hook batches same-shape tensors: `batch_tensors_with_same_shape` as
-    /// configured, or, unset, the backend's default ([`PowerSgdConfig::batches_on`]: on
+    /// configured, or, unset, the backend's choice ([`PowerSgdConfig::batches_on`]: on
     /// for CUDA, off on the CPU). Fixed when the hook is built; loading a state with
     /// [`CommHook::load_state`](crate::CommHook::load_state) keeps it.
     pub fn batches_same_shape(&self) -> bool {
