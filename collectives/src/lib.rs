@@ -11,6 +11,10 @@
 //! - [`store::TcpStore`] and [`env::EnvInfo`]: `env://` rendezvous as `torchrun` sets it
 //!   up (also from Slurm or Open MPI variables); the `launch` binary starts N local
 //!   processes with those variables, like `torchrun --standalone`.
+//! - [`tcp::TcpGroup`]: N processes over plain TCP sockets (PyTorch's gloo role), made
+//!   from the rendezvous store (`TcpGroup::from_env` under `launch`); reductions
+//!   bit-identical to the thread backend's, failures (a dead peer, a mismatch) typed
+//!   errors on every rank.
 //! - [`link`]: a link model that charges each operation a network's ring cost, for
 //!   benchmarks at 1, 10 and 100 Gbit/s.
 //!
@@ -51,6 +55,8 @@ pub mod nccl;
 pub mod p2p;
 pub mod store;
 mod sync;
+#[cfg(not(loom))]
+pub mod tcp;
 pub mod threads;
 mod work;
 
@@ -61,5 +67,7 @@ pub use error::{Error, HookError, Result};
 pub use group::{Narrowed, ProcessGroup, DEFAULT_TIMEOUT};
 pub use narrow::{HalfWire, WireFormat};
 pub use p2p::{P2pOp, MAX_TAG};
+#[cfg(not(loom))]
+pub use tcp::{TcpGroup, TcpOptions};
 pub use threads::{run_local, run_local_with_timeout, ThreadGroup};
 pub use work::{Completer, Work};
