@@ -40,10 +40,26 @@
 //! # Ok::<(), collectives::Error>(())
 //! ```
 //!
-//! # Not under torchrun
-//! Being started by `torchrun` is not a goal: torchrun's agent already serves its own
-//! store on `MASTER_PORT`, so our rank 0 cannot bind it. Start ranks with this crate's
-//! `launch` binary (`launch -n 4 -- program args`), which sets the same variables.
+//! # Under torchrun
+//! A binary runs unchanged under `torchrun` (`torchrun --no-python --nproc-per-node 4
+//! program args`) as under this crate's `launch`. torchrun's elastic agent already
+//! serves a PyTorch c10d `TCPStore` at `MASTER_ADDR:MASTER_PORT` and says so with
+//! `TORCHELASTIC_USE_AGENT_STORE=True`; then [`EnvInfo::connect_store`] makes every
+//! rank, rank 0 included, a client of that store ([`TcpStore::torch_client`]) and joins
+//! there, as torch's own `env://` rendezvous makes every rank a client of it. The keys go
+//! under the prefix [`EnvInfo::store_prefix`], `worker/attempt_{TORCHELASTIC_RESTART_COUNT}`:
+//! the agent keeps its store across restarts of the workers, so each attempt joins
+//! afresh. (torch 2.15's own workers use no such prefix; their process group's keys go
+//! under `default_pg/`.) The agent's other variables are read too:
+//! `TORCHELASTIC_RESTART_COUNT`, `TORCHELASTIC_MAX_RESTARTS`, `TORCHELASTIC_RUN_ID`,
+//! `GROUP_RANK`, `GROUP_WORLD_SIZE` and `LOCAL_WORLD_SIZE` (on one node,
+//! `GROUP_WORLD_SIZE=1`, a `WORLD_SIZE` other than `LOCAL_WORLD_SIZE` is
+//! [`Error::InvalidEnv`] at once; across nodes, ranks that disagree on it fail the join
+//! by name). torch's store checks no token, so
+//! `LOWRANK_STORE_TOKEN` with the agent's store is [`Error::InvalidEnv`] rather than a
+//! silent loss of the token's protection. Without `TORCHELASTIC_USE_AGENT_STORE=True`
+//! (this crate's `launch`, a plain `env://` setup, torchrun with
+//! `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`) rank 0 serves this crate's store as before.
 
 use std::io;
 use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
@@ -84,7 +100,28 @@ pub struct EnvInfo {
     pub source: EnvSource,
     /// `LOWRANK_STORE_TOKEN`: the secret the store's clients present, if set.
     pub token: Option<StoreToken>,
+    /// `TORCHELASTIC_USE_AGENT_STORE=True` (exactly, as torch compares it): torchrun's
+    /// agent serves a PyTorch store at `MASTER_ADDR:MASTER_PORT`, which
+    /// [`connect_store`](Self::connect_store) then joins as a client on every rank.
+    pub agent_store: bool,
+    /// `TORCHELASTIC_RESTART_COUNT`: how many times torchrun has restarted the workers
+    /// (0 when unset); it names the store prefix of this attempt.
+    pub restart_count: u32,
+    /// `TORCHELASTIC_MAX_RESTARTS`: how many restarts torchrun allows, if set.
+    pub max_restarts: Option<u32>,
+    /// `TORCHELASTIC_RUN_ID`: torchrun's rendezvous id of the job, if set.
+    pub run_id: Option<String>,
+    /// `GROUP_RANK`: the rank of this process's agent (its node), if set.
+    pub group_rank: Option<usize>,
+    /// `GROUP_WORLD_SIZE`: the number of agents (nodes), if set.
+    pub group_world_size: Option<usize>,
+    /// `LOCAL_WORLD_SIZE`: the number of ranks on this process's node, if set; not
+    /// above `world_size`.
+    pub local_world_size: Option<usize>,
 }
+
+/// The variable that announces torchrun's agent store.
+pub const AGENT_STORE_ENV: &str = "TORCHELASTIC_USE_AGENT_STORE";
 
 /// One launcher's variable names.
 struct Scheme {
@@ -180,6 +217,42 @@ impl EnvInfo {
             },
         };
         let token = StoreToken::from_var(var(TOKEN_ENV))?;
+        let optional = |name: &str| -> Result<Option<usize>> {
+            match var(name) {
+                None => Ok(None),
+                Some(_) => number(name).map(Some),
+            }
+        };
+        let small = |name: &str| -> Result<Option<u32>> {
+            match optional(name)? {
+                None => Ok(None),
+                Some(n) => u32::try_from(n)
+                    .map(Some)
+                    .map_err(|_| invalid(name, &n.to_string(), "too large")),
+            }
+        };
+        let agent_store = var(AGENT_STORE_ENV).as_deref() == Some("True");
+        let restart_count = small("TORCHELASTIC_RESTART_COUNT")?.unwrap_or(0);
+        let max_restarts = small("TORCHELASTIC_MAX_RESTARTS")?;
+        let run_id = var("TORCHELASTIC_RUN_ID");
+        let group_rank = optional("GROUP_RANK")?;
+        let group_world_size = optional("GROUP_WORLD_SIZE")?;
+        let local_world_size = optional("LOCAL_WORLD_SIZE")?;
+        if let Some(local) = local_world_size {
+            if local == 0 || local > world_size {
+                let why = format!("not between 1 and {}={world_size}", scheme.world_size);
+                return Err(invalid("LOCAL_WORLD_SIZE", &local.to_string(), &why));
+            }
+            // One agent starts every rank of the job: a WORLD_SIZE of another count was
+            // overridden, and its rendezvous could only time out.
+            if agent_store && group_world_size == Some(1) && local != world_size {
+                let why = format!(
+                    "torchrun's one node runs LOCAL_WORLD_SIZE={local} ranks \
+                     (GROUP_WORLD_SIZE=1): WORLD_SIZE must be {local}"
+                );
+                return Err(invalid(scheme.world_size, &world_size.to_string(), &why));
+            }
+        }
         Ok(EnvInfo {
             rank,
             world_size,
@@ -188,7 +261,21 @@ impl EnvInfo {
             master_port,
             source: scheme.source,
             token,
+            agent_store,
+            restart_count,
+            max_restarts,
+            run_id,
+            group_rank,
+            group_world_size,
+            local_world_size,
         })
+    }
+
+    /// The key prefix of this attempt on torchrun's agent store:
+    /// `worker/attempt_{restart_count}` (keys travel as `/worker/attempt_0/...`, what
+    /// Python sees through `PrefixStore("worker/attempt_0", store)`).
+    pub fn store_prefix(&self) -> String {
+        format!("worker/attempt_{}", self.restart_count)
     }
 
     /// Connects to the rendezvous store and joins it: rank 0 serves it on
@@ -206,6 +293,14 @@ impl EnvInfo {
     /// `RANK=0` finds the port taken, joins the store as a client, and so fails every
     /// rank by name.
     ///
+    /// Under torchrun (`TORCHELASTIC_USE_AGENT_STORE=True`, [`agent_store`](Self::agent_store))
+    /// no rank serves: every rank connects to the agent's PyTorch store at
+    /// `MASTER_ADDR:MASTER_PORT` ([`TcpStore::torch_client`], retrying until `timeout`),
+    /// under [`store_prefix`](Self::store_prefix), and joins there; the join makes the
+    /// same checks (a rank claimed twice, ranks that disagree on `WORLD_SIZE`, a rank
+    /// that never comes: each named on every rank). A token is [`Error::InvalidEnv`]
+    /// there, since torch's store checks none.
+    ///
     /// Errors: [`Error::MissingEnv`] without `MASTER_ADDR` or `MASTER_PORT`; the store's
     /// and [`TcpStore::join`]'s errors.
     pub fn connect_store(&self, timeout: Duration) -> Result<TcpStore> {
@@ -221,6 +316,20 @@ impl EnvInfo {
             limits: StoreLimits::for_world_size(self.world_size),
             ..StoreOptions::default()
         };
+        if self.agent_store {
+            if self.token.is_some() {
+                return Err(invalid(
+                    TOKEN_ENV,
+                    "<not shown>",
+                    "torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE=True) checks no \
+                     token; unset it, or keep the token's protection by not sharing the \
+                     agent's store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)",
+                ));
+            }
+            let store = TcpStore::torch_client(host, port, &self.store_prefix(), timeout)?;
+            store.join(self.rank, self.world_size, timeout)?;
+            return Ok(store);
+        }
         let store = if self.rank == 0 {
             self.serve(host, port, timeout, &options)?
         } else {

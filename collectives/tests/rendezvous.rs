@@ -355,6 +355,13 @@ fn env_reads_torchrun_variables() -> Result<()> {
             master_port: Some(29500),
             source: EnvSource::Torchrun,
             token: None,
+            agent_store: false,
+            restart_count: 0,
+            max_restarts: None,
+            run_id: None,
+            group_rank: None,
+            group_world_size: None,
+            local_world_size: None,
         }
     );
     Ok(())
@@ -567,7 +574,7 @@ fn launch_kills_every_rank_after_its_timeout() {
 #[test]
 fn launch_usage_errors_are_clear() {
     let cases: [(&[&str], &str); 7] = [
-        (&["--", "true"], "-n N is required"),
+        (&["--", "true"], "-n P (--nproc-per-node P) is required"),
         (&["-n", "0", "true"], "not a number of ranks"),
         (&["-n", "x", "true"], "not a number of ranks"),
         (&["-n", "2"], "no program to launch"),

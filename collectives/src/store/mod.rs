@@ -7,6 +7,13 @@
 //! [`TcpStore::barrier`]s. [`EnvInfo::connect_store`](crate::env::EnvInfo::connect_store)
 //! does the serving or connecting and the join from the launcher's variables.
 //!
+//! The same `TcpStore` can instead be a client of PyTorch's c10d `TCPStore`
+//! ([`TcpStore::torch_client`]), the store `torchrun`'s agent serves: every method works
+//! on it unchanged, [`join`](TcpStore::join) and [`barrier`](TcpStore::barrier) built on
+//! torch's compare-and-set and waits, with the limits that constructor lists (no token,
+//! no server-side limits or stats, failures of the job seen by joins and barriers only).
+//! Everything below describes this crate's own store unless it says otherwise.
+//!
 //! # Guarantees
 //! - **Every blocking call is bounded.** [`get`](TcpStore::get), [`wait`](TcpStore::wait),
 //!   [`barrier`](TcpStore::barrier), [`join`](TcpStore::join) and connecting return
@@ -88,10 +95,14 @@ mod limits;
 mod server;
 mod state;
 mod token;
+mod torch;
+mod torch_join;
+mod torch_wire;
 
 use std::collections::HashSet;
 use std::fmt;
 use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use crate::{Error, Result};
@@ -101,12 +112,14 @@ use codec::{Failure, Request, Response};
 use escape::quoted_list;
 use server::Server;
 use state::join_key;
+use torch::TorchClient;
 
 pub(crate) use bind::check_bind;
 pub use bind::INSECURE_ENV;
 pub use escape::{escape_for_log, EscapedForLog, Quoted};
 pub use limits::{StoreLimits, StoreStats, ENTRY_OVERHEAD};
 pub use token::{StoreToken, MAX_TOKEN_LEN, MIN_TOKEN_LEN, TOKEN_ENV};
+pub use torch_wire::MAX_KEY_LEN as TORCH_MAX_KEY_LEN;
 
 /// The largest world size a store, a join, a barrier or the environment accepts: far
 /// above any job run today, and small enough that a barrier's list of keys fits in one
@@ -140,17 +153,34 @@ pub struct StoreOptions {
     pub allow_insecure_bind: bool,
 }
 
-/// A client of a TCP key-value store, and on rank 0 also its server.
+/// A client of a TCP key-value store, and on rank 0 also its server; or a client of
+/// PyTorch's c10d `TCPStore` ([`torch_client`](Self::torch_client)), such as the one
+/// `torchrun`'s agent serves.
 ///
 /// `TcpStore` is `Send + Sync`; threads may share one, their requests take turns on its
 /// single connection.
 pub struct TcpStore {
-    // Declared before `server` so that our own connection closes before the server stops.
-    client: Client,
-    server: Option<Server>,
+    backend: Backend,
     timeout: Duration,
     /// Tells the server that a second join of a rank from this value is no second process.
     join_id: String,
+    /// On a torch store, which does not know it: the world size of the last join (0
+    /// before).
+    joined_world_size: AtomicUsize,
+}
+
+/// Whose protocol the store speaks.
+enum Backend {
+    /// This crate's store; rank 0 also serves it.
+    Own {
+        // Declared before `server` so that our own connection closes before the server
+        // stops.
+        client: Client,
+        server: Option<Server>,
+    },
+    /// PyTorch's c10d `TCPStore` (`torch.rs`); join and barrier are built on its
+    /// primitives (`torch_join.rs`).
+    Torch(TorchClient),
 }
 
 impl TcpStore {
@@ -218,12 +248,13 @@ impl TcpStore {
             timeout,
             options.token.clone(),
         )?;
-        Ok(TcpStore {
-            client,
-            server: Some(server),
+        Ok(TcpStore::with_backend(
+            Backend::Own {
+                client,
+                server: Some(server),
+            },
             timeout,
-            join_id: token::join_id(),
-        })
+        ))
     }
 
     /// Connects to the store served at `host:port` without a token, retrying until
@@ -249,33 +280,97 @@ impl TcpStore {
         // The host is shown in errors: escaped, as a caller may pass anything.
         let name = format!("{}:{port}", escape_for_log(host));
         let client = Client::connect(&name, (host, port), timeout, options.token.clone())?;
-        Ok(TcpStore {
-            client,
-            server: None,
+        Ok(TcpStore::with_backend(
+            Backend::Own {
+                client,
+                server: None,
+            },
+            timeout,
+        ))
+    }
+
+    /// Connects to PyTorch's c10d `TCPStore` served at `host:port` (by `torchrun`'s
+    /// elastic agent, or by `torch.distributed.TCPStore(..., is_master=True)`), retrying
+    /// until `timeout` passes, since the server may not be up yet.
+    ///
+    /// Every key is sent as torch's Python `TCPStore` sends it, after a `/`, and with a
+    /// non-empty `prefix` as `PrefixStore(prefix, store)` does: key `k` travels as
+    /// `/{prefix}/k`, so Python code sees this store's keys through that `PrefixStore`.
+    /// Every operation works as on our own store, within these limits of torch's
+    /// protocol: no token (it has none, the server accepts anyone who reaches it); a key
+    /// with its prefix longer than [`TORCH_MAX_KEY_LEN`] bytes is
+    /// [`Error::InvalidArgument`]; [`add`](Self::add) stores torch's decimal text too but
+    /// wraps on overflow, and on a key holding no integer the server closes the
+    /// connection ([`Error::Io`]); [`join`](Self::join) and [`barrier`](Self::barrier)
+    /// are built on compare-and-set and waits, and a rank that fails them publishes the
+    /// failure, which the other ranks' joins and barriers report within a fraction of a
+    /// second (their other operations do not look for it).
+    ///
+    /// A peer that answers but not as a torch store (the ping's echo is wrong) is
+    /// [`Error::Protocol`]; no answer in time is [`Error::Timeout`]. After a lost
+    /// connection or a malformed reply the store is unusable and says so.
+    pub fn torch_client(host: &str, port: u16, prefix: &str, timeout: Duration) -> Result<Self> {
+        let name = format!("{}:{port}", escape_for_log(host));
+        let client = TorchClient::connect(&name, (host, port), prefix, timeout)?;
+        Ok(TcpStore::with_backend(Backend::Torch(client), timeout))
+    }
+
+    fn with_backend(backend: Backend, timeout: Duration) -> TcpStore {
+        TcpStore {
+            backend,
             timeout,
             join_id: token::join_id(),
-        })
+            joined_world_size: AtomicUsize::new(0),
+        }
+    }
+
+    /// Whether this is a client of a PyTorch store ([`torch_client`](Self::torch_client)).
+    pub fn is_torch(&self) -> bool {
+        matches!(self.backend, Backend::Torch(_))
+    }
+
+    /// The key prefix of a torch store's client (empty for none); `None` for our own
+    /// store, which prefixes nothing.
+    pub fn key_prefix(&self) -> Option<&str> {
+        match &self.backend {
+            Backend::Torch(torch) => Some(&torch.prefix),
+            Backend::Own { .. } => None,
+        }
     }
 
     /// The address this store's connection goes to (for the server, a loopback address
     /// when it is bound to all interfaces).
     pub fn addr(&self) -> SocketAddr {
-        self.client.addr
+        match &self.backend {
+            Backend::Own { client, .. } => client.addr,
+            Backend::Torch(torch) => torch.addr,
+        }
     }
 
     /// The server's port.
     pub fn port(&self) -> u16 {
-        self.client.addr.port()
+        self.addr().port()
     }
 
-    /// Whether this value runs the server.
+    /// Whether this value runs the server (never for a torch store's client).
     pub fn is_server(&self) -> bool {
-        self.server.is_some()
+        matches!(
+            self.backend,
+            Backend::Own {
+                server: Some(_),
+                ..
+            }
+        )
     }
 
-    /// The job's number of ranks, as given to [`server`](Self::server).
+    /// The job's number of ranks, as given to [`server`](Self::server). A torch store
+    /// does not know it: there, the world size of this value's last successful
+    /// [`join`](Self::join), 0 before.
     pub fn world_size(&self) -> usize {
-        self.client.world_size
+        match &self.backend {
+            Backend::Own { client, .. } => client.world_size,
+            Backend::Torch(_) => self.joined_world_size.load(Ordering::Relaxed),
+        }
     }
 
     /// The timeout of operations that take none of their own.
@@ -284,9 +379,24 @@ impl TcpStore {
     }
 
     /// What the server holds now (connections, parked waits, keys, bytes); `None` for a
-    /// client, which cannot see it.
+    /// client, which cannot see it, a torch store's included.
     pub fn stats(&self) -> Option<StoreStats> {
-        self.server.as_ref().map(Server::stats)
+        match &self.backend {
+            Backend::Own { server, .. } => server.as_ref().map(Server::stats),
+            Backend::Torch(_) => None,
+        }
+    }
+
+    /// The number of keys the whole server holds, every prefix's: torch's `num_keys`.
+    /// Our own server does not count them for clients: [`Error::Unsupported`] there
+    /// (rank 0 has [`stats`](Self::stats)).
+    pub fn num_keys(&self) -> Result<i64> {
+        match &self.backend {
+            Backend::Torch(torch) => torch.num_keys(),
+            Backend::Own { .. } => Err(Error::Unsupported(
+                "num_keys on this crate's store (rank 0 has TcpStore::stats)".into(),
+            )),
+        }
     }
 
     /// Sets `key` to `value`, replacing any value it had, and wakes its waiters.
@@ -294,6 +404,9 @@ impl TcpStore {
     /// A request larger than 64 MiB is [`Error::InvalidArgument`]; one the server has no
     /// room for, [`Error::StoreQuota`].
     pub fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+        if let Backend::Torch(torch) = &self.backend {
+            return torch.set(key, value);
+        }
         match self.call("set", &Request::Set { key, value }, Duration::ZERO)? {
             Response::Unit => Ok(()),
             other => Err(unexpected("set", &other)),
@@ -302,7 +415,15 @@ impl TcpStore {
 
     /// Sets `key` to `value` only if it does not exist, atomically; returns the value it
     /// already had (and then leaves it), or `None` when this call set it.
+    ///
+    /// On a torch store this is compare-and-set from the empty value, so a key that
+    /// holds the empty value is replaced, and one that already holds `value` reads as
+    /// set by this call (torch's reply cannot tell the two apart).
     pub fn set_if_absent(&self, key: &str, value: &[u8]) -> Result<Option<Vec<u8>>> {
+        if let Backend::Torch(torch) = &self.backend {
+            let now = torch.compare_set(key, b"", value)?;
+            return Ok((now != value).then_some(now));
+        }
         match self.call(
             "set_if_absent",
             &Request::SetIfAbsent { key, value },
@@ -317,6 +438,12 @@ impl TcpStore {
     /// The value of `key`, waiting up to the store's timeout for some rank to set it.
     pub fn get(&self, key: &str) -> Result<Vec<u8>> {
         let timeout = self.timeout;
+        if let Backend::Torch(torch) = &self.backend {
+            let mut values = torch.get_many(&[key], timeout)?;
+            return values
+                .pop()
+                .ok_or_else(|| Error::Protocol("the torch store sent no value".into()));
+        }
         match self.call("get", &Request::Get { key, timeout }, timeout)? {
             Response::Value(value) => Ok((*value).as_ref().to_vec()),
             Response::TimedOut(_) => Err(Error::Timeout {
@@ -329,8 +456,24 @@ impl TcpStore {
     }
 
     /// Waits until every key in `keys` exists, up to `timeout`; the error names the keys
-    /// still missing.
+    /// still missing (on a torch store, the keys waited for: its protocol does not say
+    /// which are missing). An empty `keys` is satisfied at once.
     pub fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()> {
+        if let Backend::Torch(torch) = &self.backend {
+            // Torch's wait tells nothing of which keys are missing; asking would cost a
+            // request per key.
+            if torch.wait_for(keys, timeout)? {
+                return Ok(());
+            }
+            return Err(Error::Timeout {
+                what: format!(
+                    "torch store wait for keys {} (some still missing)",
+                    quoted_list(keys)
+                ),
+                after: timeout,
+                missing: Vec::new(),
+            });
+        }
         let missing = self.missing_after(None, keys, timeout)?;
         if missing.is_empty() {
             return Ok(());
@@ -350,6 +493,9 @@ impl TcpStore {
     /// new value. The value is stored as decimal text, so [`get`](Self::get) reads it as
     /// such; a key holding anything else, or an overflow, is [`Error::InvalidArgument`].
     pub fn add(&self, key: &str, delta: i64) -> Result<i64> {
+        if let Backend::Torch(torch) = &self.backend {
+            return torch.add(key, delta);
+        }
         match self.call("add", &Request::Add { key, delta }, Duration::ZERO)? {
             Response::Int(value) => Ok(value),
             other => Err(unexpected("add", &other)),
@@ -358,6 +504,9 @@ impl TcpStore {
 
     /// Whether every key in `keys` exists, without waiting.
     pub fn check(&self, keys: &[&str]) -> Result<bool> {
+        if let Backend::Torch(torch) = &self.backend {
+            return torch.check(keys);
+        }
         match self.call(
             "check",
             &Request::Check {
@@ -372,9 +521,46 @@ impl TcpStore {
 
     /// Removes `key`; returns whether it existed.
     pub fn delete_key(&self, key: &str) -> Result<bool> {
+        if let Backend::Torch(torch) = &self.backend {
+            return torch.delete_key(key);
+        }
         match self.call("delete", &Request::Delete { key }, Duration::ZERO)? {
             Response::Bool(existed) => Ok(existed),
             other => Err(unexpected("delete", &other)),
+        }
+    }
+
+    /// Torch's compare-and-set: when `key` holds `expected` (or is absent and
+    /// `expected` is empty) it is set to `desired`; returns the value `key` holds
+    /// afterwards (for an absent key and a non-empty `expected`: `expected`, and the key
+    /// stays absent). Only a torch store has it; ours answers
+    /// [`Error::Unsupported`] (use [`set_if_absent`](Self::set_if_absent)).
+    pub fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>> {
+        match &self.backend {
+            Backend::Torch(torch) => torch.compare_set(key, expected, desired),
+            Backend::Own { .. } => Err(Error::Unsupported(
+                "compare_set on this crate's store (it has set_if_absent)".into(),
+            )),
+        }
+    }
+
+    /// The values of `keys`, in order, waiting up to the store's timeout until all
+    /// exist: one request on a torch store (`MULTI_GET`), one [`get`](Self::get) per key
+    /// on ours.
+    pub fn multi_get(&self, keys: &[&str]) -> Result<Vec<Vec<u8>>> {
+        match &self.backend {
+            Backend::Torch(torch) if !keys.is_empty() => torch.get_many(keys, self.timeout),
+            Backend::Torch(_) => Ok(Vec::new()),
+            Backend::Own { .. } => keys.iter().map(|key| self.get(key)).collect(),
+        }
+    }
+
+    /// Sets every `(key, value)` of `pairs`: one request on a torch store
+    /// (`MULTI_SET`), one [`set`](Self::set) per key on ours.
+    pub fn multi_set(&self, pairs: &[(&str, &[u8])]) -> Result<()> {
+        match &self.backend {
+            Backend::Torch(torch) => torch.multi_set(pairs),
+            Backend::Own { .. } => pairs.iter().try_for_each(|(k, v)| self.set(k, v)),
         }
     }
 
@@ -396,6 +582,11 @@ impl TcpStore {
             return Err(Error::InvalidArgument(format!(
                 "join: rank {rank} is not below the world size {world_size}"
             )));
+        }
+        if let Backend::Torch(torch) = &self.backend {
+            torch_join::join(torch, rank, world_size, &self.join_id, timeout)?;
+            self.joined_world_size.store(world_size, Ordering::Relaxed);
+            return Ok(());
         }
         let request = Request::Join {
             rank: rank as u64,
@@ -446,6 +637,9 @@ impl TcpStore {
                 "barrier {}: rank {rank} is not below the world size {world_size}",
                 Quoted(name)
             )));
+        }
+        if let Backend::Torch(torch) = &self.backend {
+            return torch_join::barrier(torch, name, world_size, rank, timeout);
         }
         let generation = self.add(&format!("{name}/calls/{rank}"), 1)?;
         let keys: Vec<String> = (0..world_size)
@@ -500,17 +694,24 @@ impl TcpStore {
     /// Sends a request that the server may hold for up to `held` before answering; the
     /// reply is awaited for that plus the store's timeout.
     fn call(&self, op: &str, request: &Request<'_>, held: Duration) -> Result<Response> {
-        self.client
-            .call(op, request, held.saturating_add(self.timeout))
+        match &self.backend {
+            Backend::Own { client, .. } => {
+                client.call(op, request, held.saturating_add(self.timeout))
+            }
+            Backend::Torch(_) => Err(Error::Internal(format!(
+                "{op}: a request of this crate's protocol for a torch store"
+            ))),
+        }
     }
 }
 
 impl fmt::Debug for TcpStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("TcpStore")
-            .field("addr", &self.client.addr)
+            .field("addr", &self.addr())
             .field("is_server", &self.is_server())
-            .field("world_size", &self.client.world_size)
+            .field("is_torch", &self.is_torch())
+            .field("world_size", &self.world_size())
             .field("timeout", &self.timeout)
             .finish()
     }
