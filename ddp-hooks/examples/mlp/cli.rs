@@ -32,6 +32,12 @@ arguments:
   --save-at K --checkpoint DIR
                      also save every rank's checkpoint after K steps
   --resume DIR       continue from the checkpoints in DIR
+  --elastic DIR --save-every K
+                     elastic checkpoints (for torchrun --max-restarts): save into DIR every K
+                     steps, and start from the newest step every rank saved there, if any
+  --die-at STEP[:RANK]
+                     fault injection for restart tests: rank RANK (default 1) kills itself
+                     with SIGKILL after STEP steps, on torchrun's first attempt only
   --json             one JSON object per line (events, then the result)";
 
 /// Parsed arguments.
@@ -57,6 +63,7 @@ pub fn parse(args: &[String], default_ranks: usize) -> Result<Cli, String> {
     let mut compare = false;
     let mut json = false;
     let (mut save_at, mut checkpoint, mut resume) = (None, None, None);
+    let (mut elastic, mut save_every, mut die_at) = (None, None, None);
     let (mut local_sgd, mut local_sgd_start) = (None, None);
     let (mut diloco, mut fragments, mut outer_lr, mut outer_momentum) = (None, None, None, None);
     let mut p = lexopt::Parser::from_args(args.iter().cloned());
@@ -83,6 +90,9 @@ pub fn parse(args: &[String], default_ranks: usize) -> Result<Cli, String> {
             Long("save-at") => save_at = Some(positive(&mut p, "--save-at")?),
             Long("checkpoint") => checkpoint = Some(PathBuf::from(text(&mut p)?)),
             Long("resume") => resume = Some(PathBuf::from(text(&mut p)?)),
+            Long("elastic") => elastic = Some(PathBuf::from(text(&mut p)?)),
+            Long("save-every") => save_every = Some(positive(&mut p, "--save-every")?),
+            Long("die-at") => die_at = Some(step_and_rank(&text(&mut p)?)?),
             Long("json") => json = true,
             other => return Err(other.unexpected().to_string()),
         }
@@ -140,8 +150,23 @@ pub fn parse(args: &[String], default_ranks: usize) -> Result<Cli, String> {
             (None, Some(_)) => None,
         },
         resume,
+        elastic: match (elastic, save_every) {
+            (Some(dir), Some(k)) => Some((dir, k)),
+            (None, None) => None,
+            (Some(_), None) => return Err("--elastic DIR needs --save-every K".into()),
+            (None, Some(_)) => return Err("--save-every K needs --elastic DIR".into()),
+        },
+        die_at,
     };
-    if compare && (plan.save_at.is_some() || plan.resume.is_some()) {
+    if let Some((_, victim)) = plan.die_at {
+        if victim >= config.ranks {
+            return Err(format!("--die-at: rank {victim} is not below {}", config.ranks));
+        }
+    }
+    if plan.elastic.is_some() && (plan.save_at.is_some() || plan.resume.is_some()) {
+        return Err("--elastic manages its own checkpoints: drop --save-at and --resume".into());
+    }
+    if compare && (plan.save_at.is_some() || plan.resume.is_some() || plan.elastic.is_some()) {
         return Err("--compare does not checkpoint".into());
     }
     if let Some((k, _)) = &plan.save_at {
@@ -161,6 +186,16 @@ pub fn parse(args: &[String], default_ranks: usize) -> Result<Cli, String> {
         hooks,
         json,
     })
+}
+
+/// `STEP` or `STEP:RANK` (rank 1 by default), for `--die-at`.
+fn step_and_rank(v: &str) -> Result<(usize, usize), String> {
+    let bad = || format!("--die-at {v}: expected STEP or STEP:RANK (non-negative integers)");
+    let (step, rank) = v.split_once(':').unwrap_or((v, "1"));
+    Ok((
+        step.parse().map_err(|_| bad())?,
+        rank.parse().map_err(|_| bad())?,
+    ))
 }
 
 /// The next value, a non-negative integer (`name` for the message).

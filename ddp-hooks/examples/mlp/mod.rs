@@ -12,6 +12,7 @@
 pub mod args;
 pub mod checkpoint;
 pub mod cli;
+pub mod elastic;
 pub mod trainer;
 
 use ddp_hooks::HookSpec;

@@ -6,6 +6,7 @@
 //! `load_state`, so any registry hook resumes).
 
 use super::checkpoint::{Checkpoint, RunId};
+use super::elastic;
 use super::{shapes, teacher_data, Mlp, Sgd, WIDTHS};
 use accum::Accumulator;
 use collectives::link::{Charge, Link, LinkOp, Linked};
@@ -190,6 +191,15 @@ pub struct Plan {
     pub save_at: Option<(usize, PathBuf)>,
     /// Continue from the checkpoints in this folder.
     pub resume: Option<PathBuf>,
+    /// Elastic checkpoints (for `torchrun --max-restarts`): every `.1` optimizer steps
+    /// into `.0/step-<N>/` (the two newest kept), and at the start the newest step every
+    /// rank has, if any (agreed over the group, so a rank killed while saving costs one
+    /// save interval, never a mixed restart).
+    pub elastic: Option<(PathBuf, usize)>,
+    /// Fault injection for the restart tests: rank `.1` kills itself with SIGKILL after
+    /// `.0` optimizer steps, on the first attempt only (`TORCHELASTIC_RESTART_COUNT`
+    /// unset or 0).
+    pub die_at: Option<(usize, usize)>,
 }
 
 /// What rank 0 reports while it trains.
@@ -280,6 +290,15 @@ pub fn run_rank<G: ProcessGroup + 'static>(
     let mut opt = Sgd::new(&model, config.lr, config.momentum);
     let mut start = 0;
     let mut saved = None;
+    if let Some((dir, _)) = &plan.elastic {
+        if let Some(step) = elastic::agreed_step(&group, dir)? {
+            let c = Checkpoint::load(&elastic::step_dir(dir, step), rank, &config.run_id())?;
+            model.params = c.params.clone();
+            opt.velocity = c.velocity.clone();
+            start = c.step;
+            saved = Some(c);
+        }
+    }
     if let Some(dir) = &plan.resume {
         let c = Checkpoint::load(dir, rank, &config.run_id())?;
         if c.params.len() != shapes.len() || c.velocity.len() != shapes.len() {
@@ -391,8 +410,15 @@ pub fn run_rank<G: ProcessGroup + 'static>(
             eval_time += e.elapsed();
             on_event(Event::Eval { step, loss });
         }
-        if let Some((at, dir)) = &plan.save_at {
-            if *at == step {
+        let save_into = match (&plan.save_at, &plan.elastic) {
+            (Some((at, dir)), _) if *at == step => Some(dir.clone()),
+            (_, Some((dir, every))) if step % every == 0 && step < config.steps => {
+                Some(elastic::step_dir(dir, step))
+            }
+            _ => None,
+        };
+        if let Some(dir) = save_into {
+            {
                 let (averager, diloco) = sync.save()?;
                 Checkpoint {
                     run: config.run_id(),
@@ -404,10 +430,18 @@ pub fn run_rank<G: ProcessGroup + 'static>(
                     averager,
                     diloco,
                 }
-                .save(dir)?;
+                .save(&dir)?;
+                if let Some((root, _)) = &plan.elastic {
+                    elastic::prune(root, rank, step)?;
+                }
                 if rank == 0 {
                     on_event(Event::Saved { step });
                 }
+            }
+        }
+        if let Some((at, victim)) = plan.die_at {
+            if at == step && rank == victim && elastic::first_attempt() {
+                elastic::die();
             }
         }
     }
