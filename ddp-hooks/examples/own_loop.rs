@@ -119,7 +119,13 @@ fn parse() -> Result<Args, String> {
                     .filter(|x: &f32| x.is_finite() && *x > 0.0)
                     .ok_or(format!("--lr {v:?}: expected a positive number"))?;
             }
-            Long("hook") => a.hook = p.value().map_err(|e| e.to_string())?.to_string_lossy().into(),
+            Long("hook") => {
+                a.hook = p
+                    .value()
+                    .map_err(|e| e.to_string())?
+                    .to_string_lossy()
+                    .into()
+            }
             Long("checkpoint") => a.checkpoint = Some(p.value().map_err(|e| e.to_string())?.into()),
             Long("resume") => a.resume = true,
             other => return Err(other.unexpected().to_string()),
@@ -155,7 +161,10 @@ fn main() -> ExitCode {
 const TIMEOUT: Duration = Duration::from_secs(300);
 
 fn run(args: &Args) -> Result<(), String> {
-    let spec: HookSpec = args.hook.parse().map_err(|e: ddp_hooks::Error| e.to_string())?;
+    let spec: HookSpec = args
+        .hook
+        .parse()
+        .map_err(|e: ddp_hooks::Error| e.to_string())?;
     if args.cuda {
         return run_cuda(args, &spec);
     }
@@ -287,14 +296,18 @@ fn train<B: CommBackend>(
     let mut step = start;
     let micro_seed = |micro: usize| ((rank as u64) << 40) ^ micro as u64;
     for (micro_step, micro) in acc.epoch(start * k..args.steps * k) {
-        s.forward_backward(&*be, &weights, &teacher, micro_seed(micro)).map_err(l)?;
+        s.forward_backward(&*be, &weights, &teacher, micro_seed(micro))
+            .map_err(l)?;
         {
             let mut r = micro_step.apply(&mut reducer);
             // Gradients are handed to the reducer in backward order, each bucket launched
             // as soon as its last gradient is marked.
             for p in (0..SHAPES.len()).rev() {
-                be.scale(B::view_mut(&mut s.grads[p], ..).map_err(l)?, micro_step.loss_scale())
-                    .map_err(l)?;
+                be.scale(
+                    B::view_mut(&mut s.grads[p], ..).map_err(l)?,
+                    micro_step.loss_scale(),
+                )
+                .map_err(l)?;
                 let g = r.grad_mut(p).map_err(e)?;
                 be.add(g, B::view(&s.grads[p], ..).map_err(l)?).map_err(l)?;
                 r.mark_ready(p).map_err(e)?;
@@ -307,10 +320,15 @@ fn train<B: CommBackend>(
         // SGD on the reduced (averaged) gradients.
         for (p, w) in weights.iter_mut().enumerate() {
             let g = reducer.grad(p).map_err(e)?;
-            be.copy(g, B::view_mut(&mut s.grads[p], ..).map_err(l)?).map_err(l)?;
-            be.scale(B::view_mut(&mut s.grads[p], ..).map_err(l)?, -args.lr).map_err(l)?;
-            be.add(B::view_mut(w, ..).map_err(l)?, B::view(&s.grads[p], ..).map_err(l)?)
+            be.copy(g, B::view_mut(&mut s.grads[p], ..).map_err(l)?)
                 .map_err(l)?;
+            be.scale(B::view_mut(&mut s.grads[p], ..).map_err(l)?, -args.lr)
+                .map_err(l)?;
+            be.add(
+                B::view_mut(w, ..).map_err(l)?,
+                B::view(&s.grads[p], ..).map_err(l)?,
+            )
+            .map_err(l)?;
         }
         reducer.zero_grad().map_err(e)?;
         step += 1;
@@ -328,8 +346,12 @@ fn train<B: CommBackend>(
         args.steps,
         digest(&host)
     );
-    if start == 0 && !(fin < 0.1 * initial) {
-        return Err(format!("the loss fell from {initial} to {fin} only: not trained"));
+    // Written so that a NaN loss fails too.
+    let trained = fin < 0.1 * initial;
+    if start == 0 && !trained {
+        return Err(format!(
+            "the loss fell from {initial} to {fin} only: not trained"
+        ));
     }
     Ok(())
 }
@@ -401,7 +423,11 @@ fn download_all<B: Backend>(be: &B, bufs: &[B::Buffer<f32>]) -> Result<Vec<Vec<f
 /// FNV-1a over the parameters' bits.
 fn digest(params: &[Vec<f32>]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in params.iter().flatten().flat_map(|x| x.to_bits().to_le_bytes()) {
+    for b in params
+        .iter()
+        .flatten()
+        .flat_map(|x| x.to_bits().to_le_bytes())
+    {
         h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
     }
     h
@@ -443,11 +469,31 @@ impl<B: Backend> Scratch<B> {
         let (d1, d2) = (Dims::new(1, H, D, BATCH)?, Dims::new(1, O, H, BATCH)?);
         be.fill_normal(&mut NormalRng::new(seed), B::view_mut(&mut self.x, ..)?)?;
         // Teacher: y = T2 (T1 x), through h.
-        be.mq(d1, B::view(&teacher[0], ..)?, B::view(&self.x, ..)?, B::view_mut(&mut self.h, ..)?)?;
-        be.mq(d2, B::view(&teacher[1], ..)?, B::view(&self.h, ..)?, B::view_mut(&mut self.y, ..)?)?;
+        be.mq(
+            d1,
+            B::view(&teacher[0], ..)?,
+            B::view(&self.x, ..)?,
+            B::view_mut(&mut self.h, ..)?,
+        )?;
+        be.mq(
+            d2,
+            B::view(&teacher[1], ..)?,
+            B::view(&self.h, ..)?,
+            B::view_mut(&mut self.y, ..)?,
+        )?;
         // Student: h = W1 x, r = W2 h - y.
-        be.mq(d1, B::view(&w[0], ..)?, B::view(&self.x, ..)?, B::view_mut(&mut self.h, ..)?)?;
-        be.mq(d2, B::view(&w[1], ..)?, B::view(&self.h, ..)?, B::view_mut(&mut self.r, ..)?)?;
+        be.mq(
+            d1,
+            B::view(&w[0], ..)?,
+            B::view(&self.x, ..)?,
+            B::view_mut(&mut self.h, ..)?,
+        )?;
+        be.mq(
+            d2,
+            B::view(&w[1], ..)?,
+            B::view(&self.h, ..)?,
+            B::view_mut(&mut self.r, ..)?,
+        )?;
         be.scale(B::view_mut(&mut self.y, ..)?, -1.0)?;
         be.add(B::view_mut(&mut self.r, ..)?, B::view(&self.y, ..)?)
     }
@@ -463,9 +509,24 @@ impl<B: Backend> Scratch<B> {
     ) -> lowrank::Result<()> {
         self.forward(be, w, teacher, seed)?;
         let (d1, d2) = (Dims::new(1, H, D, BATCH)?, Dims::new(1, O, H, BATCH)?);
-        be.pqt(d2, B::view(&self.r, ..)?, B::view(&self.h, ..)?, B::view_mut(&mut self.grads[1], ..)?)?;
-        be.mtp(d2, B::view(&w[1], ..)?, B::view(&self.r, ..)?, B::view_mut(&mut self.dh, ..)?)?;
-        be.pqt(d1, B::view(&self.dh, ..)?, B::view(&self.x, ..)?, B::view_mut(&mut self.grads[0], ..)?)?;
+        be.pqt(
+            d2,
+            B::view(&self.r, ..)?,
+            B::view(&self.h, ..)?,
+            B::view_mut(&mut self.grads[1], ..)?,
+        )?;
+        be.mtp(
+            d2,
+            B::view(&w[1], ..)?,
+            B::view(&self.r, ..)?,
+            B::view_mut(&mut self.dh, ..)?,
+        )?;
+        be.pqt(
+            d1,
+            B::view(&self.dh, ..)?,
+            B::view(&self.x, ..)?,
+            B::view_mut(&mut self.grads[0], ..)?,
+        )?;
         let n = 1.0 / BATCH as f32;
         be.scale(B::view_mut(&mut self.grads[0], ..)?, n)?;
         be.scale(B::view_mut(&mut self.grads[1], ..)?, n)

@@ -30,7 +30,9 @@ use std::process::ExitCode;
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if let Some(a) = args.iter().find(|a| *a == "--ranks" || *a == "--compare") {
-        eprintln!("train_dist: {a} is not for multi-process runs (the world's size is the rank count)");
+        eprintln!(
+            "train_dist: {a} is not for multi-process runs (the world's size is the rank count)"
+        );
         return ExitCode::from(2);
     }
     let world = match TcpGroup::from_env(DEFAULT_TIMEOUT) {

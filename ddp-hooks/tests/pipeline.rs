@@ -12,16 +12,16 @@
 //! - Failure: a rank whose pipe fails leaves no peer waiting.
 #![cfg(feature = "pipe")]
 
+mod common;
+
 use accum::{no_sync, Accumulator, GradSync};
 use collectives::{run_local, ProcessGroup, Work};
+use common::pipeline::{allreduce, concat, model, mse, normal, rel, sgd, small, BALANCE, IN, OUT};
 use ddp_hooks::pipeline::{DistributedPipe, Launch, PipelineError};
-use ddp_hooks::{
-    AllReduce, CommHook, GradBucket, HookSpec, PowerSgd, PowerSgdConfig, ReducerConfig,
-};
-use lowrank::{CpuBackend, NormalRng};
+use ddp_hooks::{AllReduce, CommHook, GradBucket, PowerSgd, PowerSgdConfig, ReducerConfig};
+use lowrank::CpuBackend;
 use pipe::cpu::{CpuTensor, Linear, ReLU};
-use pipe::ndarray::Axis;
-use pipe::{Batch, Checkpoint, Context, Layer, MicroBatch, Pipe, Saved, ScheduleKind};
+use pipe::{Batch, Checkpoint, Context, Layer, Pipe, Saved, ScheduleKind};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -29,64 +29,9 @@ use std::time::Duration;
 const RANKS: usize = 2;
 /// Samples per rank and step.
 const N: usize = 8;
-const IN: usize = 6;
-const HIDDEN: usize = 8;
-const OUT: usize = 3;
-/// Partition 0: Linear, ReLU; partition 1: Linear, ReLU, Linear.
-const BALANCE: [usize; 2] = [2, 3];
-const LR: f32 = 0.1;
-
-fn model(widths: [usize; 4], seed: u64) -> Vec<Box<dyn Layer<CpuTensor>>> {
-    vec![
-        Box::new(Linear::new(widths[0], widths[1], seed)),
-        Box::new(ReLU),
-        Box::new(Linear::new(widths[1], widths[2], seed + 1)),
-        Box::new(ReLU),
-        Box::new(Linear::new(widths[2], widths[3], seed + 2)),
-    ]
-}
-
-fn small() -> Vec<Box<dyn Layer<CpuTensor>>> {
-    model([IN, HIDDEN, HIDDEN, OUT], 10)
-}
-
-fn normal(shape: &[usize], seed: u64) -> CpuTensor {
-    let mut v = vec![0.0; shape.iter().product()];
-    NormalRng::new(seed).fill(&mut v);
-    CpuTensor::from_shape_vec(shape, v).unwrap()
-}
-
 /// Rank `rank`'s inputs and targets at step `step`.
 fn data(rank: usize, step: usize) -> (CpuTensor, CpuTensor) {
-    let seed = 1000 * step as u64 + rank as u64;
-    (normal(&[N, IN], 2 * seed), normal(&[N, OUT], 2 * seed + 1))
-}
-
-/// The loss `½ Σ (y − t)² / denom` of micro-batch `mb` (rows of `target`) and its output
-/// gradient, scaled by `scale`.
-fn mse(
-    target: &CpuTensor,
-    denom: usize,
-    scale: f32,
-    mb: MicroBatch,
-    y: &Batch<CpuTensor>,
-) -> Result<(f32, Batch<CpuTensor>), pipe::Error> {
-    let y = y.tensor(0)?.array();
-    let t = target.array().slice_axis(Axis(0), mb.samples().into());
-    let diff = y - &t;
-    let loss = 0.5 * diff.iter().map(|d| d * d).sum::<f32>() / denom as f32;
-    let grad = diff.mapv(|d| d * scale / denom as f32);
-    Ok((loss, Batch::single(CpuTensor::new(grad))))
-}
-
-fn sgd(pipe: &mut Pipe<CpuTensor>) {
-    for layer in pipe.partitions_mut().iter_mut().flatten() {
-        for p in layer.parameters_mut() {
-            let g = p.grad.array().clone();
-            p.value.array_mut().scaled_add(-LR, &g);
-        }
-    }
-    pipe.zero_grad();
+    common::pipeline::data(N, rank, step)
 }
 
 fn params(pipe: &Pipe<CpuTensor>) -> Vec<f32> {
@@ -105,21 +50,6 @@ fn grads(pipe: &Pipe<CpuTensor>) -> Vec<f32> {
         .collect()
 }
 
-/// `max |a − b| / max |b|`.
-fn rel(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    let diff = a
-        .iter()
-        .zip(b)
-        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
-    diff / b.iter().fold(0.0f32, |m, y| m.max(y.abs()))
-}
-
-fn concat(parts: &[CpuTensor]) -> CpuTensor {
-    let views: Vec<_> = parts.iter().map(|p| p.array().view()).collect();
-    CpuTensor::new(pipe::ndarray::concatenate(Axis(0), &views).unwrap())
-}
-
 /// One process, no pipeline (one partition, one micro-batch), on every rank's batch at
 /// once: the parameters after `steps` SGD steps.
 fn reference(steps: usize) -> Vec<f32> {
@@ -134,12 +64,6 @@ fn reference(steps: usize) -> Vec<f32> {
         sgd(&mut pipe);
     }
     params(&pipe)
-}
-
-fn allreduce(group: Arc<dyn ProcessGroup>) -> Box<dyn CommHook<CpuBackend>> {
-    HookSpec::AllReduce
-        .build(Arc::new(CpuBackend::new()), group)
-        .unwrap()
 }
 
 #[test]

@@ -13,13 +13,15 @@
 //!   pipe's timeout; a mesh that does not fit the world group is an error on every rank.
 #![cfg(feature = "pipe")]
 
+mod common;
+
 use collectives::{run_local, ProcessGroup};
+use common::pipeline::{allreduce, concat, mse, rel, sgd, small, BALANCE, HIDDEN};
 use ddp_hooks::pipeline::{DistributedPipe, Mesh, MeshError, PipelineError};
 use ddp_hooks::{CommHook, HookSpec, PowerSgd, PowerSgdConfig, ReducerConfig};
-use lowrank::{CpuBackend, NormalRng};
-use pipe::cpu::{CpuTensor, Linear, ReLU};
-use pipe::ndarray::Axis;
-use pipe::{Batch, Checkpoint, Context, Layer, MicroBatch, Pipe, PipeBuilder, Saved, ScheduleKind};
+use lowrank::CpuBackend;
+use pipe::cpu::CpuTensor;
+use pipe::{Batch, Checkpoint, Context, Layer, Pipe, PipeBuilder, Saved, ScheduleKind};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -27,68 +29,20 @@ const STAGES: usize = 2;
 const REPLICAS: usize = 2;
 /// Samples per replica and step.
 const N: usize = 6;
-const IN: usize = 6;
-const HIDDEN: usize = 8;
-const OUT: usize = 3;
-/// Stage 0: Linear, ReLU; stage 1: Linear, ReLU, Linear.
-const BALANCE: [usize; 2] = [2, 3];
-const LR: f32 = 0.1;
-
-fn model() -> Vec<Box<dyn Layer<CpuTensor>>> {
-    vec![
-        Box::new(Linear::new(IN, HIDDEN, 10)),
-        Box::new(ReLU),
-        Box::new(Linear::new(HIDDEN, HIDDEN, 11)),
-        Box::new(ReLU),
-        Box::new(Linear::new(HIDDEN, OUT, 12)),
-    ]
-}
 
 /// The layers of `stage` (the same model, cut by [`BALANCE`]).
 fn stage_layers(stage: usize) -> Vec<Box<dyn Layer<CpuTensor>>> {
     let first: usize = BALANCE[..stage].iter().sum();
-    model()
+    small()
         .into_iter()
         .skip(first)
         .take(BALANCE[stage])
         .collect()
 }
 
-fn normal(shape: &[usize], seed: u64) -> CpuTensor {
-    let mut v = vec![0.0; shape.iter().product()];
-    NormalRng::new(seed).fill(&mut v);
-    CpuTensor::from_shape_vec(shape, v).unwrap()
-}
-
 /// Replica `replica`'s half of the batch of step `step`: inputs and targets.
 fn data(replica: usize, step: usize) -> (CpuTensor, CpuTensor) {
-    let seed = 1000 * step as u64 + replica as u64;
-    (normal(&[N, IN], 2 * seed), normal(&[N, OUT], 2 * seed + 1))
-}
-
-/// `½ Σ (y − t)² / denom` over micro-batch `mb` (rows of `target`), and its gradient.
-fn mse(
-    target: &CpuTensor,
-    denom: usize,
-    mb: MicroBatch,
-    y: &Batch<CpuTensor>,
-) -> Result<(f32, Batch<CpuTensor>), pipe::Error> {
-    let y = y.tensor(0)?.array();
-    let t = target.array().slice_axis(Axis(0), mb.samples().into());
-    let diff = y - &t;
-    let loss = 0.5 * diff.iter().map(|d| d * d).sum::<f32>() / denom as f32;
-    let grad = diff.mapv(|d| d / denom as f32);
-    Ok((loss, Batch::single(CpuTensor::new(grad))))
-}
-
-fn sgd(pipe: &mut Pipe<CpuTensor>) {
-    for layer in pipe.partitions_mut().iter_mut().flatten() {
-        for p in layer.parameters_mut() {
-            let g = p.grad.array().clone();
-            p.value.array_mut().scaled_add(-LR, &g);
-        }
-    }
-    pipe.zero_grad();
+    common::pipeline::data(N, replica, step)
 }
 
 /// Every gradient this pipe holds (this rank's partitions), forward order, flattened,
@@ -105,33 +59,18 @@ fn grads(pipe: &Pipe<CpuTensor>) -> (Vec<f32>, Vec<Vec<usize>>) {
     (values, shapes)
 }
 
-/// `max |a − b| / max |b|`.
-fn rel(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    let diff = a
-        .iter()
-        .zip(b)
-        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
-    diff / b.iter().fold(0.0f32, |m, y| m.max(y.abs()))
-}
-
-fn concat(parts: &[CpuTensor]) -> CpuTensor {
-    let views: Vec<_> = parts.iter().map(|p| p.array().view()).collect();
-    CpuTensor::new(pipe::ndarray::concatenate(Axis(0), &views).unwrap())
-}
-
 /// One process, no pipeline, on both replicas' halves at once with the loss the mean
 /// over all `2N` samples (the replicas' means, averaged by the hook): the gradients of
 /// each of `steps` SGD steps, and their shapes.
 fn reference(steps: usize) -> (Vec<Vec<f32>>, Vec<Vec<usize>>) {
-    let mut pipe = Pipe::builder(model(), &[5]).build().unwrap();
+    let mut pipe = Pipe::builder(small(), &[5]).build().unwrap();
     let mut out = Vec::new();
     let mut shapes = Vec::new();
     for step in 0..steps {
         let (xs, ts): (Vec<_>, Vec<_>) = (0..REPLICAS).map(|d| data(d, step)).unzip();
         let target = concat(&ts);
         pipe.step(Batch::single(concat(&xs)), |mb, y| {
-            mse(&target, REPLICAS * N, mb, y)
+            mse(&target, REPLICAS * N, 1.0, mb, y)
         })
         .unwrap();
         let (g, s) = grads(&pipe);
@@ -206,7 +145,7 @@ where
             } else {
                 Batch::new(Vec::new())
             };
-            let out = ddp.step(input, |mb, y| mse(&t, N, mb, y)).unwrap();
+            let out = ddp.step(input, |mb, y| mse(&t, N, 1.0, mb, y)).unwrap();
             // Losses only on the last stage's ranks.
             assert_eq!(out.losses.is_empty(), stage != STAGES - 1);
             let (g, s) = grads(ddp.pipe());
@@ -239,12 +178,6 @@ fn gathered<R>(runs: &[RankRun<R>], replica: usize, step: usize) -> (Vec<f32>, V
         shapes.extend(r.shapes.iter().cloned());
     }
     (values, shapes)
-}
-
-fn allreduce(g: Arc<dyn ProcessGroup>) -> Box<dyn CommHook<CpuBackend>> {
-    HookSpec::AllReduce
-        .build(Arc::new(CpuBackend::new()), g)
-        .unwrap()
 }
 
 #[test]
@@ -292,7 +225,7 @@ fn the_on_mesh_constructor_with_a_spec_gives_the_same_gradients() {
         } else {
             Batch::new(Vec::new())
         };
-        let out = ddp.step(input, |mb, y| mse(&t, N, mb, y)).unwrap();
+        let out = ddp.step(input, |mb, y| mse(&t, N, 1.0, mb, y)).unwrap();
         // Input gradients only on stage 0's ranks, outputs only on the last stage's.
         assert_eq!(out.input_grad.is_empty(), stage != 0);
         assert_eq!(out.output.is_empty(), stage != STAGES - 1);
@@ -429,7 +362,7 @@ fn a_layer_failure_on_one_rank_is_an_error_on_every_rank_without_a_hang() {
             } else {
                 Batch::new(Vec::new())
             };
-            results.push(ddp.step(input, |mb, y| mse(&t, N, mb, y)).map(|_| ()));
+            results.push(ddp.step(input, |mb, y| mse(&t, N, 1.0, mb, y)).map(|_| ()));
             ddp.zero_grad();
         }
         results

@@ -6,9 +6,9 @@
 //! checks that a binary built here starts, finds the driver, cuBLAS, NVRTC and NCCL
 //! (system folders and the Python packages' `nvidia/*/lib`), runs everything and prints a
 //! summary. The folder also carries `torch_hooks.py` (PyTorch's `powerSGD_hook` on the
-//! shapes of the `cuda_hooks` bench, the reference of issue 17) and the CPU compression
-//! report (`ddp-hooks/benches/report.rs`, run with `--quick`; its JSON lines go to
-//! `$OUT/report.jsonl`, where `cargo xtask bench` would draw them). `run.sh` takes its
+//! shapes of the `cuda_hooks` bench: the reference the GPU figures are compared with)
+//! and the CPU compression report (`ddp-hooks/benches/report.rs`, run with `--quick`;
+//! its JSON lines go to `$OUT/report.jsonl`, where `cargo xtask bench` would draw them). `run.sh` takes its
 //! options from the environment: `GPU_CHECK_LIMIT` (seconds a step may run),
 //! `GPU_CHECK_SANITIZE=1` (the CUDA tests again under compute-sanitizer's memcheck),
 //! `GPU_CHECK_PROFILE=preset:rank:path` (an `ncu` time of every kernel of that

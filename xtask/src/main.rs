@@ -14,7 +14,9 @@
 mod bench;
 mod gpu_check;
 mod sanitize;
+mod svg;
 mod test;
+mod torchrun;
 mod train;
 mod train_svg;
 
@@ -25,7 +27,10 @@ usage: cargo xtask <command>
 
 commands:
   test                      cargo test --workspace, the CUDA tests (they skip without a GPU),
-                            and the optional suites whose system software is installed
+                            the multi-process runs (TCP under launch; torchrun where PyTorch
+                            imports, with an elastic restart) and the optional suites whose
+                            system software is installed
+  test processes            the multi-process runs alone
   bench [SUITE] [--quick] [--json]
                             benchmarks in release builds. Without SUITE: the compression-throughput
                             report (every hook on 4 x Linear, ResNet-50, BERT-base, GPT-2 small, priced

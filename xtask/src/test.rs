@@ -110,8 +110,22 @@ fn pipe_example(name: &str, features: &str) -> Result<std::path::PathBuf, Failur
 }
 
 pub fn run(args: &[String]) -> Result<(), Failure> {
-    if let Some(a) = args.first() {
-        return Err(Failure(format!("`test` takes no arguments, got `{a}`")));
+    match args {
+        [] => {}
+        [only] if only == "processes" => {
+            // Only the multi-process suite (TCP under `launch`, `torchrun` where it runs).
+            let torch = crate::torchrun::torch_importable();
+            crate::torchrun::suite(torch)?;
+            if !torch {
+                println!("skipped: the torchrun runs (needs PyTorch: pip install torch)");
+            }
+            return Ok(());
+        }
+        [a, ..] => {
+            return Err(Failure(format!(
+            "`test` takes no arguments but `processes` (the multi-process suite alone), got `{a}`"
+        )))
+        }
     }
     run_status(cargo(&["test", "--workspace"]))?;
     // The reason of each GPU test that printed `skipped:` in the CUDA runs below.
@@ -194,6 +208,11 @@ pub fn run(args: &[String]) -> Result<(), Failure> {
         "stages_on_ranks",
         "collectives",
     )?))?;
+    // Processes over TCP: the training example under `launch` (bit for bit against thread
+    // ranks), then under real `torchrun` where PyTorch is importable, with an elastic
+    // restart after a worker is killed.
+    let torch = crate::torchrun::torch_importable();
+    crate::torchrun::suite(torch)?;
     let mut skipped = Vec::new();
     for suite in OPTIONAL {
         if suite.needs.iter().all(|p| on_path(p)) {
@@ -213,9 +232,15 @@ pub fn run(args: &[String]) -> Result<(), Failure> {
             s.packages
         );
     }
+    if !torch {
+        println!(
+            "skipped: the torchrun runs (2 and 4 workers, an elastic restart) and collectives' live \
+             TCPStore tests (needs PyTorch: pip install torch)"
+        );
+    }
     println!(
         "xtask test: all suites passed ({} optional suite(s) skipped); {}",
-        skipped.len(),
+        skipped.len() + usize::from(!torch),
         gpu_summary(&gpu_skips)
     );
     Ok(())

@@ -160,7 +160,10 @@ pub fn parse(args: &[String], default_ranks: usize) -> Result<Cli, String> {
     };
     if let Some((_, victim)) = plan.die_at {
         if victim >= config.ranks {
-            return Err(format!("--die-at: rank {victim} is not below {}", config.ranks));
+            return Err(format!(
+                "--die-at: rank {victim} is not below {}",
+                config.ranks
+            ));
         }
     }
     if plan.elastic.is_some() && (plan.save_at.is_some() || plan.resume.is_some()) {

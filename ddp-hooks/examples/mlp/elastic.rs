@@ -48,7 +48,12 @@ pub fn agreed_step(group: &dyn ProcessGroup, dir: &Path) -> Result<Option<usize>
     let mut sets = Vec::with_capacity(rows.len());
     for r in rows {
         let r = Vec::<f64>::try_from(r).map_err(|e| e.to_string())?;
-        sets.push(r.into_iter().filter(|&s| s >= 0.0).map(|s| s as usize).collect::<Vec<_>>());
+        sets.push(
+            r.into_iter()
+                .filter(|&s| s >= 0.0)
+                .map(|s| s as usize)
+                .collect::<Vec<_>>(),
+        );
     }
     let common = sets[0]
         .iter()
@@ -64,7 +69,11 @@ pub fn agreed_step(group: &dyn ProcessGroup, dir: &Path) -> Result<Option<usize>
 
 /// Removes this rank's checkpoints older than the `KEPT` newest, after a save of `step`.
 pub fn prune(dir: &Path, rank: usize, step: usize) -> Result<(), String> {
-    for old in local_steps(dir, rank)?.into_iter().filter(|&s| s < step).skip(KEPT - 1) {
+    for old in local_steps(dir, rank)?
+        .into_iter()
+        .filter(|&s| s < step)
+        .skip(KEPT - 1)
+    {
         let p = checkpoint::path(&step_dir(dir, old), rank);
         std::fs::remove_file(&p).map_err(|e| format!("{}: {e}", p.display()))?;
         // The folder goes with its last rank's file (another rank may still hold one).

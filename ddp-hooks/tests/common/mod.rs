@@ -3,6 +3,9 @@
 //! such comparisons may use.
 #![allow(dead_code)] // each test crate uses its part
 
+#[cfg(feature = "pipe")]
+pub mod pipeline;
+
 use collectives::ProcessGroup;
 use ddp_hooks::{CommBackend, HookSpec, Reducer, ReducerConfig};
 use lowrank::NormalRng;

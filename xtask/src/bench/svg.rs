@@ -7,6 +7,7 @@
 //! baseline.
 
 use super::rows::{Machine, Row, SPEEDS};
+use crate::svg::{self, escape, Plot};
 use std::fmt::Write as _;
 
 /// The panels: (model in the report, title).
@@ -25,36 +26,6 @@ const HEIGHT: f64 = 500.0;
 const PLOT_W: f64 = 380.0;
 const PLOT_H: f64 = 300.0;
 const TOP: f64 = 80.0;
-
-fn escape(s: &str) -> String {
-    s.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
-}
-
-/// Tick values of a log axis from `10^lo` to `10^hi`: every decade, plus 2 and 5 when
-/// the axis spans at most two decades.
-fn ticks(lo: i32, hi: i32) -> Vec<f64> {
-    let mut t = Vec::new();
-    for d in lo..=hi {
-        let base = 10f64.powi(d);
-        t.push(base);
-        if hi - lo <= 2 && d < hi {
-            t.push(2.0 * base);
-            t.push(5.0 * base);
-        }
-    }
-    t
-}
-
-fn tick_label(v: f64) -> String {
-    if v >= 1.0 {
-        format!("{v:.0}")
-    } else {
-        let s = format!("{v:.3}");
-        s.trim_end_matches('0').to_string()
-    }
-}
 
 /// The chart for `rows` (those of the panels' models; a panel without rows is left out).
 pub fn chart(machine: &Machine, rows: &[Row]) -> String {
@@ -85,14 +56,7 @@ pub fn chart(machine: &Machine, rows: &[Row]) -> String {
         COLORS[i % COLORS.len()]
     };
     let mut s = String::new();
-    let _ = writeln!(
-        s,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{HEIGHT}" viewBox="0 0 {width} {HEIGHT}" font-family="sans-serif" font-size="12">"#
-    );
-    let _ = writeln!(
-        s,
-        r#"<rect width="{width}" height="{HEIGHT}" fill="white"/>"#
-    );
+    svg::open(&mut s, width, HEIGHT);
     let what = match backward {
         Some(b) => format!(
             "{}: a {b} ms backward overlapped with the buckets' hook + link time",
@@ -101,19 +65,13 @@ pub fn chart(machine: &Machine, rows: &[Row]) -> String {
         None => "comm-only ms: measured hook time + link model; no forward/backward, no overlap"
             .to_string(),
     };
-    let _ = writeln!(
-        s,
-        r#"<text x="{}" y="24" text-anchor="middle" font-size="16">Speedup over allreduce vs link bandwidth ({}, {} ranks)</text>"#,
-        width / 2.0,
-        escape(&what),
+    let title = format!(
+        "Speedup over allreduce vs link bandwidth ({what}, {} ranks)",
         machine.link_ranks()
     );
-    let _ = writeln!(
-        s,
-        r##"<text x="{}" y="44" text-anchor="middle" fill="#555">{}</text>"##,
-        width / 2.0,
-        escape(&machine.describe())
-    );
+    svg::centered_text(&mut s, width / 2.0, 24.0, r#" font-size="16""#, &title);
+    let described = machine.describe();
+    svg::centered_text(&mut s, width / 2.0, 44.0, r##" fill="#555""##, &described);
     let figure = machine.figure();
     for (i, (model, title)) in panels.iter().enumerate() {
         let left = 80.0 + i as f64 * (PLOT_W + 110.0);
@@ -132,28 +90,16 @@ pub fn chart(machine: &Machine, rows: &[Row]) -> String {
     // The legend, under the panels.
     let mut x = 80.0;
     let y = TOP + PLOT_H + 70.0;
-    let _ = writeln!(
-        s,
-        r#"<line x1="{x}" y1="{y}" x2="{}" y2="{y}" stroke="black" stroke-dasharray="4 3"/><text x="{}" y="{}">allreduce</text>"#,
-        x + 24.0,
-        x + 30.0,
-        y + 4.0
-    );
+    let dashed = r#"stroke="black" stroke-dasharray="4 3""#;
+    svg::legend_entry(&mut s, x, y, dashed, "allreduce");
     x += 110.0;
     for (n, l) in labels.iter().enumerate() {
         if n == 4 {
             x = 80.0;
         }
         let y = if n < 4 { y } else { y + 22.0 };
-        let _ = writeln!(
-            s,
-            r#"<line x1="{x}" y1="{y}" x2="{}" y2="{y}" stroke="{}" stroke-width="2.5"/><text x="{}" y="{}">{}</text>"#,
-            x + 24.0,
-            color(l),
-            x + 30.0,
-            y + 4.0,
-            escape(l)
-        );
+        let stroke = format!(r#"stroke="{}" stroke-width="2.5""#, color(l));
+        svg::legend_entry(&mut s, x, y, &stroke, l);
         x += 190.0;
     }
     s.push_str("</svg>\n");
@@ -198,55 +144,25 @@ fn panel(
         .flat_map(|(_, ys)| ys.iter().copied())
         .filter(|y| y.is_finite() && *y > 0.0);
     let (lo, hi) = finite.fold((1.0f64, 1.0f64), |(lo, hi), y| (lo.min(y), hi.max(y)));
-    let (y_lo, y_hi) = (lo.log10().floor() as i32, hi.log10().ceil() as i32);
-    let y_hi = y_hi.max(y_lo + 1);
+    let ys = svg::decades(lo, hi);
+    let plot = Plot {
+        left,
+        top: TOP,
+        width: PLOT_W,
+        height: PLOT_H,
+    };
     let px = |x: f64| left + (x.log10() - X_MIN as f64) / (X_MAX - X_MIN) as f64 * PLOT_W;
-    let py = |y: f64| TOP + PLOT_H - (y.log10() - y_lo as f64) / (y_hi - y_lo) as f64 * PLOT_H;
-    let _ = writeln!(
-        s,
-        r#"<text x="{}" y="{}" text-anchor="middle" font-size="14">{}</text>"#,
-        left + PLOT_W / 2.0,
-        TOP - 12.0,
-        escape(title)
-    );
-    for x in ticks(X_MIN, X_MAX) {
-        let _ = writeln!(
-            s,
-            r##"<line x1="{0:.1}" y1="{TOP}" x2="{0:.1}" y2="{1}" stroke="#ddd"/><text x="{0:.1}" y="{2}" text-anchor="middle">{3}</text>"##,
-            px(x),
-            TOP + PLOT_H,
-            TOP + PLOT_H + 16.0,
-            tick_label(x)
-        );
+    let py = |y: f64| plot.log_y(y, ys);
+    let size = r#" font-size="14""#;
+    svg::centered_text(s, left + PLOT_W / 2.0, TOP - 12.0, size, title);
+    for x in svg::log_ticks(X_MIN, X_MAX) {
+        plot.x_tick(s, px(x), &svg::tick_label(x, 3));
     }
-    for y in ticks(y_lo, y_hi) {
-        let _ = writeln!(
-            s,
-            r##"<line x1="{left}" y1="{0:.1}" x2="{1}" y2="{0:.1}" stroke="#ddd"/><text x="{2}" y="{3:.1}" text-anchor="end">{4}x</text>"##,
-            py(y),
-            left + PLOT_W,
-            left - 6.0,
-            py(y) + 4.0,
-            tick_label(y)
-        );
+    for y in svg::log_ticks(ys.0, ys.1) {
+        plot.y_tick(s, py(y), &format!("{}x", svg::tick_label(y, 3)));
     }
-    let _ = writeln!(
-        s,
-        r#"<rect x="{left}" y="{TOP}" width="{PLOT_W}" height="{PLOT_H}" fill="none" stroke="black"/>"#
-    );
-    let _ = writeln!(
-        s,
-        r#"<text x="{}" y="{}" text-anchor="middle">link bandwidth (Gbit/s)</text>"#,
-        left + PLOT_W / 2.0,
-        TOP + PLOT_H + 36.0
-    );
-    let _ = writeln!(
-        s,
-        r#"<text transform="translate({},{}) rotate(-90)" text-anchor="middle">speedup over allreduce ({})</text>"#,
-        left - 48.0,
-        TOP + PLOT_H / 2.0,
-        escape(figure)
-    );
+    let y_title = format!("speedup over allreduce ({figure})");
+    plot.frame(s, "link bandwidth (Gbit/s)", &y_title, 48.0);
     let _ = writeln!(
         s,
         r#"<line x1="{left}" y1="{0:.1}" x2="{1}" y2="{0:.1}" stroke="black" stroke-dasharray="4 3"/>"#,
@@ -261,12 +177,7 @@ fn panel(
             .filter(|(_, y)| y.is_finite() && **y > 0.0)
             .map(|(&x, &y)| format!("{:.1},{:.1}", px(x), py(y)))
             .collect();
-        let _ = writeln!(
-            s,
-            r#"<polyline points="{}" fill="none" stroke="{c}" stroke-width="2"><title>{}</title></polyline>"#,
-            points.join(" "),
-            escape(&r.label())
-        );
+        svg::polyline(s, &points, c, 2.0, "", &r.label());
         for speed in SPEEDS {
             let (x, y) = (
                 speed.parse::<f64>().unwrap_or(1.0),
