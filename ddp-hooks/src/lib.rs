@@ -41,6 +41,8 @@ mod broadcast;
 mod bucket;
 #[cfg(feature = "candle")]
 pub mod candle;
+#[cfg(feature = "burn")]
+pub mod burn;
 mod comm;
 pub mod diloco;
 mod error;

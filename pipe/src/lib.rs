@@ -101,6 +101,8 @@
 pub mod balance;
 #[cfg(feature = "candle")]
 pub mod candle;
+#[cfg(feature = "burn")]
+pub mod burn;
 pub mod cpu;
 mod error;
 mod executor;

@@ -192,6 +192,28 @@ pub fn run(args: &[String]) -> Result<(), Failure> {
         "--test",
         "candle",
     ]))?;
+    // burn, the second framework: `BurnDdp` and `BurnLayer`'s tests, then both examples
+    // (their own checks against burn alone; test builds, so they cost seconds).
+    for (package, example) in [("ddp-hooks", "burn_ddp"), ("pipe", "burn_pipe")] {
+        run_status(cargo(&[
+            "test",
+            "-p",
+            package,
+            "--features",
+            "burn",
+            "--test",
+            "burn",
+        ]))?;
+        run_status(cargo(&[
+            "run",
+            "-p",
+            package,
+            "--features",
+            "burn",
+            "--example",
+            example,
+        ]))?;
+    }
     // Stages on the ranks of a `collectives` group: the transport's tests (the `ranks`
     // tests need no feature and ran above), then two stages on two thread ranks, bit for
     // bit against the same pipe in one process.
