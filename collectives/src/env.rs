@@ -49,7 +49,11 @@
 //! there, as torch's own `env://` rendezvous makes every rank a client of it. The keys go
 //! under the prefix [`EnvInfo::store_prefix`], `worker/attempt_{TORCHELASTIC_RESTART_COUNT}`:
 //! the agent keeps its store across restarts of the workers, so each attempt joins
-//! afresh. (torch 2.15's own workers use no such prefix; their process group's keys go
+//! afresh. **Not covered:** an elastic membership change (`--nnodes MIN:MAX`, a node
+//! joining or leaving) restarts the workers without counting a restart, so the new
+//! round meets the old round's keys and its join fails on every rank (naming a rank
+//! "claimed by two processes") instead of succeeding; fixed-size jobs, with or without
+//! `--max-restarts`, are what this supports. (torch 2.15's own workers use no such prefix; their process group's keys go
 //! under `default_pg/`.) The agent's other variables are read too:
 //! `TORCHELASTIC_RESTART_COUNT`, `TORCHELASTIC_MAX_RESTARTS`, `TORCHELASTIC_RUN_ID`,
 //! `GROUP_RANK`, `GROUP_WORLD_SIZE` and `LOCAL_WORLD_SIZE` (on one node,

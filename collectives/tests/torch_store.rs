@@ -669,6 +669,18 @@ fn primitives(libuv: bool) -> Result<()> {
     assert_eq!(store.set_if_absent("k", b"other")?, Some(b"v1".to_vec()));
     assert_eq!(store.set_if_absent("fresh", b"first")?, None);
     assert_eq!(store.get("fresh")?, b"first");
+    // Over the libuv server's limits: refused before sending, the connection still usable.
+    let big = vec![0u8; collectives::store::TORCH_MAX_VALUE_LEN + 1];
+    assert!(matches!(
+        store.set("big", &big),
+        Err(collectives::Error::InvalidArgument(_))
+    ));
+    assert_eq!(
+        store.get("k")?,
+        b"v1",
+        "the connection survives a refused value"
+    );
+
     assert_eq!(store.compare_set("k", b"v1", b"v2")?, b"v2");
     assert_eq!(store.compare_set("k", b"wrong", b"v3")?, b"v2");
     assert_eq!(store.compare_set("nothing", b"x", b"y")?, b"x");

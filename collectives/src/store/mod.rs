@@ -119,6 +119,7 @@ pub use bind::INSECURE_ENV;
 pub use escape::{escape_for_log, EscapedForLog, Quoted};
 pub use limits::{StoreLimits, StoreStats, ENTRY_OVERHEAD};
 pub use token::{StoreToken, MAX_TOKEN_LEN, MIN_TOKEN_LEN, TOKEN_ENV};
+pub use torch::{MAX_KEYS as TORCH_MAX_KEYS, MAX_VALUE_LEN as TORCH_MAX_VALUE_LEN};
 pub use torch_wire::MAX_KEY_LEN as TORCH_MAX_KEY_LEN;
 
 /// The largest world size a store, a join, a barrier or the environment accepts: far

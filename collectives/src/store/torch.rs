@@ -39,6 +39,24 @@ use super::escape::quoted_list;
 use super::frame::{deadline_after, read_by};
 use super::torch_wire::{write_by, Cmd, Io, Msg, MAGIC, MAX_KEY_LEN, NOT_READY, READY};
 
+/// The most bytes a value may have: torch's libuv server closes the connection of a
+/// client that sends a longer one (`MAX_PAYLOAD_LEN`), and `SET` has no reply to say so.
+pub const MAX_VALUE_LEN: usize = 8 << 20;
+/// The most keys one request may name (the libuv server's `MAX_KEY_COUNT`).
+pub const MAX_KEYS: usize = 128 * 1024;
+
+/// A value the server takes, or [`Error::InvalidArgument`] before anything is sent.
+fn check_value(value: &[u8]) -> Result<()> {
+    if value.len() > MAX_VALUE_LEN {
+        return Err(Error::InvalidArgument(format!(
+            "a {}-byte value for the torch store: its libuv server closes the connection \
+             above {MAX_VALUE_LEN} bytes",
+            value.len()
+        )));
+    }
+    Ok(())
+}
+
 /// One connection to a torch store; requests take turns on it.
 pub(super) struct TorchClient {
     conn: Mutex<Conn>,
@@ -149,6 +167,13 @@ impl TorchClient {
     }
 
     fn wire_keys(&self, keys: &[&str]) -> Result<Vec<String>> {
+        if keys.len() > MAX_KEYS {
+            return Err(Error::InvalidArgument(format!(
+                "{} keys in one torch store request: its libuv server closes the connection \
+                 above {MAX_KEYS}",
+                keys.len()
+            )));
+        }
         keys.iter().map(|k| self.wire_key(k)).collect()
     }
 
@@ -176,6 +201,7 @@ impl TorchClient {
 
     /// `SET`: no reply.
     pub(super) fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+        check_value(value)?;
         let msg = Msg::new(Cmd::Set)
             .bytes(self.wire_key(key)?.as_bytes())
             .bytes(value);
@@ -189,6 +215,8 @@ impl TorchClient {
         expected: &[u8],
         desired: &[u8],
     ) -> Result<Vec<u8>> {
+        check_value(expected)?;
+        check_value(desired)?;
         let msg = Msg::new(Cmd::CompareSet)
             .bytes(self.wire_key(key)?.as_bytes())
             .bytes(expected)
@@ -245,8 +273,16 @@ impl TorchClient {
 
     /// `MULTI_SET`: no reply.
     pub(super) fn multi_set(&self, pairs: &[(&str, &[u8])]) -> Result<()> {
+        if pairs.len() > MAX_KEYS {
+            return Err(Error::InvalidArgument(format!(
+                "{} keys in one torch store MULTI_SET: its libuv server closes the connection \
+                 above {MAX_KEYS}",
+                pairs.len()
+            )));
+        }
         let mut msg = Msg::new(Cmd::MultiSet).u64(pairs.len() as u64);
         for (key, value) in pairs {
+            check_value(value)?;
             msg = msg.bytes(self.wire_key(key)?.as_bytes()).bytes(value);
         }
         self.with_conn("multi_set", |io| io.send(&msg))

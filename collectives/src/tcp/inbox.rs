@@ -261,7 +261,9 @@ impl Shared {
     /// Collective `seq` of `group` is over on this rank: its late frames are dropped.
     pub fn finish_coll(&self, group: u64, seq: u64) {
         let mut st = self.lock();
-        st.floor.insert(group, seq + 1);
+        // Never lowered: collectives finish in order, but a floor must not move back.
+        let floor = st.floor.entry(group).or_insert(0);
+        *floor = (*floor).max(seq + 1);
         st.coll.retain(|&(g, _, s, _), _| g != group || s > seq);
     }
 
@@ -308,6 +310,10 @@ impl Shared {
             return Err(lost(why));
         }
         let mut s = link.write.lock().unwrap_or_else(|p| p.into_inner());
+        // Checked again under the lock: a writer that failed before us shut the socket.
+        if let Some(why) = self.gone(dst) {
+            return Err(lost(why));
+        }
         let head = header.encode();
         let written = if payload.len() <= 64 * 1024 {
             // One write: a small frame goes out as one segment.
@@ -318,6 +324,11 @@ impl Shared {
         } else {
             s.write_all(&head).and_then(|()| s.write_all(payload))
         };
+        if written.is_err() {
+            // Part of the frame may be out: shut the socket before another writer can
+            // append a frame to the half-written one (the peer would read the two as one).
+            let _ = link.raw.shutdown(Shutdown::Both);
+        }
         drop(s);
         written.map_err(|e| {
             let why = format!("writing to it failed: {e}");

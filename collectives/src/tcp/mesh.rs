@@ -104,9 +104,12 @@ impl Setup<'_> {
     /// Connects to lower rank `j`, retrying until the deadline.
     fn connect(&self, j: usize) -> Result<TcpStream> {
         let key = format!("{}/addr/{j}", self.prefix);
-        self.store
-            .wait(&[&key], self.left())
-            .map_err(|_| self.missing(&format!("waited for rank {j}'s address"), vec![j]))?;
+        self.store.wait(&[&key], self.left()).map_err(|e| match e {
+            Error::Timeout { .. } => {
+                self.missing(&format!("waited for rank {j}'s address"), vec![j])
+            }
+            other => other,
+        })?;
         let text = String::from_utf8_lossy(&self.store.get(&key)?).into_owned();
         let addr: SocketAddr = text.parse().map_err(|_| {
             Error::Protocol(format!(
@@ -275,7 +278,12 @@ impl Mesh {
         };
         store
             .wait(&[&check_key], setup.left())
-            .map_err(|_| setup.missing("waited for rank 0 to open the group", vec![0]))?;
+            .map_err(|e| match e {
+                Error::Timeout { .. } => {
+                    setup.missing("waited for rank 0 to open the group", vec![0])
+                }
+                other => other,
+            })?;
         setup.check = store.get(&check_key)?;
         let ip = listen_ip(store, options)?;
         let listener = TcpListener::bind((ip, 0))

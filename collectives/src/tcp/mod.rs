@@ -170,6 +170,9 @@ pub struct TcpGroup {
     jobs: Queue,
     worker: Option<JoinHandle<()>>,
     new_group_calls: AtomicUsize,
+    /// Held while a collective is numbered and queued, so that calls from several
+    /// threads run in the order of their numbers.
+    order: std::sync::Mutex<()>,
     /// The store [`from_env`](TcpGroup::from_env) connected (rank 0 serves it).
     store: Option<TcpStore>,
 }
@@ -278,6 +281,7 @@ impl TcpGroup {
             jobs: tx,
             worker: Some(worker),
             new_group_calls: AtomicUsize::new(0),
+            order: std::sync::Mutex::new(()),
             store: None,
         })
     }
@@ -288,6 +292,7 @@ impl TcpGroup {
         name: &'static str,
         f: impl FnOnce(&Run<'_>) -> Result<T> + Send + 'static,
     ) -> Work<T> {
+        let order = self.order.lock().unwrap_or_else(|p| p.into_inner());
         let seq = self.core.seq.fetch_add(1, Ordering::Relaxed) + 1;
         let owner = self.worker.as_ref().map(|w| w.thread().id());
         let (work, completer) = Work::pending_on(owner);
@@ -313,6 +318,7 @@ impl TcpGroup {
         });
         // A send fails only when the worker is gone: the dropped job fails the work.
         drop(self.jobs.send(Task::Run(job)));
+        drop(order);
         work
     }
 
@@ -433,9 +439,14 @@ impl ProcessGroup for TcpGroup {
         sorted.sort_unstable();
         sorted.dedup();
         if ranks.is_empty() || sorted.len() != ranks.len() || sorted.iter().any(|&r| r >= size) {
-            return Err(Error::InvalidArgument(format!(
-                "new_group needs distinct ranks below {size}, got {ranks:?}"
-            )));
+            let why = format!("new_group needs distinct ranks below {size}, got {ranks:?}");
+            // This rank still takes its place in the call (its number, its collective), so
+            // the others' meet fails with the reason and every rank stays in step.
+            self.new_group_calls.fetch_add(1, Ordering::Relaxed);
+            let _ = self
+                .reject::<()>("new_group", Error::InvalidArgument(why.clone()))
+                .wait();
+            return Err(Error::InvalidArgument(why));
         }
         let call = self.new_group_calls.fetch_add(1, Ordering::Relaxed) as u64;
         let hash = ranks

@@ -78,10 +78,12 @@ impl Tables {
             failed.extend(q.drain(..).map(|p| (p.queue, p.done, lost(p.peer))));
         }
         self.recvs.retain(|_, q| !q.is_empty());
+        // A send the peer acked has been delivered: it completes when the sender thread
+        // hands its buffer back (the ack can overtake that), however the peer left.
         let ids: Vec<u64> = self
             .sends
             .iter()
-            .filter(|(_, s)| s.dst == r)
+            .filter(|(_, s)| s.dst == r && !s.acked)
             .map(|(&id, _)| id)
             .collect();
         for id in ids {
