@@ -979,13 +979,19 @@ fn p2p_order(g: &Arc<MpiGroup>) -> Result<(), String> {
         same("tag 11", eleven, Ok(Buffer::U8(vec![1; 10])))?;
     }
     // A send completes only once its receive has the data: not before it is posted.
+    // The ranks leave a barrier within a message latency of each other, and the receiver
+    // then sleeps `pause`: a send that waits for its receive takes about `pause`, one
+    // that does not, microseconds; half of `pause` tells them apart under any load.
     let pause = Duration::from_millis(300);
+    g.barrier()
+        .wait()
+        .map_err(|e| format!("the barrier before the early send: {e}"))?;
     if rank == 0 {
         let start = Instant::now();
         g.send(Buffer::F32(vec![1.0; 4]), last, 5)
             .wait()
             .map_err(|e| format!("the early send: {e}"))?;
-        if start.elapsed() < pause {
+        if start.elapsed() < pause / 2 {
             return Err(format!(
                 "a send completed after {:?}, before its receive was posted",
                 start.elapsed()
