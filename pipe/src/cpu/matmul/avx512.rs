@@ -318,8 +318,14 @@ macro_rules! multiply_add {
             // wrapping arithmetic, so it may point past A's slice.
             if prefetch_a {
                 let ahead = ak.wrapping_add(PREFETCH * t.a_cs);
-                _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
-                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add($rows - 1).cast());
+                // SAFETY: a prefetch reads nothing and cannot fault, whatever its address.
+                // (`_mm_prefetch` is safe in AVX-512 code on current toolchains but unsafe
+                // on the MSRV, 1.89: the block is for the MSRV.)
+                #[allow(unused_unsafe)]
+                unsafe {
+                    _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
+                    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add($rows - 1).cast());
+                }
             }
             for (r, row) in $acc.iter_mut().enumerate() {
                 // SAFETY: element (r, k) of the tile's A, inside A's slice.
