@@ -7,8 +7,9 @@
 //! [marked gone](Shared::mark_dead): every wait for it fails with its reason, at once.
 
 use super::frame::{FrameKind, Header};
-use super::p2p::Tables;
-use crate::{Buffer, Completer, Error, Result};
+pub(crate) use super::queue::{finish, Frame, Outgoing, Queue, Task};
+use super::tables::Tables;
+use crate::{Buffer, Error, Result};
 use std::collections::{HashMap, VecDeque};
 use std::io::Write;
 use std::net::{Shutdown, TcpStream};
@@ -16,33 +17,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
-
-/// A job for a group's progress thread.
-pub(crate) enum Task {
-    /// Run this (an operation, or a continuation of a point-to-point work).
-    Run(Box<dyn FnOnce() + Send>),
-    /// The group is dropped: stop.
-    Stop,
-}
-
-/// A group's progress-thread queue, where continuations of its works run.
-pub(crate) type Queue = Sender<Task>;
-
-/// A received frame: its header and its payload, read straight into a typed buffer.
-#[derive(Debug)]
-pub(crate) struct Frame {
-    pub header: Header,
-    pub payload: Buffer,
-}
-
-/// What a peer's sender thread writes: point-to-point messages and acks, so that no
-/// caller and no reader thread blocks on a socket.
-pub(crate) enum Outgoing {
-    /// A message (returned to its send, by id, once written).
-    Data { header: Header, buf: Buffer },
-    /// An ack.
-    Ack(Header),
-}
 
 /// The connection to one peer.
 pub(crate) struct Link {
@@ -120,12 +94,6 @@ fn set_len(b: &mut Buffer, len: usize) {
         Buffer::F64(v) => v.resize(len, 0.0),
         Buffer::U8(v) => v.resize(len, 0),
     }
-}
-
-/// Completes `done` from a thread that is not its group's: a continuation chained to it
-/// runs on the group's progress thread.
-pub(crate) fn finish(queue: &Queue, done: Completer<Buffer>, result: Result<Buffer>) {
-    done.complete_from_afar(result, |job| drop(queue.send(Task::Run(job))));
 }
 
 impl Shared {

@@ -83,8 +83,10 @@ mod inbox;
 mod mesh;
 mod ops;
 mod p2p;
+mod queue;
 mod reduce;
 mod spec;
+mod tables;
 
 use crate::buffer::unreducible;
 use crate::p2p::check_peer;

@@ -13,9 +13,10 @@
 
 use super::frame::{dtype_code, dtype_from, FrameKind, Header};
 use super::inbox::{finish, Frame, Outgoing, Queue, Shared};
+use super::tables::{Failed, PendingRecv, PendingSend};
 use crate::p2p::mismatch;
 use crate::{Buffer, Completer, DType, Error};
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 /// Who posts an operation: its group, its rank there, and the queue its continuations
@@ -24,98 +25,6 @@ pub(crate) struct Poster<'a> {
     pub group: u64,
     pub me: usize,
     pub queue: &'a Queue,
-}
-
-struct PendingRecv {
-    buf: Buffer,
-    done: Completer<Buffer>,
-    queue: Queue,
-    deadline: Instant,
-    /// Group ranks: this one and the peer.
-    me: usize,
-    peer: usize,
-}
-
-struct PendingSend {
-    group: u64,
-    /// The destination's world rank.
-    dst: usize,
-    tag: u64,
-    /// The buffer, once its sender thread has written it.
-    buf: Option<Buffer>,
-    acked: bool,
-    done: Completer<Buffer>,
-    queue: Queue,
-    deadline: Instant,
-    me: usize,
-    peer: usize,
-    shape: (DType, usize),
-}
-
-/// (group, source world rank, tag).
-type Key = (u64, usize, u64);
-
-/// The pending point-to-point operations of one process.
-#[derive(Default)]
-pub(crate) struct Tables {
-    recvs: HashMap<Key, VecDeque<PendingRecv>>,
-    unexpected: HashMap<Key, VecDeque<Frame>>,
-    sends: HashMap<u64, PendingSend>,
-    next_id: u64,
-}
-
-type Failed = Vec<(Queue, Completer<Buffer>, Error)>;
-
-impl Tables {
-    /// World rank `r` is gone: the receives from it and the sends to it fail.
-    pub fn fail_peer(&mut self, r: usize, why: &str) -> Failed {
-        let lost = |peer: usize| Error::PeerLost {
-            rank: peer,
-            why: why.to_string(),
-        };
-        let mut failed = Vec::new();
-        for (_, q) in self.recvs.iter_mut().filter(|(k, _)| k.1 == r) {
-            failed.extend(q.drain(..).map(|p| (p.queue, p.done, lost(p.peer))));
-        }
-        self.recvs.retain(|_, q| !q.is_empty());
-        // A send the peer acked has been delivered: it completes when the sender thread
-        // hands its buffer back (the ack can overtake that), however the peer left.
-        let ids: Vec<u64> = self
-            .sends
-            .iter()
-            .filter(|(_, s)| s.dst == r && !s.acked)
-            .map(|(&id, _)| id)
-            .collect();
-        for id in ids {
-            if let Some(s) = self.sends.remove(&id) {
-                failed.push((s.queue, s.done, lost(s.peer)));
-            }
-        }
-        failed
-    }
-
-    /// Everything of `group` (`None`: of every group) fails with `e`.
-    fn fail_group(&mut self, group: Option<u64>, e: &Error) -> Failed {
-        let mine = |g: u64| group.is_none_or(|x| x == g);
-        let mut failed = Vec::new();
-        for (_, q) in self.recvs.iter_mut().filter(|(k, _)| mine(k.0)) {
-            failed.extend(q.drain(..).map(|p| (p.queue, p.done, e.clone())));
-        }
-        self.recvs.retain(|_, q| !q.is_empty());
-        self.unexpected.retain(|k, _| !mine(k.0));
-        let ids: Vec<u64> = self
-            .sends
-            .iter()
-            .filter(|(_, s)| mine(s.group))
-            .map(|(&id, _)| id)
-            .collect();
-        for id in ids {
-            if let Some(s) = self.sends.remove(&id) {
-                failed.push((s.queue, s.done, e.clone()));
-            }
-        }
-        failed
-    }
 }
 
 fn timed_out(me: usize, side: &str, peer: usize, tag: u64, after: Duration) -> Error {
