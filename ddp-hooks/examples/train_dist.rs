@@ -23,56 +23,14 @@
 mod mlp;
 
 use collectives::tcp::TcpGroup;
-use collectives::{ProcessGroup, DEFAULT_TIMEOUT};
-use mlp::{cli, trainer};
+use collectives::DEFAULT_TIMEOUT;
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    if let Some(a) = args.iter().find(|a| *a == "--ranks" || *a == "--compare") {
-        eprintln!(
-            "train_dist: {a} is not for multi-process runs (the world's size is the rank count)"
-        );
-        return ExitCode::from(2);
-    }
-    let world = match TcpGroup::from_env(DEFAULT_TIMEOUT) {
-        Ok(w) => w,
-        Err(e) => {
-            eprintln!("train_dist: joining the job: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    let rank = world.rank();
-    let c = match cli::parse(&args, world.size()) {
-        Ok(c) => c,
-        Err(e) => {
-            if rank == 0 {
-                eprintln!("train_dist: {e}\n\n{}", cli::USAGE);
-            }
-            return ExitCode::from(2);
-        }
-    };
-    if rank == 0 {
-        if let Some(note) = cli::start_iter_note(&c.config) {
-            eprintln!("train_dist: {note}");
-        }
-        cli::print_start(c.json, &c.config, "tcp");
-    }
-    let json = c.json;
-    match trainer::run_rank(world, &c.config, &c.plan, &|e| cli::print_event(json, e)) {
-        Ok(out) => {
-            if rank == 0 {
-                cli::print_done(c.json, &c.config, &out);
-            }
-            println!(
-                "train_dist: rank {rank} started at step {} digest {:016x}",
-                out.start_step, out.digest
-            );
-            ExitCode::SUCCESS
-        }
-        Err(e) => {
-            eprintln!("train_dist: rank {rank}: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    mlp::cli::process_main(
+        "train_dist",
+        "tcp",
+        || TcpGroup::from_env(DEFAULT_TIMEOUT).map_err(|e| e.to_string()),
+        true,
+    )
 }

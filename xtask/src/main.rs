@@ -232,6 +232,29 @@ pub fn on_path(program: &str) -> bool {
         .unwrap_or(false)
 }
 
+/// Runs `cargo ARGS --message-format=json-render-diagnostics` (a `build` of one binary or
+/// example) and returns the executable of the artifact named `name`, read from Cargo's
+/// JSON messages; the diagnostics go to standard error as usual.
+pub fn built_target(args: &[&str], name: &str) -> Result<std::path::PathBuf, Failure> {
+    let mut cmd = cargo(args);
+    cmd.arg("--message-format=json-render-diagnostics")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::inherit());
+    eprintln!("xtask: running {cmd:?}");
+    let out = cmd
+        .output()
+        .map_err(|e| Failure(format!("could not start {cmd:?}: {e}")))?;
+    if !out.status.success() {
+        return Err(Failure(format!("{cmd:?} failed with {}", out.status)));
+    }
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter(|m| m["reason"] == "compiler-artifact" && m["target"]["name"] == name)
+        .find_map(|m| m["executable"].as_str().map(std::path::PathBuf::from))
+        .ok_or_else(|| Failure(format!("{cmd:?} named no executable for `{name}`")))
+}
+
 /// Builds a target without running it (`cargo <subcommand> --no-run`, `subcommand` being
 /// `test` or `bench`) and returns its executable, read from Cargo's JSON messages.
 pub fn built_executable(

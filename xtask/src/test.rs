@@ -81,32 +81,18 @@ fn mpi_suite() -> Result<(), Failure> {
 /// example runs in well under a second there, and `cargo test --workspace` has already
 /// built most of what it needs) and returns the binary.
 fn pipe_example(name: &str, features: &str) -> Result<std::path::PathBuf, Failure> {
-    let args = [
-        "build",
-        "-p",
-        "pipe",
-        "--features",
-        features,
-        "--example",
+    crate::built_target(
+        &[
+            "build",
+            "-p",
+            "pipe",
+            "--features",
+            features,
+            "--example",
+            name,
+        ],
         name,
-    ];
-    let mut cmd = cargo(&args);
-    cmd.arg("--message-format=json-render-diagnostics")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit());
-    eprintln!("xtask: running {cmd:?}");
-    let out = cmd
-        .output()
-        .map_err(|e| Failure(format!("could not start {cmd:?}: {e}")))?;
-    if !out.status.success() {
-        return Err(Failure(format!("{cmd:?} failed with {}", out.status)));
-    }
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
-        .filter(|m| m["reason"] == "compiler-artifact" && m["target"]["name"] == name)
-        .find_map(|m| m["executable"].as_str().map(std::path::PathBuf::from))
-        .ok_or_else(|| Failure(format!("{cmd:?} named no executable for `{name}`")))
+    )
 }
 
 pub fn run(args: &[String]) -> Result<(), Failure> {

@@ -11,7 +11,7 @@ use std::process::{Command, Stdio};
 
 use serde_json::Value;
 
-use crate::{cargo, target_dir, workspace_root, Failure};
+use crate::{target_dir, workspace_root, Failure};
 
 /// The hook of every run: PowerSGD, so hook state crosses the restart.
 const HOOK: &str = "powersgd:rank=2,start_iter=10";
@@ -31,11 +31,11 @@ pub fn torch_importable() -> bool {
 /// Runs the suite; the `torchrun` runs only where PyTorch is importable (the caller says
 /// what was skipped).
 pub fn suite(with_torchrun: bool) -> Result<(), Failure> {
-    let launch = built("build", &["-p", "collectives", "--bin", "launch"], "launch")?;
-    let threads = built("build", &["-p", "ddp-hooks", "--example", "train"], "train")?;
-    let dist = built(
-        "build",
-        &["-p", "ddp-hooks", "--example", "train_dist"],
+    let launch = crate::built_target(&["build", "-p", "collectives", "--bin", "launch"], "launch")?;
+    let threads =
+        crate::built_target(&["build", "-p", "ddp-hooks", "--example", "train"], "train")?;
+    let dist = crate::built_target(
+        &["build", "-p", "ddp-hooks", "--example", "train_dist"],
         "train_dist",
     )?;
     own_loop(&launch)?;
@@ -102,9 +102,8 @@ pub fn suite(with_torchrun: bool) -> Result<(), Failure> {
 /// it trains (it fails itself otherwise), both ranks end with one model, and a run resumed
 /// from its step-30 checkpoint ends with the same model as the run that saved it.
 fn own_loop(launch: &Path) -> Result<(), Failure> {
-    let exe = built(
-        "build",
-        &["-p", "ddp-hooks", "--example", "own_loop"],
+    let exe = crate::built_target(
+        &["build", "-p", "ddp-hooks", "--example", "own_loop"],
         "own_loop",
     )?;
     let dir = scratch("own-loop")?;
@@ -361,26 +360,6 @@ fn scratch(name: &str) -> Result<PathBuf, Failure> {
     }
     std::fs::create_dir_all(&dir)?;
     Ok(dir)
-}
-
-/// Builds one target (`cargo build ARGS --message-format=json`) and returns its executable.
-fn built(subcommand: &str, args: &[&str], name: &str) -> Result<PathBuf, Failure> {
-    let mut all = vec![subcommand];
-    all.extend_from_slice(args);
-    all.push("--message-format=json-render-diagnostics");
-    let mut cmd = cargo(&all);
-    cmd.stdout(Stdio::piped()).stderr(Stdio::inherit());
-    eprintln!("xtask: running {cmd:?}");
-    let out = cmd.output()?;
-    if !out.status.success() {
-        return Err(Failure(format!("{cmd:?} failed with {}", out.status)));
-    }
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|line| serde_json::from_str::<Value>(line).ok())
-        .filter(|m| m["reason"] == "compiler-artifact" && m["target"]["name"] == name)
-        .find_map(|m| m["executable"].as_str().map(PathBuf::from))
-        .ok_or_else(|| Failure(format!("{cmd:?} named no executable for `{name}`")))
 }
 
 #[cfg(test)]

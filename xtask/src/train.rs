@@ -7,7 +7,7 @@
 //! (`--compare`, the resume check, the MPI check). xtask stays free of the library
 //! crates.
 
-use crate::{cargo, on_path, workspace_root, Failure};
+use crate::{on_path, workspace_root, Failure};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::Value;
 use std::io::{BufRead, BufReader};
@@ -287,20 +287,7 @@ fn build_example(name: &str, features: &[&str], release: bool) -> Result<PathBuf
     for f in features {
         args.extend(["--features", f]);
     }
-    args.push("--message-format=json-render-diagnostics");
-    let mut cmd = cargo(&args);
-    cmd.stdout(Stdio::piped()).stderr(Stdio::inherit());
-    eprintln!("xtask: running {cmd:?}");
-    let out = cmd.output()?;
-    if !out.status.success() {
-        return Err(Failure(format!("{cmd:?} failed with {}", out.status)));
-    }
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|line| serde_json::from_str::<Value>(line).ok())
-        .filter(|m| m["reason"] == "compiler-artifact" && m["target"]["name"] == name)
-        .find_map(|m| m["executable"].as_str().map(PathBuf::from))
-        .ok_or_else(|| Failure(format!("{cmd:?} named no executable for `{name}`")))
+    crate::built_target(&args, name)
 }
 
 /// The example's arguments for one run of `hook`: xtask's (`--json`, the hook, the

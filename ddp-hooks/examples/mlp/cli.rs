@@ -2,10 +2,12 @@
 //! lines for people, or one JSON object per line (`--json`) for `cargo xtask train`.
 
 use super::args::{positive, text};
-use super::trainer::{Config, Event, Method, Outcome, Plan};
+use super::trainer::{run_rank, Config, Event, Method, Outcome, Plan};
+use collectives::ProcessGroup;
 use serde_json::json;
 use std::io::Write;
 use std::path::PathBuf;
+use std::process::ExitCode;
 
 /// The examples' usage.
 pub const USAGE: &str = "\
@@ -324,4 +326,64 @@ pub fn print_done(json_lines: bool, config: &Config, out: &Outcome) {
 fn emit(line: &str) {
     let mut out = std::io::stdout().lock();
     let _ = writeln!(out, "{line}").and_then(|_| out.flush());
+}
+
+/// The main of an example that runs one rank per process (`train_mpi`, `train_dist`):
+/// refuses the thread-only flags, makes the group with `join` (the world's size is the
+/// rank count), parses the rest, trains, and prints as `train` does (rank 0); with
+/// `digest_line`, every rank also prints the digest of its final parameters.
+pub fn process_main<G: ProcessGroup + 'static>(
+    name: &str,
+    backend: &str,
+    join: impl FnOnce() -> Result<G, String>,
+    digest_line: bool,
+) -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if let Some(a) = args.iter().find(|a| *a == "--ranks" || *a == "--compare") {
+        eprintln!("{name}: {a} is not for multi-process runs (the world's size is the rank count)");
+        return ExitCode::from(2);
+    }
+    let world = match join() {
+        Ok(w) => w,
+        Err(e) => {
+            eprintln!("{name}: joining the job: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let rank = world.rank();
+    let c = match parse(&args, world.size()) {
+        Ok(c) => c,
+        Err(e) => {
+            if rank == 0 {
+                eprintln!("{name}: {e}\n\n{USAGE}");
+            }
+            return ExitCode::from(2);
+        }
+    };
+    if rank == 0 {
+        if let Some(note) = start_iter_note(&c.config) {
+            eprintln!("{name}: {note}");
+        }
+        print_start(c.json, &c.config, backend);
+    }
+    let json = c.json;
+    // The group moves into the run and is dropped (MPI finalised) when it ends.
+    match run_rank(world, &c.config, &c.plan, &|e| print_event(json, e)) {
+        Ok(out) => {
+            if rank == 0 {
+                print_done(c.json, &c.config, &out);
+            }
+            if digest_line {
+                println!(
+                    "{name}: rank {rank} started at step {} digest {:016x}",
+                    out.start_step, out.digest
+                );
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("{name}: rank {rank}: {e}");
+            ExitCode::FAILURE
+        }
+    }
 }
