@@ -39,10 +39,10 @@
 pub mod averaging;
 mod broadcast;
 mod bucket;
-#[cfg(feature = "candle")]
-pub mod candle;
 #[cfg(feature = "burn")]
 pub mod burn;
+#[cfg(feature = "candle")]
+pub mod candle;
 mod comm;
 pub mod diloco;
 mod error;

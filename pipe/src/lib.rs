@@ -99,10 +99,10 @@
 #![deny(missing_docs)]
 
 pub mod balance;
-#[cfg(feature = "candle")]
-pub mod candle;
 #[cfg(feature = "burn")]
 pub mod burn;
+#[cfg(feature = "candle")]
+pub mod candle;
 pub mod cpu;
 mod error;
 mod executor;
