@@ -3,6 +3,8 @@
 //! temporary directory). The ranks are `launch_demo` (which meets the others at the
 //! store) or a shell that prints what it was given.
 
+mod common;
+
 use std::io::Read;
 use std::net::{Ipv4Addr, TcpListener};
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
@@ -23,42 +25,10 @@ const PRINT_ENV: &str = "echo env $RANK $LOCAL_RANK $WORLD_SIZE $LOCAL_WORLD_SIZ
     $GROUP_RANK $GROUP_WORLD_SIZE $ROLE_RANK $ROLE_WORLD_SIZE $ROLE_NAME \
     $MASTER_ADDR $MASTER_PORT $LOWRANK_STORE_TOKEN";
 
-/// The `launch_demo` example, built if need be (integration tests get only the
-/// crate's binaries built for them), in the target directory and profile of `launch`.
+/// The `launch_demo` example, built once per test binary.
 fn demo() -> &'static Path {
     static DEMO: OnceLock<PathBuf> = OnceLock::new();
-    DEMO.get_or_init(|| {
-        let launch = Path::new(env!("CARGO_BIN_EXE_launch"));
-        // `<target dir>/<profile dir>/launch`, where the dev profile's directory is `debug`.
-        let dir = launch.parent().expect("the directory of launch");
-        let target_dir = dir.parent().expect("the target directory");
-        let profile = match dir.file_name().and_then(|name| name.to_str()) {
-            Some("debug") | None => "dev",
-            Some(name) => name,
-        };
-        let status = Command::new(env!("CARGO"))
-            .args([
-                "build",
-                "--quiet",
-                "-p",
-                "collectives",
-                "--example",
-                "launch_demo",
-            ])
-            .args(["--profile", profile])
-            .arg("--target-dir")
-            .arg(target_dir)
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .status()
-            .expect("run cargo build");
-        assert!(
-            status.success(),
-            "cargo build --example launch_demo: {status}"
-        );
-        let demo = dir.join("examples").join("launch_demo");
-        assert!(demo.exists(), "no {}", demo.display());
-        demo
-    })
+    DEMO.get_or_init(|| common::example("launch_demo"))
 }
 
 /// A directory of its own under the system's temporary one, removed on drop.

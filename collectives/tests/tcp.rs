@@ -4,6 +4,8 @@
 //! on both sides, lost peers, timeouts, refused connections, subgroups, and one job of
 //! three processes under `launch`.
 
+mod common;
+
 use collectives::store::TcpStore;
 use collectives::{
     run_local, Buffer, DType, Error, P2pOp, ProcessGroup, ReduceOp, TcpGroup, TcpOptions,
@@ -552,28 +554,9 @@ fn new_group_with_different_lists_fails_every_rank() {
     }
 }
 
-/// The example built next to this test binary (`target/PROFILE/examples`), built here
-/// (in this test's profile) if it is missing or stale.
-fn example(name: &str) -> std::path::PathBuf {
-    let exe = std::env::current_exe().expect("this test's path");
-    // target/PROFILE/deps/tcp-HASH -> target/PROFILE/examples/NAME
-    let dir = exe
-        .parent()
-        .and_then(|d| d.parent())
-        .expect("target/PROFILE");
-    let mut build = std::process::Command::new(env!("CARGO"));
-    build.args(["build", "-p", "collectives", "--example", name]);
-    if dir.file_name().is_some_and(|p| p == "release") {
-        build.arg("--release");
-    }
-    let status = build.status().expect("run cargo build");
-    assert!(status.success(), "cargo build --example {name}: {status}");
-    dir.join("examples").join(name)
-}
-
 #[test]
 fn three_processes_under_launch_all_reduce_exactly() {
-    let exe = example("tcp_allreduce");
+    let exe = common::example("tcp_allreduce");
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_launch"))
         .args(["-n", "3", "--timeout", "60", "--"])
         .arg(&exe)

@@ -15,6 +15,8 @@
 //! torch)` and pass. They are slow (each python start imports torch) but not ignored:
 //! `cargo test -p collectives` runs them.
 
+mod common;
+
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -884,41 +886,10 @@ fn live_client_waits_for_a_server_that_starts_late() -> Result<()> {
 
 // ---- torchrun ----
 
-/// The `launch_demo` example, built if need be (integration tests get only the
-/// crate's binaries built for them), in this test's target directory and profile.
+/// The `launch_demo` example, built once per test binary.
 fn demo() -> &'static Path {
     static DEMO: OnceLock<PathBuf> = OnceLock::new();
-    DEMO.get_or_init(|| {
-        let launch = Path::new(env!("CARGO_BIN_EXE_launch"));
-        let dir = launch.parent().expect("the directory of launch");
-        let target_dir = dir.parent().expect("the target directory");
-        let profile = match dir.file_name().and_then(|name| name.to_str()) {
-            Some("debug") | None => "dev",
-            Some(name) => name,
-        };
-        let status = Command::new(env!("CARGO"))
-            .args([
-                "build",
-                "--quiet",
-                "-p",
-                "collectives",
-                "--example",
-                "launch_demo",
-            ])
-            .args(["--profile", profile])
-            .arg("--target-dir")
-            .arg(target_dir)
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .status()
-            .expect("run cargo build");
-        assert!(
-            status.success(),
-            "cargo build --example launch_demo: {status}"
-        );
-        let demo = dir.join("examples").join("launch_demo");
-        assert!(demo.exists(), "no {}", demo.display());
-        demo
-    })
+    DEMO.get_or_init(|| common::example("launch_demo"))
 }
 
 /// Runs `torchrun --no-python --standalone --nproc-per-node N options` on `program args`,
