@@ -466,34 +466,10 @@ impl<B: Backend> Scratch<B> {
         teacher: &[B::Buffer<f32>],
         seed: u64,
     ) -> lowrank::Result<()> {
-        let (d1, d2) = (Dims::new(1, H, D, BATCH)?, Dims::new(1, O, H, BATCH)?);
         be.fill_normal(&mut NormalRng::new(seed), B::view_mut(&mut self.x, ..)?)?;
-        // Teacher: y = T2 (T1 x), through h.
-        be.mq(
-            d1,
-            B::view(&teacher[0], ..)?,
-            B::view(&self.x, ..)?,
-            B::view_mut(&mut self.h, ..)?,
-        )?;
-        be.mq(
-            d2,
-            B::view(&teacher[1], ..)?,
-            B::view(&self.h, ..)?,
-            B::view_mut(&mut self.y, ..)?,
-        )?;
-        // Student: h = W1 x, r = W2 h - y.
-        be.mq(
-            d1,
-            B::view(&w[0], ..)?,
-            B::view(&self.x, ..)?,
-            B::view_mut(&mut self.h, ..)?,
-        )?;
-        be.mq(
-            d2,
-            B::view(&w[1], ..)?,
-            B::view(&self.h, ..)?,
-            B::view_mut(&mut self.r, ..)?,
-        )?;
+        // Teacher: y = T2 (T1 x), through h; student: h = W1 x, r = W2 h; then r -= y.
+        two_layers(be, teacher, &self.x, &mut self.h, &mut self.y)?;
+        two_layers(be, w, &self.x, &mut self.h, &mut self.r)?;
         be.scale(B::view_mut(&mut self.y, ..)?, -1.0)?;
         be.add(B::view_mut(&mut self.r, ..)?, B::view(&self.y, ..)?)
     }
@@ -545,4 +521,27 @@ impl<B: Backend> Scratch<B> {
         be.download(B::view(&self.r, ..)?, &mut r)?;
         Ok(r.iter().map(|x| x * x).sum::<f32>() / (2.0 * BATCH as f32))
     }
+}
+
+/// The network's forward pass with weights `w` on the batch `x`: `h = W1 x`, `out = W2 h`.
+fn two_layers<B: Backend>(
+    be: &B,
+    w: &[B::Buffer<f32>],
+    x: &B::Buffer<f32>,
+    h: &mut B::Buffer<f32>,
+    out: &mut B::Buffer<f32>,
+) -> lowrank::Result<()> {
+    let (d1, d2) = (Dims::new(1, H, D, BATCH)?, Dims::new(1, O, H, BATCH)?);
+    be.mq(
+        d1,
+        B::view(&w[0], ..)?,
+        B::view(x, ..)?,
+        B::view_mut(h, ..)?,
+    )?;
+    be.mq(
+        d2,
+        B::view(&w[1], ..)?,
+        B::view(h, ..)?,
+        B::view_mut(out, ..)?,
+    )
 }

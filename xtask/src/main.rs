@@ -236,23 +236,9 @@ pub fn on_path(program: &str) -> bool {
 /// example) and returns the executable of the artifact named `name`, read from Cargo's
 /// JSON messages; the diagnostics go to standard error as usual.
 pub fn built_target(args: &[&str], name: &str) -> Result<std::path::PathBuf, Failure> {
-    let mut cmd = cargo(args);
-    cmd.arg("--message-format=json-render-diagnostics")
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::inherit());
-    eprintln!("xtask: running {cmd:?}");
-    let out = cmd
-        .output()
-        .map_err(|e| Failure(format!("could not start {cmd:?}: {e}")))?;
-    if !out.status.success() {
-        return Err(Failure(format!("{cmd:?} failed with {}", out.status)));
-    }
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
-        .filter(|m| m["reason"] == "compiler-artifact" && m["target"]["name"] == name)
-        .find_map(|m| m["executable"].as_str().map(std::path::PathBuf::from))
-        .ok_or_else(|| Failure(format!("{cmd:?} named no executable for `{name}`")))
+    let mut all = args.to_vec();
+    all.push("--message-format=json-render-diagnostics");
+    artifact(&all, name, false)
 }
 
 /// Builds a target without running it (`cargo <subcommand> --no-run`, `subcommand` being
@@ -264,7 +250,13 @@ pub fn built_executable(
 ) -> Result<std::path::PathBuf, Failure> {
     let mut all = vec![subcommand, "--no-run", "--message-format=json"];
     all.extend_from_slice(args);
-    let mut cmd = cargo(&all);
+    artifact(&all, target, true)
+}
+
+/// Runs `cargo ARGS` (which ask for JSON messages) and returns the executable of the
+/// artifact named `name` (only a test-profile one when `test_profile`).
+fn artifact(args: &[&str], name: &str, test_profile: bool) -> Result<std::path::PathBuf, Failure> {
+    let mut cmd = cargo(args);
     cmd.stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::inherit());
     eprintln!("xtask: running {cmd:?}");
@@ -277,10 +269,10 @@ pub fn built_executable(
     String::from_utf8_lossy(&out.stdout)
         .lines()
         .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
-        .filter(|m| m["reason"] == "compiler-artifact" && m["profile"]["test"] == true)
-        .filter(|m| m["target"]["name"] == target)
+        .filter(|m| m["reason"] == "compiler-artifact" && m["target"]["name"] == name)
+        .filter(|m| !test_profile || m["profile"]["test"] == true)
         .find_map(|m| m["executable"].as_str().map(std::path::PathBuf::from))
-        .ok_or_else(|| Failure(format!("{cmd:?} named no executable for `{target}`")))
+        .ok_or_else(|| Failure(format!("{cmd:?} named no executable for `{name}`")))
 }
 
 /// `mpirun -np <ranks>` with what it needs here: `--oversubscribe` (more ranks than
