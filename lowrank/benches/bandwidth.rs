@@ -177,6 +177,58 @@ unsafe fn sum_avx2(x: &[f32]) -> f32 {
     lanes.iter().sum::<f32>() + tail
 }
 
+/// The stream `pqt_error` makes, with nothing computed: `e = m; m = m / 2` (one read and
+/// two writes an element), in the widest vectors this CPU has.
+fn split_stream(m: &mut [f32], e: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if Isa::Avx512.is_supported() {
+            // SAFETY: AVX-512F is present (checked above).
+            return unsafe { split_avx512(m, e) };
+        }
+        if Isa::Avx2.is_supported() {
+            // SAFETY: AVX2 is present (checked above).
+            return unsafe { split_avx2(m, e) };
+        }
+    }
+    for (x, y) in m.iter_mut().zip(e.iter_mut()) {
+        *y = *x;
+        *x *= 0.5;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn split_avx512(m: &mut [f32], e: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let n = m.len().min(e.len()) / 16 * 16;
+    let half = _mm512_set1_ps(0.5);
+    for i in (0..n).step_by(16) {
+        // SAFETY: i + 16 <= n, inside both slices.
+        unsafe {
+            let x = _mm512_loadu_ps(m.as_ptr().add(i));
+            _mm512_storeu_ps(e.as_mut_ptr().add(i), x);
+            _mm512_storeu_ps(m.as_mut_ptr().add(i), _mm512_mul_ps(x, half));
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn split_avx2(m: &mut [f32], e: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let n = m.len().min(e.len()) / 8 * 8;
+    let half = _mm256_set1_ps(0.5);
+    for i in (0..n).step_by(8) {
+        // SAFETY: i + 8 <= n, inside both slices.
+        unsafe {
+            let x = _mm256_loadu_ps(m.as_ptr().add(i));
+            _mm256_storeu_ps(e.as_mut_ptr().add(i), x);
+            _mm256_storeu_ps(m.as_mut_ptr().add(i), _mm256_mul_ps(x, half));
+        }
+    }
+}
+
 /// The reference: a SIMD sum over `m`, split into `threads` contiguous pieces.
 fn reference(m: &[f32], threads: usize) -> f32 {
     if threads == 1 {
@@ -313,14 +365,87 @@ unsafe fn fma_chains_avx2(n: usize) -> f32 {
             *x = _mm256_fmadd_ps(*x, b, c);
         }
     }
+    // Every chain reaches the result, or the compiler drops all but one and the rate
+    // reads 12 times too high.
+    let mut s = a[0];
+    for x in &a[1..] {
+        s = _mm256_add_ps(s, *x);
+    }
     let mut lanes = [0.0f32; 8];
     // SAFETY: `lanes` holds 8 floats.
-    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), a[0]) };
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), s) };
     lanes.iter().sum()
 }
 
-/// `--roofline`: for each selected one-thread row, the FMA rate, the kernel and the read
-/// reference with `M` in L2, and the kernel and the reference from memory.
+/// What `--roofline` measures: the two products and the two fused error-feedback passes
+/// of a PowerSGD step.
+#[derive(Clone, Copy, PartialEq)]
+enum Kernel {
+    /// `P = M Q`.
+    Mq,
+    /// `Q = Mᵀ P`.
+    Mtp,
+    /// `M += E; P = M Q` (`add_mq`).
+    AddMq,
+    /// `M̂ = P Qᵀ; E = M - M̂` (`pqt_error`).
+    PqtError,
+}
+
+impl Kernel {
+    fn name(self) -> &'static str {
+        match self {
+            Kernel::Mq => "mq",
+            Kernel::Mtp => "mtp",
+            Kernel::AddMq => "mq+e",
+            Kernel::PqtError => "pqt+e",
+        }
+    }
+
+    /// Bytes each element of `M` moves: 4 for the products (read once), 12 for the fused
+    /// passes (`M` read and written, `E` read or written).
+    fn bytes_per_element(self) -> usize {
+        match self {
+            Kernel::Mq | Kernel::Mtp => 4,
+            Kernel::AddMq | Kernel::PqtError => 12,
+        }
+    }
+
+    fn op(self) -> Op {
+        match self {
+            Kernel::Mq | Kernel::AddMq => Op::Mq,
+            Kernel::Mtp | Kernel::PqtError => Op::Mtp,
+        }
+    }
+}
+
+/// One in-cache timing: the best per-call time of `f` over 7 runs of `calls` calls.
+fn best_of(calls: usize, mut f: impl FnMut()) -> Duration {
+    (0..7)
+        .map(|_| {
+            let t = Instant::now();
+            for _ in 0..calls {
+                f();
+            }
+            t.elapsed() / calls as u32
+        })
+        .min()
+        .unwrap_or_default()
+}
+
+/// `--roofline`: for every kernel and rank (or those `--op` and `--rank` select), one
+/// thread, the in-core limit and how close the kernel comes to it with `M` in L2, then
+/// (for the products) the fraction of the read bandwidth from memory.
+///
+/// The in-core limit of a row is the lower of two rates, both measured here:
+/// - the FMA bound: the FMA units' rate (12 independent chains in registers) over the
+///   FMAs a 64-byte line of `M` needs (`r x 16 / lanes`);
+/// - the L2 stream bound: what a plain SIMD loop moves with the same data in L2: the
+///   read sum over the same `M` for the products (every kernel reads each line of `M`
+///   once; the factors' loads come from L1 and are the kernel's own cost), and
+///   `y += x` (two reads and a write, as the fused passes stream) for the fused ones.
+///
+/// `M` is 128 x 1024 (512 KiB; with `E` 2 x 256 KiB, 64 x 1024): half of a 1 MiB L2,
+/// so the factors, the accumulators and the other half's prefetches fit beside it.
 fn roofline(a: &Args, cpu: &CpuBackend) {
     let isa = cpu.isa();
     let lanes = match isa {
@@ -330,66 +455,97 @@ fn roofline(a: &Args, cpu: &CpuBackend) {
     let fma = fma_per_ns(lanes);
     let be = cpu.clone().with_threads(1).expect("one thread");
     let mut flush_buf = vec![1u64; FLUSH_BYTES / 8];
-    println!(
-        "{} kernels, one thread; FMA/ns at {lanes} lanes: {}",
-        isa.name(),
-        fma.map_or("-".into(), |f| format!("{f:.2}"))
-    );
-    println!(
-        "{:<4} {:>2} {:>8} {:>9} {:>7} {:>8} {:>7} {:>6} {:>9} {:>7}",
-        "op",
-        "r",
-        "fma/line",
-        "fma GB/s",
-        "L2 GB/s",
-        "L2 read",
-        "cold",
-        "ref",
-        "fraction",
-        "serial"
-    );
-    for op in [Op::Mq, Op::Mtp] {
-        if a.op.is_some_and(|only| only != op) {
+    if !a.json {
+        println!(
+            "{} kernels, one thread; FMA/ns at {lanes} lanes: {}; limit = min(FMA bound, L2 stream bound)",
+            isa.name(),
+            fma.map_or("-".into(), |f| format!("{f:.2}"))
+        );
+        println!(
+            "{:<6} {:>2} {:>8} {:>9} {:>9} {:>7} {:>7} {:>8} {:>7} {:>6} {:>9} {:>7}",
+            "op",
+            "r",
+            "fma/line",
+            "fma GB/s",
+            "L2 strm",
+            "limit",
+            "L2 GB/s",
+            "of limit",
+            "cold",
+            "ref",
+            "fraction",
+            "serial"
+        );
+    }
+    let kernels = [Kernel::Mq, Kernel::Mtp, Kernel::AddMq, Kernel::PqtError];
+    let ranks: Vec<usize> = match a.rank {
+        Some(r) => vec![r],
+        None => vec![1, 2, 4, 8],
+    };
+    for kernel in kernels {
+        if a.op.is_some_and(|only| only != kernel.op()) {
             continue;
         }
-        let r = a.rank.unwrap_or(8);
-        let fma_per_line = (r * 16) as f64 / lanes as f64;
-        let fma_gbs = fma.map(|f| 64.0 * f / fma_per_line);
-        let run = |d: Dims, m: &[f32], p: &[f32], q: &mut [f32], p_out: &mut [f32]| {
-            match op {
-                Op::Mq => be.mq(d, m, q, p_out),
-                Op::Mtp => be.mtp(d, m, p, q),
-            }
-            .expect("kernel")
-        };
-        // M in L2: 256 x 1024 (1 MiB), the best of 5 runs of 64 products.
-        let (rows, cols) = (256, 1024);
-        let d = Dims::new(1, rows, cols, r).expect("valid shape");
-        let m: Vec<f32> = (0..rows * cols).map(|i| (i % 251) as f32 * 1e-3).collect();
-        let (p, mut q, mut p_out) = (
-            vec![0.5f32; d.p_len()],
-            vec![0.25f32; d.q_len()],
-            vec![0.0f32; d.p_len()],
-        );
-        let (mut best_k, mut best_r) = (Duration::MAX, Duration::MAX);
-        for _ in 0..5 {
-            let t = Instant::now();
-            for _ in 0..64 {
-                run(d, &m, &p, &mut q, &mut p_out);
-            }
-            best_k = best_k.min(t.elapsed() / 64);
-            let t = Instant::now();
-            for _ in 0..64 {
-                black_box(sum_slice(&m));
-            }
-            best_r = best_r.min(t.elapsed() / 64);
+        for &r in &ranks {
+            roofline_row(a, &be, kernel, r, lanes, fma, &mut flush_buf);
         }
-        let l2_bytes = (rows * cols * 4) as f64;
-        let (l2_k, l2_r) = (
-            l2_bytes / best_k.as_secs_f64() / 1e9,
-            l2_bytes / best_r.as_secs_f64() / 1e9,
-        );
-        // From memory, as the table measures.
+    }
+}
+
+/// One row of [`roofline`].
+fn roofline_row(
+    a: &Args,
+    be: &CpuBackend,
+    kernel: Kernel,
+    r: usize,
+    lanes: usize,
+    fma: Option<f64>,
+    flush_buf: &mut [u64],
+) {
+    let bpe = kernel.bytes_per_element();
+    let fma_per_line = (r * 16) as f64 / lanes as f64;
+    // The FMA bound in bytes of the row's traffic: a line of M is 64 bytes of M and
+    // 64 * bpe / 4 bytes of traffic.
+    let fma_gbs = fma.map(|f| 64.0 * f / fma_per_line * (bpe / 4) as f64);
+    let rows = if bpe == 4 { 128 } else { 64 };
+    let cols = 1024;
+    let d = Dims::new(1, rows, cols, r).expect("valid shape");
+    let len = rows * cols;
+    let mut m_buf: Vec<f32> = (0..len).map(|i| (i % 251) as f32 * 1e-3).collect();
+    let mut e_buf: Vec<f32> = (0..len).map(|i| (i % 17) as f32 * 1e-4).collect();
+    let e0_buf = vec![0.0f32; len];
+    let m = &mut m_buf[..len];
+    let e = &mut e_buf[..len];
+    let e0 = &e0_buf[..len];
+    let (p, mut q, mut p_out) = (
+        vec![0.5f32; d.p_len()],
+        vec![0.25f32; d.q_len()],
+        vec![0.0f32; d.p_len()],
+    );
+    // About 2 ms of work per timed run.
+    let calls = 2_000_000 / (rows * cols * bpe / 64).max(1);
+    let kernel_time = match kernel {
+        Kernel::Mq => best_of(calls, || be.mq(d, m, &q, &mut p_out).expect("mq")),
+        Kernel::Mtp => best_of(calls, || be.mtp(d, m, &p, &mut q).expect("mtp")),
+        // E is zero here, so M keeps its values call after call.
+        Kernel::AddMq => best_of(calls, || {
+            be.add_mq(d, m, e0, &q, &mut p_out).expect("add_mq")
+        }),
+        Kernel::PqtError => best_of(calls, || be.pqt_error(d, &p, &q, m, e).expect("pqt_error")),
+    };
+    let stream_time = match kernel {
+        Kernel::Mq | Kernel::Mtp => best_of(calls, || {
+            black_box(sum_slice(m));
+        }),
+        Kernel::AddMq => best_of(calls, || be.add(m, e).expect("add")),
+        Kernel::PqtError => best_of(calls, || split_stream(m, e)),
+    };
+    let traffic = (rows * cols * bpe) as f64;
+    let l2_k = traffic / kernel_time.as_secs_f64() / 1e9;
+    let l2_stream = traffic / stream_time.as_secs_f64() / 1e9;
+    let limit = fma_gbs.map_or(l2_stream, |f| f.min(l2_stream));
+    // From memory, as the table measures (the products only: the table's rows).
+    let cold = (bpe == 4).then(|| {
         let n = 4096;
         let d = Dims::new(1, n, n, r).expect("valid shape");
         let m: Vec<f32> = (0..n * n)
@@ -402,25 +558,53 @@ fn roofline(a: &Args, cpu: &CpuBackend) {
         );
         let (mut tk, mut tr) = (Vec::new(), Vec::new());
         for _ in 0..a.reps {
-            flush(&mut flush_buf);
+            flush(flush_buf);
             let t = Instant::now();
             black_box(reference(&m, 1));
             tr.push(t.elapsed());
-            flush(&mut flush_buf);
+            flush(flush_buf);
             let t = Instant::now();
-            run(d, &m, &p, &mut q, &mut p_out);
+            match kernel {
+                Kernel::Mq => be.mq(d, &m, &q, &mut p_out),
+                _ => be.mtp(d, &m, &p, &mut q),
+            }
+            .expect("kernel");
             tk.push(t.elapsed());
             black_box((&q, &p_out));
         }
         let bytes = (n * n * 4) as f64;
-        let cold = bytes / median(tk).as_secs_f64() / 1e9;
-        let reference = bytes / median(tr).as_secs_f64() / 1e9;
+        (
+            bytes / median(tk).as_secs_f64() / 1e9,
+            bytes / median(tr).as_secs_f64() / 1e9,
+        )
+    });
+    if a.json {
+        let num = |v: Option<f64>| v.map_or("null".to_string(), |v| format!("{v:.3}"));
         println!(
-            "{:<4} {r:>2} {fma_per_line:>8.1} {:>9} {l2_k:>7.1} {l2_r:>8.1} {cold:>7.2} {reference:>6.2} {:>9.2} {:>7.2}",
-            if op == Op::Mq { "mq" } else { "mtp" },
+            "{{\"bench\":\"lowrank/roofline\",\"isa\":\"{}\",\"op\":\"{}\",\"r\":{r},\"fma_per_line\":{fma_per_line},\"fma_gb_per_s\":{},\"l2_stream_gb_per_s\":{l2_stream:.3},\"limit_gb_per_s\":{limit:.3},\"l2_gb_per_s\":{l2_k:.3},\"fraction_of_limit\":{:.4},\"cold_gb_per_s\":{},\"reference_gb_per_s\":{},\"fraction_of_bandwidth\":{}}}",
+            be.isa().name(),
+            kernel.name(),
+            num(fma_gbs),
+            l2_k / limit,
+            num(cold.map(|c| c.0)),
+            num(cold.map(|c| c.1)),
+            num(cold.map(|c| c.0 / c.1)),
+        );
+    } else {
+        let (c, rf, fr, se) = match cold {
+            Some((c, rf)) => (
+                format!("{c:.2}"),
+                format!("{rf:.2}"),
+                format!("{:.2}", c / rf),
+                format!("{:.2}", 1.0 / (1.0 + rf / l2_k)),
+            ),
+            None => ("-".into(), "-".into(), "-".into(), "-".into()),
+        };
+        println!(
+            "{:<6} {r:>2} {fma_per_line:>8.1} {:>9} {l2_stream:>9.1} {limit:>7.1} {l2_k:>7.1} {:>8.2} {c:>7} {rf:>6} {fr:>9} {se:>7}",
+            kernel.name(),
             fma_gbs.map_or("-".into(), |g| format!("{g:.1}")),
-            cold / reference,
-            1.0 / (1.0 + reference / l2_k)
+            l2_k / limit,
         );
     }
 }

@@ -975,6 +975,54 @@ fn results_do_not_depend_on_thread_count() {
 /// remainder, and a rank past one register tile. Each must match the f64 reference, the
 /// fused `add_mq` must give exactly what `mq` gives on `g + e`, and no result may depend
 /// on the thread count.
+/// `Mᵀ P` over several column panels and row blocks (4096 columns a panel, 128 KiB a
+/// block), odd ranks that take several column tiles, and `M̂ = P Qᵀ` with the error update
+/// over two-row tiles and a leftover row: each against the f64 reference, and the same
+/// bits on every thread count.
+#[test]
+fn blocked_mtp_and_pqt_match_the_reference_and_every_thread_count() {
+    for &(batch, n, m, r) in &[
+        (1, 37, 5000, 8),
+        (1, 70, 1100, 3),
+        (2, 19, 2053, 16),
+        (1, 9, 4111, 5),
+        (1, 130, 257, 1),
+        (1, 3, 8200, 2),
+    ] {
+        let d = Dims::new(batch, n, m, r).unwrap();
+        let (x, p, q) = (
+            random(d.m_len(), 17),
+            random(d.p_len(), 18),
+            random(d.q_len(), 19),
+        );
+        for isa in Isa::supported() {
+            let run = |threads: usize| {
+                let be = cpu_with(isa, threads);
+                let mut qo = vec![0.0; d.q_len()];
+                be.mtp(d, &x, &p, &mut qo).unwrap();
+                let (mut mo, mut eo) = (x.clone(), vec![0.0; d.m_len()]);
+                be.pqt_error(d, &p, &q, &mut mo, &mut eo).unwrap();
+                (qo, mo, eo)
+            };
+            let one = run(1);
+            assert_close(
+                &format!("{isa:?} mtp on {d}"),
+                &one.0,
+                &ref_mtp(d, &x, &p),
+                n,
+            );
+            let mhat = ref_pqt(d, &p, &q);
+            assert_close(&format!("{isa:?} pqt on {d}"), &one.1, &mhat, r);
+            let err: Vec<f64> = x.iter().zip(&mhat).map(|(&a, &b)| a as f64 - b).collect();
+            assert_close(&format!("{isa:?} pqt_error's e on {d}"), &one.2, &err, r);
+            assert!(
+                one == run(2) && one == run(3),
+                "{isa:?} {d}: results changed with the thread count"
+            );
+        }
+    }
+}
+
 #[test]
 fn chunked_mq_matches_the_reference_the_fused_path_and_every_thread_count() {
     for &(batch, n, m, r) in &[

@@ -44,6 +44,9 @@ pub struct Options {
     /// `--isa NAME`: the instruction set whose kernels `report`, `lowrank` and `hooks`
     /// measure (as on a CPU without a wider one); all the machine has when absent.
     isa: Option<String>,
+    /// `--roofline`: `bench lowrank` measures each kernel against its in-core limit
+    /// (`M` in L2) instead of the cold-cache table.
+    roofline: bool,
     /// The report's own options.
     report: ReportOptions,
 }
@@ -115,6 +118,7 @@ pub fn parse(args: &[String]) -> Result<Options, String> {
         json: false,
         suites: Vec::new(),
         isa: None,
+        roofline: false,
         report: ReportOptions::default(),
     };
     let mut args = args.iter();
@@ -122,6 +126,7 @@ pub fn parse(args: &[String]) -> Result<Options, String> {
         match a.as_str() {
             "--quick" => o.quick = true,
             "--json" => o.json = true,
+            "--roofline" => o.roofline = true,
             "--isa" => match args.next() {
                 Some(v) if ISAS.contains(&v.as_str()) => o.isa = Some(v.clone()),
                 v => {
@@ -192,7 +197,7 @@ pub fn parse(args: &[String]) -> Result<Options, String> {
             s if SUITES.contains(&s) => o.suites.push(s.to_string()),
             other => {
                 return Err(format!(
-                    "unknown bench argument `{other}`; suites: {} (default: report); flags: --quick, --json, --isa avx512|avx2|portable; the report's: --shapes FILE, --models A,B, --ranks N, --steps K, --backward-ms MS, --gpu-report FILE",
+                    "unknown bench argument `{other}`; suites: {} (default: report); flags: --quick, --json, --isa avx512|avx2|portable, --roofline (lowrank); the report's: --shapes FILE, --models A,B, --ranks N, --steps K, --backward-ms MS, --gpu-report FILE",
                     SUITES.join(", ")
                 ))
             }
@@ -200,6 +205,9 @@ pub fn parse(args: &[String]) -> Result<Options, String> {
     }
     if o.suites.is_empty() {
         o.suites.push("report".into());
+    }
+    if o.roofline && o.suites.iter().any(|s| s != "lowrank") {
+        return Err("--roofline is `bench lowrank`'s; run it as `bench lowrank --roofline`".into());
     }
     if o.report.any() && o.suites.iter().any(|s| s != "report") {
         return Err(
@@ -215,7 +223,7 @@ pub fn run(o: Options) -> Result<(), Failure> {
     for suite in &o.suites {
         match suite.as_str() {
             "report" => report::run(o.quick, o.json, o.isa.as_deref(), &o.report)?,
-            "lowrank" => lowrank(o.quick, o.json, o.isa.as_deref())?,
+            "lowrank" => lowrank(o.quick, o.json, o.isa.as_deref(), o.roofline)?,
             "collectives" => collectives(o.quick, o.json)?,
             "hooks" | "accum" => ddp_hooks(suite, o.quick, o.json, o.isa.as_deref())?,
             "pipe" => pipe(o.quick, o.json)?,
@@ -285,9 +293,13 @@ fn pipe(quick: bool, json: bool) -> Result<(), Failure> {
 
 /// The bandwidth table (cold cache, against a SIMD-sum reference and `gemm`), then the
 /// criterion benchmarks of every primitive (skipped with `--json`, whose output is only
-/// the table's JSON lines).
-fn lowrank(quick: bool, json: bool, isa: Option<&str>) -> Result<(), Failure> {
+/// the table's JSON lines). With `roofline`, only the in-core table: every kernel and
+/// rank with `M` in L2 against the lower of its FMA and L2-stream bounds.
+fn lowrank(quick: bool, json: bool, isa: Option<&str>, roofline: bool) -> Result<(), Failure> {
     let mut table = vec!["bench", "-q", "-p", "lowrank", "--bench", "bandwidth", "--"];
+    if roofline {
+        table.push("--roofline");
+    }
     if quick {
         table.push("--quick");
     }
@@ -298,7 +310,7 @@ fn lowrank(quick: bool, json: bool, isa: Option<&str>) -> Result<(), Failure> {
         table.push("--json");
     }
     run_status(cargo(&table))?;
-    if !json {
+    if !json && !roofline {
         let mut crit = vec![
             "bench",
             "-q",
@@ -595,6 +607,9 @@ mod tests {
         assert!(e.contains("unknown bench argument `hook`"), "{e}");
         let o = parse(&args(&["lowrank", "--isa", "avx2"])).unwrap();
         assert_eq!(o.isa.as_deref(), Some("avx2"));
+        assert!(parse(&args(&["lowrank", "--roofline"])).unwrap().roofline);
+        let e = parse(&args(&["hooks", "--roofline"])).err().unwrap();
+        assert!(e.contains("`bench lowrank --roofline`"), "{e}");
         for bad in [&["--isa"][..], &["--isa", "sse2"]] {
             let e = parse(&args(bad)).err().unwrap();
             assert!(

@@ -39,6 +39,8 @@ commands:
                             The report's flags: --shapes FILE (your model's parameter shapes, JSON),
                             --models A,B, --ranks N (link world size), --steps K, --backward-ms MS
                             (your backward: overlapped step times), --gpu-report FILE (cuda_hooks.jsonl)
+                            --isa avx512|avx2|portable: that instruction set's kernels;
+                            lowrank --roofline: each kernel in L2 against its in-core limit
   train [--hook SPEC] [--ranks N] [--steps N] [--accumulate K] [--batch N] [--pipe P]
         [--compare | --resume-at K | --backend threads|mpi]
                             N thread ranks (default 4) train the teacher-student MLP through the

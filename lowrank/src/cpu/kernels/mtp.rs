@@ -1,146 +1,190 @@
-//! `Q = Mᵀ P`: column panels whose accumulators stay in L2, each row adding its part.
+//! `Q = Mᵀ P`: register tiles of `Q` over strips of columns, walked down blocks of rows
+//! small enough to stay in L2 while every strip of the block passes over them.
+//!
+//! Each element `Q[j, k] = Σᵢ M[i, j] P[i, k]` is one lane of one accumulator, summed over
+//! the rows in order with one fused multiply-add a row (the ragged columns past the last
+//! whole vector: a multiply and an add, in the same order), whatever the blocking, the
+//! column panels and the thread count.
 
-use super::{Mat, PREFETCH};
+use super::Mat;
 use crate::cpu::simd::Simd;
 use std::ops::Range;
 
-/// Adds `Mᵀ P` of rows `i0..i0+RB` to a column panel of `Q`.
-///
-/// `acc` is the panel's part of `Q` in a chunk-interleaved layout (for each vector-wide
-/// chunk of columns, the `r` vectors one after the other), so one pointer with constant
-/// offsets reaches every accumulator; `tile` is `P` of these rows, row-major (`RB x r`),
-/// for the same reason. `RC` is the rank when it is a small constant (the loop over it
-/// unrolls), or 0 for a rank known at run time.
+/// Floats of `M` per row block and column panel: 128 KiB, so that the block and the
+/// panel's part of `Q` stay in L2 while the strips walk it. Cold, n = m = 4096, one
+/// thread, AMD Zen 4 (AVX-512): 32 KiB and 16 KiB blocks read 0.20-0.62 of the read
+/// bandwidth, 128 KiB 0.40-0.86, 512 KiB and whole-matrix blocks 0.12-0.56 (strips
+/// walking further down than L2 holds); with `M` in L2 the bigger the better.
+const MTP_BLOCK_FLOATS: usize = 32768;
+/// Rows per block: at least this many (the accumulators are loaded and stored once a
+/// block; fewer rows would make that traffic count), at most [`MTP_BLOCK_ROWS_MAX`].
+const MTP_BLOCK_ROWS_MIN: usize = 8;
+const MTP_BLOCK_ROWS_MAX: usize = 64;
+/// Columns of `M` per panel: a row's run inside a panel is long enough for the hardware
+/// prefetchers (16 KiB or more), and a block of [`MTP_BLOCK_ROWS_MIN`] rows of it fits
+/// [`MTP_BLOCK_FLOATS`].
+const MTP_PANEL_COLS: usize = MTP_BLOCK_FLOATS / MTP_BLOCK_ROWS_MIN;
+
+/// `Q[k0..k0+KT][strip] (+)= Σ_{i in rows} P[i, k] M[i, strip]`, where the strip is `VW`
+/// whole vectors from column `j0`. The accumulators start at zero for the first row
+/// block and from `Q` otherwise.
+// Register tiles read best with explicit indices.
+#[allow(clippy::needless_range_loop)]
 #[inline(always)]
-unsafe fn mtp_block<S: Simd, const RB: usize, const RC: usize>(
+unsafe fn mtp_strip<S: Simd, const VW: usize, const KT: usize>(
     a: &Mat,
-    i0: usize,
-    panel: &Range<usize>,
-    acc: *mut f32,
-    tile: *const f32,
+    rows: Range<usize>,
+    j0: usize,
+    k0: usize,
 ) {
     let lanes = S::LANES;
-    let r = if RC == 0 { a.r } else { RC };
-    // SAFETY: the caller guarantees rows i0..i0+RB < n, `panel` inside 0..a.cols, `acc`
-    // valid for r * panel.len() (rounded up to lanes) elements and `tile` for RB * r.
+    let cols = a.cols;
+    // SAFETY: the caller guarantees `rows` inside 0..n, columns k0..k0+KT inside 0..r and
+    // the strip's VW * lanes columns inside 0..cols, so every load and store below is in
+    // the buffers of `a`.
     unsafe {
-        let row = |ii: usize| a.m.add((i0 + ii) * a.cols);
-        let mut j = panel.start;
-        let mut dst = acc;
-        while j + lanes <= panel.end {
-            // Prefetch PREFETCH floats ahead in the order the rows are read: along these
-            // rows, then on into the next block's rows of the same panel. A block reads
-            // RB rows side by side, more streams than the hardware prefetchers keep far
-            // enough ahead (cold, n = m = 4096, one thread, AVX-512 machine: r = 8 went
-            // from 0.79-0.83 to 0.90-0.91 of the read reference with this prefetch).
-            let ahead = j + PREFETCH;
-            let (base, at) = if ahead < panel.end {
-                (i0, ahead)
-            } else {
-                (i0 + RB, panel.start + (ahead - panel.end))
-            };
-            let mut x = [S::zero(); RB];
-            for (ii, xi) in x.iter_mut().enumerate() {
-                S::prefetch(a.m.wrapping_add((base + ii) * a.cols + at));
-                *xi = S::load(row(ii).add(j));
-            }
-            for k in 0..r {
-                let d = dst.add(k * lanes);
-                let mut sum = S::load(d);
-                for (ii, &xi) in x.iter().enumerate() {
-                    sum = S::fma(S::splat(*tile.add(ii * r + k)), xi, sum);
+        let qv = |k: usize, v: usize| a.q.add((k0 + k) * cols + j0 + v * lanes);
+        let mut acc = [[S::zero(); VW]; KT];
+        if rows.start > 0 {
+            for k in 0..KT {
+                for v in 0..VW {
+                    acc[k][v] = S::load(qv(k, v));
                 }
-                S::store(d, sum);
             }
-            dst = dst.add(r * lanes);
-            j += lanes;
         }
-        // The ragged end of the panel: scalar, in the same interleaved layout.
-        let rest = panel.end - j;
-        for t in 0..rest {
-            for k in 0..r {
-                let d = dst.add(k * lanes + t);
-                for ii in 0..RB {
-                    *d += *tile.add(ii * r + k) * *row(ii).add(j + t);
+        for i in rows {
+            let row = a.m.add(i * cols + j0);
+            let mut x = [S::zero(); VW];
+            for v in 0..VW {
+                x[v] = S::load(row.add(v * lanes));
+            }
+            for k in 0..KT {
+                let pk = S::splat(*a.p.add((k0 + k) * a.n + i));
+                for v in 0..VW {
+                    acc[k][v] = S::fma(pk, x[v], acc[k][v]);
                 }
+            }
+        }
+        for k in 0..KT {
+            for v in 0..VW {
+                S::store(qv(k, v), acc[k][v]);
             }
         }
     }
 }
 
-/// Columns of `M` per panel: the panel's accumulators (`r x width` floats) stay within
-/// 128 KiB, in L2 (even a 256 KiB one), while each row is read in runs of at least
-/// 16 KiB: whole rows of 4096 columns at `r = 8`. Cold, n = m = 4096, one thread, `r = 8`,
-/// AVX-512 machine, alternated runs: 64 KiB panels (rows read in two halves) 0.86-0.90
-/// of the read reference for both instruction sets, 128 KiB 0.95-0.97 (256 KiB the same,
-/// 32 and 16 KiB 0.78-0.85 and 0.66-0.72); other ranks unchanged.
-const MTP_PANEL_FLOATS: usize = 32768;
-
+/// One row block of one panel for the columns `k0..k0+KT` of `Q`: strips of `VW`
+/// vectors, then single vectors, then the ragged columns (scalar).
 #[inline(always)]
-unsafe fn mtp_cols_rc<S: Simd, const RC: usize>(a: &Mat, cols: Range<usize>) {
-    const RB: usize = 8;
+unsafe fn mtp_block<S: Simd, const VW: usize, const KT: usize>(
+    a: &Mat,
+    rows: Range<usize>,
+    panel: &Range<usize>,
+    k0: usize,
+) {
     let lanes = S::LANES;
-    let r = a.r;
-    let width = (MTP_PANEL_FLOATS / r).max(lanes) / lanes * lanes;
-    let mut acc = vec![0.0f32; r * width.min(cols.len()).next_multiple_of(lanes)];
-    let mut tile = [0.0f32; 16 * crate::MAX_RANK];
+    let vec_end = panel.start + panel.len() / lanes * lanes;
+    let mut j = panel.start;
+    // SAFETY: strips lie inside the panel's whole vectors, inside 0..cols; rows and
+    // columns of Q as the caller guarantees.
+    unsafe {
+        while j + VW * lanes <= vec_end {
+            mtp_strip::<S, VW, KT>(a, rows.clone(), j, k0);
+            j += VW * lanes;
+        }
+        while j < vec_end {
+            mtp_strip::<S, 1, KT>(a, rows.clone(), j, k0);
+            j += lanes;
+        }
+        for jj in j..panel.end {
+            for k in k0..k0 + KT {
+                let d = a.q.add(k * a.cols + jj);
+                let mut s = if rows.start > 0 { *d } else { 0.0 };
+                for i in rows.clone() {
+                    s += *a.p.add(k * a.n + i) * *a.m.add(i * a.cols + jj);
+                }
+                *d = s;
+            }
+        }
+    }
+}
+
+/// Accumulators a tile holds: 16 vectors with AVX-512's 32 registers, 8 with 16 (AVX2
+/// and the portable fallback), leaving room for the row's vectors and a broadcast.
+const fn tile_accumulators(lanes: usize) -> usize {
+    if lanes == 16 {
+        16
+    } else {
+        8
+    }
+}
+
+/// `Q[cols] = (Mᵀ P)[cols]` for one matrix: column panels of [`MTP_PANEL_COLS`], row
+/// blocks of [`MTP_BLOCK_FLOATS`] inside each, and in each block tiles of `KT` columns of
+/// `Q` by `VW` vectors (`KT x VW` accumulators: 1 x 16, 2 x 8, 4 x 4, 8 x 2 on AVX-512;
+/// 1 x 8, 2 x 4, 4 x 2, 8 x 1 on AVX2), each row adding `KT x VW` fused multiply-adds
+/// to them. A rank that is not 1, 2, 4 or 8 goes in tiles of 8, 4, 2, 1 columns, each
+/// tile walking the block again (from L2).
+///
+/// The old kernel kept `Q` in memory and added a block of 8 rows to it per pass: each
+/// vector of `Q` was loaded, had 8 dependent FMAs added and was stored, and the 8 (or 16)
+/// rows read side by side were 4 or 16 KiB apart at power-of-two widths, all in one L1
+/// set (8 ways) with their prefetches: 0.25-0.48 of the in-core limit with `M` in L2
+/// (AMD Zen 4, AVX-512), 0.37-0.66 of the read bandwidth from memory.
+#[inline(always)]
+pub(crate) unsafe fn mtp_cols<S: Simd>(a: &Mat, cols: Range<usize>) {
+    let lanes = S::LANES;
+    if a.n == 0 {
+        // An empty sum: Q is zero.
+        for k in 0..a.r {
+            for j in cols.clone() {
+                // SAFETY: `cols` is inside 0..cols and Q holds r columns of them.
+                unsafe { *a.q.add(k * a.cols + j) = 0.0 };
+            }
+        }
+        return;
+    }
+    let accs = tile_accumulators(lanes);
+    let width = MTP_PANEL_COLS.max(lanes);
     let mut c0 = cols.start;
     while c0 < cols.end {
         let panel = c0..(c0 + width).min(cols.end);
-        acc.fill(0.0);
-        let mut i = 0;
-        // SAFETY: rows stay inside 0..n, columns inside `panel` inside `cols`; `acc`
-        // holds r floats per panel column rounded up to whole chunks; `tile` 16 * r (the largest block).
-        unsafe {
-            let load_tile = |tile: &mut [f32], i: usize, rows: usize| {
-                for ii in 0..rows {
-                    for k in 0..r {
-                        tile[ii * r + k] = *a.p.add(k * a.n + i + ii);
-                    }
-                }
-            };
-            macro_rules! blocks {
-                ($rb:expr) => {
-                    while i + $rb <= a.n {
-                        load_tile(&mut tile, i, $rb);
-                        mtp_block::<S, { $rb }, RC>(a, i, &panel, acc.as_mut_ptr(), tile.as_ptr());
-                        i += $rb;
-                    }
+        let block = (MTP_BLOCK_FLOATS / panel.len().max(1))
+            .clamp(MTP_BLOCK_ROWS_MIN, MTP_BLOCK_ROWS_MAX)
+            .min(a.n.max(1));
+        let mut i0 = 0;
+        while i0 < a.n {
+            let rows = i0..(i0 + block).min(a.n);
+            let mut k0 = 0;
+            while k0 < a.r {
+                let rem = a.r - k0;
+                let kt = if rem >= 8 {
+                    8
+                } else if rem >= 4 {
+                    4
+                } else if rem >= 2 {
+                    2
+                } else {
+                    1
                 };
-            }
-            if S::LANES == 16 && r >= 8 {
-                blocks!(16);
-            }
-            blocks!(RB);
-            while i < a.n {
-                load_tile(&mut tile, i, 1);
-                mtp_block::<S, 1, RC>(a, i, &panel, acc.as_mut_ptr(), tile.as_ptr());
-                i += 1;
-            }
-            // Scatter the interleaved accumulators into Q's column-major layout.
-            for (c, j) in panel.clone().enumerate() {
-                let (chunk, lane) = (c / lanes, c % lanes);
-                for k in 0..r {
-                    *a.q.add(k * a.cols + j) = acc[(chunk * r + k) * lanes + lane];
+                // SAFETY: rows inside 0..n, the panel inside `cols` (inside 0..cols, the
+                // caller), tile columns inside 0..r.
+                unsafe {
+                    match (kt, accs) {
+                        (8, 16) => mtp_block::<S, 2, 8>(a, rows.clone(), &panel, k0),
+                        (4, 16) => mtp_block::<S, 4, 4>(a, rows.clone(), &panel, k0),
+                        (2, 16) => mtp_block::<S, 8, 2>(a, rows.clone(), &panel, k0),
+                        (1, 16) => mtp_block::<S, 16, 1>(a, rows.clone(), &panel, k0),
+                        (8, _) => mtp_block::<S, 1, 8>(a, rows.clone(), &panel, k0),
+                        (4, _) => mtp_block::<S, 2, 4>(a, rows.clone(), &panel, k0),
+                        (2, _) => mtp_block::<S, 4, 2>(a, rows.clone(), &panel, k0),
+                        _ => mtp_block::<S, 8, 1>(a, rows.clone(), &panel, k0),
+                    }
                 }
+                k0 += kt;
             }
+            i0 = rows.end;
         }
         c0 = panel.end;
-    }
-}
-
-/// `Q[cols] = (Mᵀ P)[cols]` for one matrix: every row of `M`, the given columns, one
-/// column panel at a time.
-#[inline(always)]
-pub(crate) unsafe fn mtp_cols<S: Simd>(a: &Mat, cols: Range<usize>) {
-    // SAFETY: `cols` is inside 0..a.cols and `q` holds r columns of a.cols (caller).
-    unsafe {
-        match a.r {
-            1 => mtp_cols_rc::<S, 1>(a, cols),
-            2 => mtp_cols_rc::<S, 2>(a, cols),
-            4 => mtp_cols_rc::<S, 4>(a, cols),
-            8 => mtp_cols_rc::<S, 8>(a, cols),
-            _ => mtp_cols_rc::<S, 0>(a, cols),
-        }
     }
 }

@@ -1,5 +1,6 @@
 //! `M = P Qᵀ`, optionally fused with `E = X - M` (`X` read from `M`).
 
+use super::mq::{pack_q, QPack};
 use super::{Mat, PREFETCH};
 use crate::cpu::simd::Simd;
 use std::ops::Range;
@@ -7,19 +8,24 @@ use std::ops::Range;
 // Register tiles read best with explicit indices.
 #[allow(clippy::needless_range_loop)]
 #[inline(always)]
-unsafe fn pqt_block<S: Simd, const RB: usize, const RC: usize, const FUSE: bool>(
+unsafe fn pqt_block<S: Simd, const RB: usize, const U: usize, const RC: usize, const FUSE: bool>(
     a: &Mat,
     i0: usize,
+    qpack: *const f32,
 ) {
     let lanes = S::LANES;
     let cols = a.cols;
     let r = if RC == 0 { a.r } else { RC };
+    let pf = PREFETCH;
     // SAFETY: the caller guarantees rows i0..i0+RB < n.
     unsafe {
         let row = |ii: usize| a.m.add((i0 + ii) * cols);
         let erow = |ii: usize| a.e.add((i0 + ii) * cols);
         let pval = |k: usize, ii: usize| *a.p.add(k * a.n + i0 + ii);
         let qcol = |k: usize| a.q.add(k * cols);
+        // Q's vectors packed (`pack_q`): at power-of-two widths Q's r columns, the RB rows
+        // of M and of E all map to the same L1 sets, more lines than it has ways.
+        let qvec = |k: usize, j: usize| qpack.add((j / lanes * a.r + k) * lanes);
         // With a constant rank, a local copy of this block's P values: the compiler knows
         // nothing writes to it, so it keeps the broadcasts in registers across the row
         // (it cannot for `a.p`, which might alias `a.m`).
@@ -31,11 +37,40 @@ unsafe fn pqt_block<S: Simd, const RB: usize, const RC: usize, const FUSE: bool>
                 }
             }
         }
+        // U vectors a row at once: RB x U independent chains of r fused multiply-adds
+        // (with one vector a row, the RB chains each waited 4 cycles an FMA).
         let mut j = 0;
+        while j + U * lanes <= cols {
+            let mut acc = [[S::zero(); U]; RB];
+            for k in 0..r {
+                let mut qv = [S::zero(); U];
+                for (u, q) in qv.iter_mut().enumerate() {
+                    *q = S::load(qvec(k, j + u * lanes));
+                }
+                for (ii, acc_i) in acc.iter_mut().enumerate() {
+                    let pk = S::splat(if RC != 0 { local[ii][k] } else { pval(k, ii) });
+                    for (u, a_u) in acc_i.iter_mut().enumerate() {
+                        *a_u = S::fma(pk, qv[u], *a_u);
+                    }
+                }
+            }
+            for (ii, acc_i) in acc.iter().enumerate() {
+                for (u, &a_u) in acc_i.iter().enumerate() {
+                    let dst = row(ii).add(j + u * lanes);
+                    if FUSE {
+                        S::prefetch(dst.wrapping_add(pf));
+                        let x = S::load(dst);
+                        S::store(erow(ii).add(j + u * lanes), S::sub(x, a_u));
+                    }
+                    S::store(dst, a_u);
+                }
+            }
+            j += U * lanes;
+        }
         while j + lanes <= cols {
             let mut acc = [S::zero(); RB];
             for k in 0..r {
-                let qv = S::load(qcol(k).add(j));
+                let qv = S::load(qvec(k, j));
                 for (ii, acc_i) in acc.iter_mut().enumerate() {
                     let pk = if RC != 0 { local[ii][k] } else { pval(k, ii) };
                     *acc_i = S::fma(S::splat(pk), qv, *acc_i);
@@ -44,7 +79,6 @@ unsafe fn pqt_block<S: Simd, const RB: usize, const RC: usize, const FUSE: bool>
             for (ii, &acc_i) in acc.iter().enumerate() {
                 let dst = row(ii).add(j);
                 if FUSE {
-                    S::prefetch(dst.wrapping_add(PREFETCH));
                     let x = S::load(dst);
                     S::store(erow(ii).add(j), S::sub(x, acc_i));
                 }
@@ -71,16 +105,25 @@ unsafe fn pqt_block<S: Simd, const RB: usize, const RC: usize, const FUSE: bool>
 
 #[inline(always)]
 unsafe fn pqt_rows_rc<S: Simd, const RC: usize, const FUSE: bool>(a: &Mat, rows: Range<usize>) {
-    const RB: usize = 4;
+    // Two rows with four vectors each (eight independent chains): with four rows of M
+    // and four of E in flight (and Q's columns, before packing) at power-of-two widths,
+    // one L1 set held more lines than it has ways (Zen 4, M in L2: 0.41-0.66 of the
+    // in-core limit at r <= 4 with 4 rows, 0.69-0.92 with 2).
+    const RB: usize = 2;
+    let vec_end = a.cols / S::LANES * S::LANES;
+    let mut pack = QPack::take(a.r * vec_end + 16);
+    let qpack = pack.aligned();
     let mut i = rows.start;
-    // SAFETY: blocks stay inside `rows`, inside 0..n.
+    // SAFETY: the pack holds r * vec_end floats from its aligned start; blocks stay inside
+    // `rows`, inside 0..n.
     unsafe {
+        pack_q::<S>(a, vec_end, qpack);
         while i + RB <= rows.end {
-            pqt_block::<S, RB, RC, FUSE>(a, i);
+            pqt_block::<S, RB, 4, RC, FUSE>(a, i, qpack);
             i += RB;
         }
         while i < rows.end {
-            pqt_block::<S, 1, RC, FUSE>(a, i);
+            pqt_block::<S, 1, 8, RC, FUSE>(a, i, qpack);
             i += 1;
         }
     }
