@@ -2,18 +2,51 @@
 //!
 //! `hooks` suite: per hook, on 4 x Linear(1024, 1024) (the hook called directly on one
 //! 16.8 MB bucket), ResNet-50, BERT-base and GPT-2 small (through the reducer with default
-//! buckets, synthetic gradients; `--quick`: 4 x Linear only): the hook time per step (from the first bucket's launch to the
-//! last bucket's result, on 2 ranks with one CPU thread each), the bytes each rank sends,
-//! the compression ratio, and the step time at 1, 10 and 100 Gbit/s. Link time is
+//! buckets, synthetic gradients; `--quick`: 4 x Linear only): the hook time per step (from
+//! the first bucket's launch to the last bucket's result, on 2 ranks with one CPU thread
+//! each; median over the steps of the slowest rank), the bytes each rank sends, the
+//! compression ratio, and the step time at 1, 10 and 100 Gbit/s. Link time is
 //! **accounted**, not slept: step time = measured hook time + the ring cost of every
-//! recorded collective (no overlap with compute assumed). The all-reduce and the 16-bit
-//! hooks run alternated step by step on the same ranks, and the 16-bit rows give `/ AR`:
-//! the median over the steps of their time over the all-reduce's in the same step (the
-//! goal of issue 16 is at most 1.5), which load drifts between runs do not move. PowerSGD rows also give
-//! `bound_ratio`: hook time over 7 passes of the gradient memory at the read bandwidth
-//! measured in the same run (the fused algorithm's memory traffic); the all-reduce and
-//! 16-bit rows over 2 passes (each rank reads and writes 4 bytes per element in the
-//! fused reduction, `measure::bound_passes`).
+//! recorded collective (no overlap with compute assumed).
+//!
+//! Two alternations per preset (`measure::measure_alternating`: step `i` of every hook
+//! before step `i + 1` of any, on the same ranks, each hook with its own reducer and
+//! memories), so that the machine's bandwidth drifts (up to 1.7x within seconds on a
+//! shared machine) touch the hooks of one alternation alike: the all-reduce and the
+//! 16-bit hooks, and PowerSGD at r = 1, 2, 4. The 16-bit rows give `/ AR`: the median
+//! over the steps of their time over the all-reduce's in the same step (the goal of
+//! issue 16 is at most 1.5).
+//!
+//! Bounds, for PowerSGD (7 passes over the gradient memory, the fused algorithm's
+//! traffic) and the all-reduce and 16-bit hooks (2 passes: each rank reads and writes 4
+//! bytes per element in the fused reduction), `measure::bound_passes`:
+//! - `bound` (JSON `bound_ratio`): the median over the steps of the step's hook time over
+//!   its passes at each rank's share of the shared read bandwidth measured in the same
+//!   step round: at the start of every round the ranks meet at a barrier and each sums
+//!   its own 64 MiB at once, and the share is those bytes over the slowest rank's time
+//!   (`measure/mod.rs`). It is the bound each rank can reach while the others stream too;
+//! - `bound 1t` (`bound_ratio_1t`): the median hook time over the same traffic at the
+//!   one-thread read bandwidth measured once at the start, as if each rank had the memory
+//!   system alone (two ranks at once get only 1.3-1.45x one thread's bandwidth on a
+//!   2-core machine, so this one reads up to that much higher).
+//!
+//! The header gives both references: `read bandwidth: 1 thread X GB/s, 2 threads Y GB/s
+//! total (Z GB/s per rank)`, the 2-thread one the median over the preset's rounds (JSON
+//! per row: `read_gbps_1t`, and `share_gbps`, the median per-rank share of the row's
+//! rounds).
+//!
+//! `ws/LLC` (JSON `working_set_bytes`, `llc_bytes`, `null` where unknown): the bytes one
+//! step streams on all ranks together for the largest bucket (PowerSGD: its gradient and
+//! its error memory, 2 x 2 x 16.8 MB for the direct 4 x Linear bucket; the all-reduce and
+//! 16-bit hooks: the gradient, `measure::working_set_bytes`) over the last-level cache
+//! (Linux: the largest level-3 cache of cpu 0); `*` where it is at most 2: part of the
+//! working set stays cached, and the DRAM bounds do not hold.
+//!
+//! After each preset's rows, a check row (JSON `{"bench":"ddp-hooks/hooks-check",...}`):
+//! PowerSGD's time must not decrease with r beyond noise, `r1/r2 <= 1.1` and
+//! `r2/r4 <= 1.1`, each the median over the alternated steps of the two ranks' times in
+//! the same step; it prints `ok` or `NOT monotonic` (a report, not a failure: benchmarks
+//! are not timed tests).
 //!
 //! `accum` suite: k = 4 micro-steps of 4 x Linear(1024, 1024) with a real forward and
 //! backward pass (batch 32, `gemm`), synchronising only the last micro-step (`accumulate`)
@@ -26,8 +59,9 @@
 //! the thread backend's 16-bit loops too: `LOWRANK_CPU_CAPABILITY`; `--no-bias` drops the preset's 1-D
 //! parameters), the two settings alternated step by step
 //! so that load drifts touch both alike; the hook time per step (median, slowest rank),
-//! its ratio to the memory bound as in the `hooks` suite, and the time of the first
-//! compressed step (which allocates the hook's memories).
+//! its ratio to the memory bound at the one-thread read bandwidth (as `bound 1t` of the
+//! `hooks` suite), and the time of the first compressed step (which allocates the hook's
+//! memories).
 //!
 //! Arguments: `hooks`, `accum` (default both) or `batch`, `--quick`, `--json`, `--steps N`
 //! (steps per hook in the `hooks` suite; the median is reported).
@@ -56,7 +90,7 @@ struct Args {
     isa: Option<String>,
     no_bias: bool,
     /// `--steps N`: steps per hook in the `hooks` suite (default 7, 3 with `--quick`; 15 for
-    /// the alternated all-reduce and 16-bit hooks on the directly called 4 x Linear bucket).
+    /// every hook on the directly called 4 x Linear bucket).
     steps: Option<usize>,
 }
 
@@ -215,8 +249,28 @@ fn batch_suite(a: &Args) {
     }
 }
 
+/// The tolerance of the monotonicity check: PowerSGD at rank r may take at most this
+/// factor of its time at the next rank (per-step medians), within the noise of a step.
+const MONOTONIC_TOLERANCE: f64 = 1.1;
+
+/// `ws/LLC` of a row: its working set over the last-level cache, two decimals, with `*`
+/// where it is cache-resident ([`measure::cache_resident`]); `?` where the cache size is
+/// unknown, empty where the hook has no working set modelled.
+fn ws_cell(ws: Option<usize>, llc: Option<u64>) -> String {
+    match (ws, llc) {
+        (None, _) => String::new(),
+        (Some(_), None) => "?".into(),
+        (Some(ws), Some(llc)) => {
+            let x = ws as f64 / llc as f64;
+            let star = if measure::cache_resident(x) { "*" } else { "" };
+            format!("{x:.2}{star}")
+        }
+    }
+}
+
 fn hooks_suite(a: &Args) {
     let bw = read_bandwidth();
+    let llc = measure::llc_bytes();
     let steps = a.steps.unwrap_or(if a.quick { 3 } else { 7 });
     let mut models = models::presets();
     if a.quick {
@@ -230,25 +284,24 @@ fn hooks_suite(a: &Args) {
         ("powersgd", "powersgd:rank=2,start_iter=2", 2),
         ("powersgd", "powersgd:rank=4,start_iter=2", 4),
     ];
+    let at_rank = |r: usize| {
+        specs
+            .iter()
+            .position(|s| s.0 == "powersgd" && s.2 == r)
+            .expect("the suite has PowerSGD at ranks 1, 2 and 4")
+    };
     if !a.json {
         println!(
-            "read bandwidth (1 thread): {:.1} GB/s; link latency {LATENCY:?}; link time accounted; {} kernels",
-            bw / 1e9,
-            measure::backend().isa().name()
+            "link latency {LATENCY:?}; link time accounted; {} kernels; last-level cache {}",
+            measure::backend().isa().name(),
+            llc.map_or("unknown".into(), |b| format!(
+                "{:.1} MiB",
+                b as f64 / f64::from(1 << 20)
+            ))
         );
         println!(
-            "{:<13} {:<10} {:>4} {:>9} {:>12} {:>8} {:>11} {:>11} {:>11} {:>7} {:>7}",
-            "model",
-            "hook",
-            "rank",
-            "hook ms",
-            "bytes/rank",
-            "ratio",
-            "1G step ms",
-            "10G step ms",
-            "100G ms",
-            "bound",
-            "/ AR"
+            "bound: median over the steps of hook time / (passes x gradient bytes at each rank's share of the {RANKS}-thread read bandwidth of the\n       same step round: all ranks read {} MiB each at once, share = bytes / slowest rank's time); passes: 7 PowerSGD, 2 allreduce and fp16/bf16;\nbound 1t: median hook time / the same traffic at the 1-thread read bandwidth (each rank alone on the memory system);\nws/LLC: bytes one step streams, all ranks (PowerSGD: {RANKS} x (largest bucket + its error memory); allreduce, fp16/bf16: {RANKS} x largest\n       bucket) / last-level cache; * = at most 2: partly or wholly cache-resident, so the DRAM bounds do not hold;\n/ AR: median over the steps of time / allreduce's in the same step; check: PowerSGD's r1/r2 and r2/r4 (medians of per-step ratios)\n       must be <= {MONOTONIC_TOLERANCE} (time non-decreasing in r); all-reduce and 16-bit hooks alternate step by step, PowerSGD r = 1, 2, 4 too",
+            measure::SHARED_READ_BYTES >> 20
         );
     }
     for (model, shapes, direct) in models {
@@ -260,40 +313,89 @@ fn hooks_suite(a: &Args) {
             .map(|(_, spec, _)| spec.parse().expect("spec"))
             .collect();
         // The all-reduce and the 16-bit hooks alternate step by step (their ratio is a
-        // goal, and load drifts between separate runs moved it by up to 1.9x); each
-        // PowerSGD rank runs on its own (its goal is `bound`).
+        // goal, and load drifts between separate runs moved it by up to 1.9x), and so do
+        // the PowerSGD ranks: measured one by one, a bandwidth drift between their runs
+        // put r = 1, 2, 4 in random order. Two alternations, not one: six reducers of
+        // GPT-2 small at once would hold twice the memory.
         let stateless = specs.iter().take_while(|s| s.2 == 0).count();
-        // The directly called 4 x Linear bucket takes about a millisecond a step, and
-        // single slow steps move a median of 7: 15 steps there unless `--steps` says.
+        // The directly called 4 x Linear bucket takes milliseconds a step, and single
+        // slow steps move a median of 7: 15 steps there unless `--steps` says.
         let alt_steps = a
             .steps
             .unwrap_or(if direct { steps.max(15) } else { steps });
         let mut measured =
             measure::measure_alternating(&shapes, &grads, &parsed[..stateless], direct, alt_steps);
-        for spec in &parsed[stateless..] {
-            measured.push(measure::measure(&shapes, &grads, spec, direct, steps));
+        measured.extend(measure::measure_alternating(
+            &shapes,
+            &grads,
+            &parsed[stateless..],
+            direct,
+            alt_steps,
+        ));
+        // The rounds of both alternations, for the header's figure.
+        let shares: Vec<f64> = measured[0]
+            .share_bw
+            .iter()
+            .chain(&measured[stateless].share_bw)
+            .copied()
+            .collect();
+        let rounds = shares.len();
+        let share = measure::median_f64(shares);
+        if !a.json {
+            println!(
+                "read bandwidth: 1 thread {:.1} GB/s, {RANKS} threads {:.1} GB/s total ({:.1} GB/s per rank; {model}: median of {rounds} step rounds)",
+                bw / 1e9,
+                RANKS as f64 * share / 1e9,
+                share / 1e9
+            );
+            println!(
+                "{:<13} {:<10} {:>4} {:>9} {:>12} {:>8} {:>11} {:>11} {:>11} {:>7} {:>8} {:>7} {:>7}",
+                "model",
+                "hook",
+                "rank",
+                "hook ms",
+                "bytes/rank",
+                "ratio",
+                "1G step ms",
+                "10G step ms",
+                "100G ms",
+                "bound",
+                "bound 1t",
+                "ws/LLC",
+                "/ AR"
+            );
         }
         for (((hook, _, r), spec), m) in specs.iter().zip(&parsed).zip(&measured) {
             let sent = m.bytes_sent();
             let ratio = grad_bytes as f64 / sent.max(1) as f64;
             let hook_ms = m.median().as_secs_f64() * 1e3;
             let at = |gbit: f64| hook_ms + m.link_time(gbit).as_secs_f64() * 1e3;
-            let bound = measure::bound_passes(spec)
-                .map(|passes| hook_ms / (passes * grad_bytes as f64 / bw * 1e3));
+            let passes = measure::bound_passes(spec);
+            let bound = passes.map(|p| m.bound_ratio(p, grad_bytes));
+            let bound_1t = passes.map(|p| m.bound_ratio_1t(p, grad_bytes, bw));
+            let ws = measure::working_set_bytes(spec, m.largest_bucket_bytes(&shapes));
             // Step by step against the all-reduce it alternated with.
             let vs = (*r == 0 && *hook != "allreduce").then(|| m.ratio_to(&measured[0]));
             if a.json {
                 println!(
-                    "{{\"bench\":\"ddp-hooks/hooks\",\"hook\":\"{hook}\",\"model\":\"{model}\",\"rank\":{r},\"ranks\":{RANKS},\"hook_ms\":{hook_ms:.3},\"bytes_sent\":{sent},\"compression_ratio\":{ratio:.2},\"step_ms_1gbit\":{:.3},\"step_ms_10gbit\":{:.3},\"step_ms_100gbit\":{:.3},\"link\":\"accounted\"{}{}}}",
+                    "{{\"bench\":\"ddp-hooks/hooks\",\"hook\":\"{hook}\",\"model\":\"{model}\",\"rank\":{r},\"ranks\":{RANKS},\"hook_ms\":{hook_ms:.3},\"bytes_sent\":{sent},\"compression_ratio\":{ratio:.2},\"step_ms_1gbit\":{:.3},\"step_ms_10gbit\":{:.3},\"step_ms_100gbit\":{:.3},\"link\":\"accounted\",\"read_gbps_1t\":{:.3},\"share_gbps\":{:.3},\"llc_bytes\":{}{}{}{}{}}}",
                     at(1.0),
                     at(10.0),
                     at(100.0),
+                    bw / 1e9,
+                    m.share_bandwidth() / 1e9,
+                    llc.map_or("null".into(), |b| b.to_string()),
                     bound.map(|b| format!(",\"bound_ratio\":{b:.3}")).unwrap_or_default(),
+                    bound_1t
+                        .map(|b| format!(",\"bound_ratio_1t\":{b:.3}"))
+                        .unwrap_or_default(),
+                    ws.map(|w| format!(",\"working_set_bytes\":{w}"))
+                        .unwrap_or_default(),
                     vs.map(|v| format!(",\"vs_allreduce\":{v:.3}")).unwrap_or_default()
                 );
             } else {
                 println!(
-                    "{:<13} {:<10} {:>4} {:>9.2} {:>12} {:>7.1}x {:>11.1} {:>11.1} {:>11.2} {:>7} {:>7}",
+                    "{:<13} {:<10} {:>4} {:>9.2} {:>12} {:>7.1}x {:>11.1} {:>11.1} {:>11.2} {:>7} {:>8} {:>7} {:>7}",
                     model,
                     hook,
                     if *r > 0 { r.to_string() } else { "-".into() },
@@ -304,9 +406,30 @@ fn hooks_suite(a: &Args) {
                     at(10.0),
                     at(100.0),
                     bound.map(|b| format!("{b:.2}x")).unwrap_or_default(),
+                    bound_1t.map(|b| format!("{b:.2}x")).unwrap_or_default(),
+                    ws_cell(ws, llc),
                     vs.map(|v| format!("{v:.2}x")).unwrap_or_default()
                 );
             }
+        }
+        // PowerSGD's time must not fall as r grows (more work per matrix at every r):
+        // per-step ratios of the alternated steps, which a drift moves alike.
+        let (m1, m2, m4) = (
+            &measured[at_rank(1)],
+            &measured[at_rank(2)],
+            &measured[at_rank(4)],
+        );
+        let (r12, r24) = (m1.ratio_to(m2), m2.ratio_to(m4));
+        let monotonic = r12 <= MONOTONIC_TOLERANCE && r24 <= MONOTONIC_TOLERANCE;
+        if a.json {
+            println!(
+                "{{\"bench\":\"ddp-hooks/hooks-check\",\"model\":\"{model}\",\"r1_over_r2\":{r12:.3},\"r2_over_r4\":{r24:.3},\"tolerance\":{MONOTONIC_TOLERANCE},\"monotonic\":{monotonic}}}"
+            );
+        } else {
+            println!(
+                "check {model}: r1/r2 {r12:.2}x, r2/r4 {r24:.2}x: {}",
+                if monotonic { "ok" } else { "NOT monotonic" }
+            );
         }
     }
 }

@@ -12,9 +12,21 @@
 //!   same step, a ratio that load drifts on a shared machine do not move;
 //! - the gradient throughput (gradient bytes per rank over the hook time), the payload
 //!   bytes each rank sends per step and the compression ratio (gradient bytes over them);
-//! - `bound_ratio`: the hook time over its memory traffic at the single-thread read
-//!   bandwidth measured at the start: 7 passes of the gradient memory for PowerSGD, 2 for
-//!   the all-reduce and the 16-bit hooks (`measure::bound_passes`);
+//! - the bounds, against the hook's memory traffic: 7 passes of the gradient memory for
+//!   PowerSGD, 2 for the all-reduce and the 16-bit hooks (`measure::bound_passes`).
+//!   `bound_ratio`: the median over the steps of the step's hook time over that traffic at
+//!   each rank's share of the shared read bandwidth of the same step round (every round
+//!   of `measure::measure_alternating` starts with all ranks reading 64 MiB each at once,
+//!   after a barrier; the share is those bytes over the slowest rank's time), so each step
+//!   is judged against the bandwidth the ranks got seconds from it, while reading
+//!   together; `share_gbps`: the median of those shares. `bound_ratio_1t`: the median hook
+//!   time over the same traffic at the one-thread read bandwidth measured at the start
+//!   (`read_gbps` of the machine line), as if each rank had the memory system alone;
+//! - `working_set_bytes`: what one step streams on all ranks for the largest bucket
+//!   (PowerSGD: gradient and error memory; the all-reduce and 16-bit hooks: the gradient;
+//!   `measure::working_set_bytes`), and `llc_bytes`, the last-level cache (`null` where
+//!   unknown): where the working set is at most twice the cache, part of it stays cached
+//!   and the DRAM bounds do not hold;
 //! - per link speed (1, 10, 100 and 400 Gbit/s), from the step-time model of
 //!   `measure/overlap.rs` on the link model of `collectives::link` (20 us per message,
 //!   ring costs at `--ranks N` ranks, default 2): the **communication-only** time (hook
@@ -32,7 +44,7 @@
 //!   from 0.001 to 10^6 Gbit/s.
 //!
 //! Output, one JSON object per line: `{"kind":"machine",...}` (CPU, cores, instruction
-//! set, read bandwidth), `{"kind":"plan","rows":N}`, then `{"kind":"start",...}`
+//! set, one-thread read bandwidth, last-level cache), `{"kind":"plan","rows":N}`, then `{"kind":"start",...}`
 //! before each measurement (one for the three alternated hooks) and `{"kind":"row",...}`
 //! per row after.
 //!
@@ -256,6 +268,7 @@ fn main() {
     }
     let link_ranks = a.ranks.unwrap_or(RANKS);
     let bw = measure::read_bandwidth();
+    let llc = measure::llc_bytes();
     let isa = measure::backend().isa();
     emit(json!({
         "kind": "machine",
@@ -263,6 +276,7 @@ fn main() {
         "cores": std::thread::available_parallelism().map_or(1, |n| n.get()),
         "isa": isa.name(),
         "read_gbps": round(bw / 1e9, 2),
+        "llc_bytes": llc,
         "ranks": RANKS,
         "link_ranks": link_ranks,
         "backward_ms": a.backward_ms,
@@ -319,8 +333,10 @@ fn main() {
                 }
             }
             let base_profile = base.get_or_insert_with(|| profile.clone()).clone();
-            let bound = measure::bound_passes(parsed)
-                .map(|passes| hook_ms / (passes * grad_bytes as f64 / bw * 1e3));
+            let passes = measure::bound_passes(parsed);
+            let bound = passes.map(|p| m.bound_ratio(p, grad_bytes));
+            let bound_1t = passes.map(|p| m.bound_ratio_1t(p, grad_bytes, bw));
+            let ws = measure::working_set_bytes(parsed, m.largest_bucket_bytes(&shapes));
             let row = json!({
                 "kind": "row",
                 "model": model,
@@ -337,6 +353,10 @@ fn main() {
                 "bytes_sent": sent,
                 "compression_ratio": round(grad_bytes as f64 / sent.max(1) as f64, 3),
                 "bound_ratio": bound.map(|b| round(b, 3)),
+                "bound_ratio_1t": bound_1t.map(|b| round(b, 3)),
+                "share_gbps": round(m.share_bandwidth() / 1e9, 3),
+                "working_set_bytes": ws,
+                "llc_bytes": llc,
                 "vs_allreduce": vs_allreduce,
             });
             emit(with(
@@ -371,6 +391,9 @@ fn main() {
                         "bytes_sent": sent / period as usize,
                         "compression_ratio": round(p * grad_bytes as f64 / sent.max(1) as f64, 3),
                         "bound_ratio": null,
+                        "bound_ratio_1t": null,
+                        "working_set_bytes": null,
+                        "llc_bytes": llc,
                         "vs_allreduce": round(1.0 / p, 3),
                     });
                     emit(with(

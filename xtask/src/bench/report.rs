@@ -139,6 +139,22 @@ fn bytes(b: f64) -> String {
     format!("{v:.1} {unit}")
 }
 
+/// The `ws/LLC` cell of a row: its working set over the last-level cache, with `*` where
+/// it is at most 2 as printed (part of it stays cached); `-` where either is unknown.
+fn ws_over_llc(r: &Row) -> String {
+    let x = r.num("working_set_bytes") / r.num("llc_bytes");
+    if !x.is_finite() {
+        return "-".into();
+    }
+    // As the bench flags it: to the two decimals shown.
+    let star = if (x * 100.0).round() <= 200.0 {
+        "*"
+    } else {
+        ""
+    };
+    format!("{x:.2}{star}")
+}
+
 /// A millisecond figure with three significant digits or so.
 fn ms(x: f64) -> String {
     if x >= 100.0 {
@@ -255,13 +271,26 @@ pub fn table(machine: &Machine, rows: &[Row], notes: &[String]) -> String {
         .max(19);
     let _ = writeln!(
         t,
-        "{:<wm$} {:<wh$} {:>20} {:>7} {:>10} {:>8} {:>6} {:>6}",
-        "model", "hook", "hook ms (min-max)", "GB/s", "sent/rank", "ratio", "bound", "/ AR"
+        "{:<wm$} {:<wh$} {:>20} {:>7} {:>10} {:>8} {:>6} {:>6} {:>7} {:>6}",
+        "model",
+        "hook",
+        "hook ms (min-max)",
+        "GB/s",
+        "sent/rank",
+        "ratio",
+        "bound",
+        "1t",
+        "ws/LLC",
+        "/ AR"
     );
     for r in rows {
-        let bound = r.0["bound_ratio"]
-            .as_f64()
-            .map_or("-".to_string(), |b| format!("{b:.2}x"));
+        let times = |key: &str| {
+            r.field(key)
+                .as_f64()
+                .map_or("-".to_string(), |b| format!("{b:.2}x"))
+        };
+        let (bound, bound_1t) = (times("bound_ratio"), times("bound_ratio_1t"));
+        let ws = ws_over_llc(r);
         let vs = r.0["vs_allreduce"]
             .as_f64()
             .map_or("-".to_string(), |v| format!("{v:.2}x"));
@@ -277,7 +306,7 @@ pub fn table(machine: &Machine, rows: &[Row], notes: &[String]) -> String {
         };
         let _ = writeln!(
             t,
-            "{:<wm$} {:<wh$} {:>20} {:>7} {:>10} {:>7.0}x {:>6} {:>6}",
+            "{:<wm$} {:<wh$} {:>20} {:>7} {:>10} {:>7.0}x {:>6} {:>6} {:>7} {:>6}",
             r.str("model"),
             r.label(),
             hook,
@@ -285,6 +314,8 @@ pub fn table(machine: &Machine, rows: &[Row], notes: &[String]) -> String {
             bytes(r.num("bytes_sent")),
             r.num("compression_ratio"),
             bound,
+            bound_1t,
+            ws,
             vs
         );
     }
@@ -312,7 +343,23 @@ pub fn table(machine: &Machine, rows: &[Row], notes: &[String]) -> String {
     );
     let _ = writeln!(
         t,
-        "bound: hook time / its memory traffic at the read bandwidth: 7 passes over the gradient for PowerSGD, 2 for allreduce and fp16/bf16 (1.00x = memory-bound);"
+        "bound: median over the steps of hook time / its memory traffic (7 passes over the gradient for PowerSGD, 2 for allreduce and fp16/bf16)"
+    );
+    let _ = writeln!(
+        t,
+        "       at each rank's share of the read bandwidth all ranks got reading at once in the same step round (1.00x = memory-bound);"
+    );
+    let _ = writeln!(
+        t,
+        "1t: median hook time / the same traffic at the 1-thread read bandwidth (each rank alone on the memory system);"
+    );
+    let _ = writeln!(
+        t,
+        "ws/LLC: bytes one step streams on all ranks for the largest bucket (PowerSGD: gradient + error memory) / last-level cache;"
+    );
+    let _ = writeln!(
+        t,
+        "        * = at most 2: partly or wholly cache-resident, so the DRAM bounds do not hold;"
     );
     let _ = writeln!(
         t,
@@ -372,6 +419,20 @@ mod tests {
         assert_eq!(break_even(&r, Some(&base), "comm_only", None), "always");
         let (r, _) = row("fp16", 9.0, 150.0, Some(&bp), None);
         assert_eq!(break_even(&r, Some(&base), "comm_only", None), "never");
+    }
+
+    /// `ws/LLC` flags a working set of at most twice the cache as printed (4 x Linear's
+    /// 67.2 MB on 32 MiB is 2.002), and a GPU row shows none of the CPU's.
+    #[test]
+    fn ws_over_llc_column() {
+        let r = |ws: u64, device: Option<&str>| {
+            Row(json!({"working_set_bytes": ws, "llc_bytes": 32u64 << 20, "device": device}))
+        };
+        assert_eq!(ws_over_llc(&r(67_174_400, None)), "2.00*");
+        assert_eq!(ws_over_llc(&r(16_793_600, None)), "0.50*");
+        assert_eq!(ws_over_llc(&r(880_000_000, None)), "26.23");
+        assert_eq!(ws_over_llc(&r(67_174_400, Some("NVIDIA H200"))), "-");
+        assert_eq!(ws_over_llc(&Row(json!({"working_set_bytes": 1}))), "-");
     }
 
     /// Without --backward-ms the table says its figures are communication-only and has

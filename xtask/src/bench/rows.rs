@@ -8,7 +8,7 @@ use serde_json::Value;
 pub const SPEEDS: [&str; 4] = ["1", "10", "100", "400"];
 
 /// The fields of `report.jsonl`, in order.
-pub const FIELDS: [&str; 21] = [
+pub const FIELDS: [&str; 25] = [
     "model",
     "hook",
     "rank",
@@ -21,6 +21,10 @@ pub const FIELDS: [&str; 21] = [
     "bytes_sent",
     "compression_ratio",
     "bound_ratio",
+    "bound_ratio_1t",
+    "share_gbps",
+    "working_set_bytes",
+    "llc_bytes",
     "vs_allreduce",
     "base",
     "comm_only_ms_at",
@@ -30,6 +34,15 @@ pub const FIELDS: [&str; 21] = [
     "step_ms_at",
     "step_speedup_at",
     "step_break_even_gbit",
+];
+
+/// The fields of a CPU measurement that a GPU row (one with a `device`, built from a CPU
+/// row by `gpu.rs`) does not share: the CPU's bandwidth references and cache.
+const CPU_ONLY: [&str; 4] = [
+    "bound_ratio_1t",
+    "share_gbps",
+    "working_set_bytes",
+    "llc_bytes",
 ];
 
 /// One measured row, as the benchmark printed it.
@@ -43,7 +56,16 @@ impl Row {
 
     /// A number field (NaN where absent or `null`).
     pub fn num(&self, key: &str) -> f64 {
-        self.0[key].as_f64().unwrap_or(f64::NAN)
+        self.field(key).as_f64().unwrap_or(f64::NAN)
+    }
+
+    /// A field, `null` for the CPU-only ones ([`CPU_ONLY`]) of a GPU row: it carries
+    /// them over from the CPU row it was made from, and they do not describe the GPU.
+    pub fn field(&self, key: &str) -> Value {
+        if CPU_ONLY.contains(&key) && !self.0["device"].is_null() {
+            return Value::Null;
+        }
+        self.0[key].clone()
     }
 
     /// The entry of an object keyed by link speed.
@@ -92,7 +114,8 @@ impl Row {
     }
 
     /// The object written to `report.jsonl`: exactly [`FIELDS`], in that order (the
-    /// fields a row lacks as `null`; `label` always, `base` defaulting to `allreduce`).
+    /// fields a row lacks as `null`, as the CPU-only ones of a GPU row; `label` always,
+    /// `base` defaulting to `allreduce`).
     pub(super) fn jsonl(&self) -> String {
         let fields: Vec<String> = FIELDS
             .iter()
@@ -100,7 +123,7 @@ impl Row {
                 let v = match *k {
                     "label" => Value::from(self.label()),
                     "base" => Value::from(self.base()),
-                    _ => self.0[*k].clone(),
+                    _ => self.field(k),
                 };
                 format!("{}:{v}", Value::from(*k))
             })
@@ -113,11 +136,16 @@ impl Row {
 pub struct Machine(pub Value);
 
 impl Machine {
-    /// One line naming the machine: CPU, cores, instruction set, read bandwidth.
+    /// One line naming the machine: CPU, cores, instruction set, one-thread read
+    /// bandwidth, last-level cache (where the benchmark found one).
     pub fn describe(&self) -> String {
         let m = &self.0;
+        let llc = m["llc_bytes"]
+            .as_f64()
+            .map(|b| format!(" | last-level cache {:.1} MiB", b / f64::from(1 << 20)))
+            .unwrap_or_default();
         format!(
-            "{} | {} cores | {} kernels | read bandwidth {} GB/s (1 thread)",
+            "{} | {} cores | {} kernels | read bandwidth {} GB/s (1 thread){llc}",
             m["cpu"].as_str().unwrap_or("unknown CPU"),
             m["cores"],
             m["isa"].as_str().unwrap_or("?"),
