@@ -970,11 +970,6 @@ fn results_do_not_depend_on_thread_count() {
     }
 }
 
-/// Ranks of 2, 4 and more take the chunked `M Q` kernel (columns in chunks that keep `Q` in
-/// L1, rows in blocks): shapes with several chunks, ragged columns, row blocks with a
-/// remainder, and a rank past one register tile. Each must match the f64 reference, the
-/// fused `add_mq` must give exactly what `mq` gives on `g + e`, and no result may depend
-/// on the thread count.
 /// `Mᵀ P` over several column panels and row blocks (4096 columns a panel, 128 KiB a
 /// block), odd ranks that take several column tiles, and `M̂ = P Qᵀ` with the error update
 /// over two-row tiles and a leftover row: each against the f64 reference, and the same
@@ -1023,6 +1018,11 @@ fn blocked_mtp_and_pqt_match_the_reference_and_every_thread_count() {
     }
 }
 
+/// Wide `Q`s (more than 16 KiB) take the chunked `M Q` kernel (columns in chunks that keep `Q` in
+/// L1, rows in blocks): shapes with several chunks, ragged columns, row blocks with a
+/// remainder, and a rank past one register tile. Each must match the f64 reference, the
+/// fused `add_mq` must give exactly what `mq` gives on `g + e`, and no result may depend
+/// on the thread count.
 #[test]
 fn chunked_mq_matches_the_reference_the_fused_path_and_every_thread_count() {
     for &(batch, n, m, r) in &[
