@@ -68,6 +68,58 @@ fn tile_width(lanes: usize, rem: usize) -> usize {
     }
 }
 
+/// One vector of every row of a tile, at column `jj`, into accumulator `u` (see
+/// [`mq_span`], whose guarantees it takes).
+#[allow(clippy::needless_range_loop, clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn mq_step<S: Simd, const RB: usize, const KT: usize, const U: usize, const FUSE: bool>(
+    a: &Mat,
+    i0: usize,
+    k0: usize,
+    regs: &mut [[[S::V; U]; KT]; RB],
+    jj: usize,
+    u: usize,
+    q: *const f32,
+    ahead: Ahead,
+    span_start: usize,
+) {
+    let (cols, lanes) = (a.cols, S::LANES);
+    // SAFETY: as in `mq_span`: rows i0..i0+RB, the vector at jj inside the span, Q packed
+    // over it; prefetch addresses are formed with `wrapping_add` and never fault.
+    unsafe {
+        let row = |ii: usize| a.m.add((i0 + ii) * cols);
+        let mut x = [S::zero(); RB];
+        for ii in 0..RB {
+            if let Ahead::Next(base) = ahead {
+                let at = base + ii * cols + (jj - span_start);
+                S::prefetch(a.m.wrapping_add(at));
+                if FUSE {
+                    S::prefetch(a.e.wrapping_add(at));
+                }
+            }
+            let mut v = S::load(row(ii).add(jj));
+            if FUSE {
+                v = S::add(v, S::load(a.e.add((i0 + ii) * cols + jj)));
+            }
+            x[ii] = v;
+        }
+        // The stores after every load of the step: at widths of 1024 floats and
+        // multiples, row ii + 1 lies a multiple of 4 KiB after row ii, and a load issued
+        // after a store to the same address bits 0..11 waits for it.
+        if FUSE {
+            for ii in 0..RB {
+                S::store(row(ii).add(jj), x[ii]);
+            }
+        }
+        for k in 0..KT {
+            let qk = S::load(q.add((jj / lanes * a.r + k0 + k) * lanes));
+            for ii in 0..RB {
+                regs[ii][k][u] = S::fma(x[ii], qk, regs[ii][k][u]);
+            }
+        }
+    }
+}
+
 /// The vector part of one tile over the whole vectors `span` of `RB` rows at `i0` and the
 /// columns `k0..k0+KT` of `P`: `acc` (`RB x KT x U` vectors) is loaded, advanced and
 /// stored. `q` points at `Q`'s vectors, packed (`q[(v * r + k) * lanes]`, from
@@ -84,7 +136,6 @@ unsafe fn mq_span<S: Simd, const RB: usize, const KT: usize, const U: usize, con
     q: *const f32,
     ahead: Ahead,
 ) {
-    let cols = a.cols;
     let lanes = S::LANES;
     // SAFETY: the caller guarantees rows i0..i0+RB < n, columns k0..k0+KT <= r, `span`
     // whole vectors inside 0..cols starting at a multiple of U vectors, `acc` valid for
@@ -92,18 +143,6 @@ unsafe fn mq_span<S: Simd, const RB: usize, const KT: usize, const U: usize, con
     // addresses are formed with `wrapping_add` (they may lie past the buffers) and a
     // prefetch never faults.
     unsafe {
-        let fetch = |ii: usize, jj: usize| {
-            if let Ahead::Next(base) = ahead {
-                let at = base + ii * cols + (jj - span.start);
-                S::prefetch(a.m.wrapping_add(at));
-                if FUSE {
-                    S::prefetch(a.e.wrapping_add(at));
-                }
-            }
-        };
-        let row = |ii: usize| a.m.add((i0 + ii) * cols);
-        let erow = |ii: usize| a.e.add((i0 + ii) * cols);
-        let qv = |k: usize, j: usize| q.add((j / lanes * a.r + k0 + k) * lanes);
         let slot = |ii: usize, k: usize, u: usize| acc.add((ii * KT + k) * U + u);
         let mut regs = [[[S::zero(); U]; KT]; RB];
         for ii in 0..RB {
@@ -116,30 +155,17 @@ unsafe fn mq_span<S: Simd, const RB: usize, const KT: usize, const U: usize, con
         let mut j = span.start;
         while j + U * lanes <= span.end {
             for u in 0..U {
-                let jj = j + u * lanes;
-                let mut x = [S::zero(); RB];
-                for ii in 0..RB {
-                    fetch(ii, jj);
-                    let mut v = S::load(row(ii).add(jj));
-                    if FUSE {
-                        v = S::add(v, S::load(erow(ii).add(jj)));
-                    }
-                    x[ii] = v;
-                }
-                // The stores after every load of the step: at widths of 1024 floats and
-                // multiples, row ii + 1 lies a multiple of 4 KiB after row ii, and a load
-                // issued after a store to the same address bits 0..11 waits for it.
-                if FUSE {
-                    for ii in 0..RB {
-                        S::store(row(ii).add(jj), x[ii]);
-                    }
-                }
-                for k in 0..KT {
-                    let qk = S::load(qv(k, jj));
-                    for ii in 0..RB {
-                        regs[ii][k][u] = S::fma(x[ii], qk, regs[ii][k][u]);
-                    }
-                }
+                mq_step::<S, RB, KT, U, FUSE>(
+                    a,
+                    i0,
+                    k0,
+                    &mut regs,
+                    j + u * lanes,
+                    u,
+                    q,
+                    ahead,
+                    span.start,
+                );
             }
             j += U * lanes;
         }
@@ -147,26 +173,7 @@ unsafe fn mq_span<S: Simd, const RB: usize, const KT: usize, const U: usize, con
         // takes vector v = u (mod U).
         let mut u = 0;
         while j + lanes <= span.end {
-            let mut x = [S::zero(); RB];
-            for ii in 0..RB {
-                fetch(ii, j);
-                let mut v = S::load(row(ii).add(j));
-                if FUSE {
-                    v = S::add(v, S::load(erow(ii).add(j)));
-                }
-                x[ii] = v;
-            }
-            if FUSE {
-                for ii in 0..RB {
-                    S::store(row(ii).add(j), x[ii]);
-                }
-            }
-            for k in 0..KT {
-                let qk = S::load(qv(k, j));
-                for ii in 0..RB {
-                    regs[ii][k][u] = S::fma(x[ii], qk, regs[ii][k][u]);
-                }
-            }
+            mq_step::<S, RB, KT, U, FUSE>(a, i0, k0, &mut regs, j, u, q, ahead, span.start);
             j += lanes;
             u += 1;
         }
