@@ -54,6 +54,20 @@ enum Ahead {
     Next(usize),
 }
 
+/// Runs the local macro `$go!(KT, U)` for a column tile `kt` wide, with the accumulators
+/// a column [`tile`] gives it: the one table of constant tile shapes, shared by the spans
+/// and the finish (they walk the accumulators in the same order).
+macro_rules! with_tile {
+    ($kt:expr, $go:ident) => {
+        match $kt {
+            8 => $go!(8, 1),
+            4 => $go!(4, 1),
+            2 => $go!(2, 2),
+            _ => $go!(1, 2),
+        }
+    };
+}
+
 /// The widest column tile (8, 4, 2, 1; at most 4 with 8 lanes) that fits the `rem`
 /// columns left.
 fn tile_width(lanes: usize, rem: usize) -> usize {
@@ -329,12 +343,7 @@ unsafe fn mq_group<S: Simd, const RB: usize, const FUSE: bool>(
                 }};
             }
             // The accumulators a column, as `tile` gives them.
-            match (kt, S::LANES) {
-                (8, _) => go!(8, 1),
-                (4, _) => go!(4, 1),
-                (2, _) => go!(2, 2),
-                _ => go!(1, 2),
-            }
+            with_tile!(kt, go);
             k0 += kt;
         }
     }
@@ -358,6 +367,7 @@ unsafe fn mq_group_finish<S: Simd, const RB: usize, const FUSE: bool>(
             let fuse = FUSE && k0 == 0;
             macro_rules! go {
                 ($kt:literal, $u:literal) => {{
+                    debug_assert_eq!(tile(S::LANES, $kt).1, $u);
                     if fuse {
                         mq_finish::<S, RB, $kt, $u, true>(a, i0, k0, vec_end, slot)
                     } else {
@@ -366,12 +376,7 @@ unsafe fn mq_group_finish<S: Simd, const RB: usize, const FUSE: bool>(
                     slot = slot.add(RB * $kt * $u);
                 }};
             }
-            match (kt, S::LANES) {
-                (8, _) => go!(8, 1),
-                (4, _) => go!(4, 1),
-                (2, _) => go!(2, 2),
-                _ => go!(1, 2),
-            }
+            with_tile!(kt, go);
             k0 += kt;
         }
     }
