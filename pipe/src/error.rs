@@ -307,6 +307,15 @@ pub enum Error {
         /// The device.
         device: Device,
     },
+    /// No CUDA device can be used here (feature `cuda`): the driver, cuBLAS or NVRTC
+    /// library did not load, the driver found no device, or the ordinal is not one. Tests
+    /// take this as "skip".
+    #[error("CUDA is unavailable: {0}")]
+    CudaUnavailable(String),
+    /// A CUDA driver, cuBLAS or NVRTC call failed (feature `cuda`); the message names the
+    /// call and the status.
+    #[error("CUDA: {0}")]
+    Cuda(String),
 
     /// A layer, the loss or a callback returned an error during a run.
     #[error("{site}: {source}")]

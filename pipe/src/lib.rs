@@ -104,6 +104,8 @@ pub mod burn;
 #[cfg(feature = "candle")]
 pub mod candle;
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod error;
 mod executor;
 mod frame;

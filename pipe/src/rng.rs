@@ -43,6 +43,12 @@ impl Stream {
         Stream { key }
     }
 
+    /// The stream's 64-bit key, for kernels that draw the same numbers on a device.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn key(&self) -> u64 {
+        self.key
+    }
+
     /// The sub-stream of one sample, by its global index in the mini-batch.
     pub fn sample(&self, sample: u64) -> SampleStream {
         SampleStream {
