@@ -25,7 +25,7 @@ fn gpu(test: &str) -> Option<(Arc<Gpu>, MutexGuard<'static, ()>)> {
     match Gpu::new(0) {
         Ok(gpu) => Some((gpu, turn)),
         Err(Error::CudaUnavailable(why)) => {
-            println!("skipped: {test}: no CUDA device ({why})");
+            println!("skipped: no CUDA device ({test}: {why})");
             None
         }
         Err(e) => panic!("{test}: opening cuda:0 failed: {e}"),

@@ -27,6 +27,8 @@ const WANTED: &[(&str, &str, &str)] = &[
     ("test", "threads_cuda", "collectives-threads-cuda-test"),
     ("bench", "cuda_hooks", "ddp-hooks-cuda-hooks-bench"),
     ("bench", "report", "ddp-hooks-report-bench"),
+    ("test", "cuda_pipe", "pipe-cuda-test"),
+    ("bench", "cuda_pipe", "pipe-cuda-bench"),
 ];
 
 const RUN_SH: &str = include_str!("gpu_check_run.sh");
@@ -89,8 +91,10 @@ fn build() -> Result<Vec<(String, String, PathBuf)>, Failure> {
         "ddp-hooks",
         "-p",
         "collectives",
+        "-p",
+        "pipe",
         "--features",
-        "lowrank/cuda,ddp-hooks/cuda,collectives/cuda",
+        "lowrank/cuda,ddp-hooks/cuda,collectives/cuda,pipe/cuda",
         "--test",
         "nccl",
         "--test",
@@ -105,6 +109,10 @@ fn build() -> Result<Vec<(String, String, PathBuf)>, Failure> {
         "cuda_hooks",
         "--bench",
         "report",
+        "--test",
+        "cuda_pipe",
+        "--bench",
+        "cuda_pipe",
         "--message-format=json-render-diagnostics",
     ])
     .stderr(Stdio::inherit())

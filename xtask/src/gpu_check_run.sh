@@ -67,8 +67,8 @@ run_logged() {
 }
 
 # 3. The CUDA tests (every primitive against the CPU result), then the benchmarks.
-tests_rc=1 hooks_rc=1 nccl_rc=1 bench_rc=1 cuda_hooks_rc=1 report_rc=1
-for f in tests hooks nccl bench cuda_hooks pytorch; do : >"$out/$f.log"; done
+tests_rc=1 hooks_rc=1 nccl_rc=1 bench_rc=1 cuda_hooks_rc=1 report_rc=1 pipe_rc=1 pipe_bench_rc=1
+for f in tests hooks nccl bench cuda_hooks pytorch pipe pipe_bench; do : >"$out/$f.log"; done
 rm -f "$out/cuda_hooks.jsonl" "$out/pytorch_hooks.jsonl" "$out/report.jsonl" "$out/report.err"
 if [ "$starts" -eq 1 ]; then
   run_logged "$limit" "$out/tests.log" "$here/lowrank-primitives-test" cuda --nocapture --test-threads 1
@@ -81,12 +81,19 @@ if [ "$starts" -eq 1 ]; then
   [ "$rc" -eq 0 ] || nccl_rc=1
   run_logged "$limit" "$out/bench.log" "$here/lowrank-cuda-bench"
   bench_rc=$rc
+  # Partitions on the GPU (pipe::cuda): the device suite (layers against the CPU, two
+  # streams bit for bit against one, memory by checkpoint mode, the race and poison
+  # tests), then the step and overhead bench.
+  run_logged "$limit" "$out/pipe.log" "$here/pipe-cuda-test" --show-output --test-threads 1
+  pipe_rc=$rc
+  run_logged "$limit" "$out/pipe_bench.log" "$here/pipe-cuda-bench"
+  pipe_bench_rc=$rc
   # 4. PowerSGD through the reducer on NCCL: device path, staged path, HBM bound
   #    (writes $out/cuda_hooks.jsonl).
   OUT=$out run_logged "$limit" "$out/cuda_hooks.log" "$here/ddp-hooks-cuda-hooks-bench"
   cuda_hooks_rc=$rc
 fi
-for r in "$tests_rc" "$hooks_rc" "$nccl_rc" "$bench_rc" "$cuda_hooks_rc"; do
+for r in "$tests_rc" "$hooks_rc" "$nccl_rc" "$bench_rc" "$cuda_hooks_rc" "$pipe_rc" "$pipe_bench_rc"; do
   [ "$r" -eq 0 ] || status=1
 done
 
@@ -208,7 +215,7 @@ if [ "${GPU_CHECK_SANITIZE:-0}" = 1 ] && [ "$starts" -eq 1 ]; then
   else
     : >"$out/sanitize.log"
     san_rc=0
-    for t in "lowrank-primitives-test cuda" "ddp-hooks-cuda-test"; do
+    for t in "lowrank-primitives-test cuda" "ddp-hooks-cuda-test" "pipe-cuda-test"; do
       set -- $t
       # NCCL probes its kernels with cudaFuncGetAttributes and gets "no kernel image" for
       # architectures it was not built for: API errors it handles itself, not ours (our
@@ -257,5 +264,10 @@ fi
 
 ok() { if [ "$1" -eq 0 ]; then echo "$2"; else echo "$3"; fi; }
 count() { local n; n=$(grep -c "$1" "$2" 2>/dev/null); echo "${n:-0}"; }
+# pipe::cuda, a line per check: each test's result, then the bench's figure lines.
+grep -E '^test .* \.\.\. (ok|FAILED)$' "$out/pipe.log" | sed 's/^test /pipe-cuda test: /' | tee -a "$log"
+grep -E '^(  (always|except_last|never) )' "$out/pipe.log" | sed 's/^  /pipe-cuda memory: /' | tee -a "$log"
+grep '^pipe-cuda:' "$out/pipe_bench.log" | tee -a "$log"
+say "summary: pipe CUDA tests $(ok "$pipe_rc" passed FAILED) ($(grep -c ' ok$' "$out/pipe.log") ok, $(grep -c '^skipped' "$out/pipe.log") skipped); pipe CUDA bench $(ok "$pipe_bench_rc" ran FAILED)$(grep -q '^skipped' "$out/pipe_bench.log" && echo ' (skipped)')"
 say "summary: lowrank tests $(ok "$tests_rc" passed FAILED) ($(grep -c ': ok$' "$out/tests.log") CUDA checks ok, $(grep -c 'skipped' "$out/tests.log") skipped); ddp-hooks CUDA test $(ok "$hooks_rc" passed FAILED) ($(grep -c 'skipped' "$out/hooks.log") skipped); NCCL tests $(ok "$nccl_rc" passed FAILED) ($(grep -c 'skipped' "$out/nccl.log") skipped); lowrank bench $(ok "$bench_rc" ran FAILED); cuda_hooks bench $(ok "$cuda_hooks_rc" ran FAILED)$(grep -q '^skipped' "$out/cuda_hooks.log" && echo ' (skipped)'); pytorch reference $(ok "$torch_rc" ran 'did not run')$(grep -q '^pytorch: skipped' "$out/pytorch.log" && echo ' (skipped)'); CPU report $(ok "$report_rc" ran FAILED) ($(count '"kind":"row"' "$out/report.jsonl") rows)$san_note"
 exit $status

@@ -156,6 +156,20 @@ pub fn run(args: &[String]) -> Result<(), Failure> {
         "--",
         "--nocapture",
     ]))?);
+    // Partitions on a GPU (`pipe::cuda`): its unit tests (NVRTC compiles the kernels
+    // where libnvrtc is found) and the device suite.
+    gpu_skips.extend(run_counting_skips(cargo(&[
+        "test",
+        "-p",
+        "pipe",
+        "--features",
+        "cuda",
+        "--lib",
+        "--test",
+        "cuda_pipe",
+        "--",
+        "--nocapture",
+    ]))?);
     // The embedding features: the candle adapters (ddp-hooks, pipe) and pipeline × data
     // parallel (ddp-hooks' `pipe` feature).
     run_status(cargo(&[
