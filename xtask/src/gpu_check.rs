@@ -29,6 +29,7 @@ const WANTED: &[(&str, &str, &str)] = &[
     ("bench", "report", "ddp-hooks-report-bench"),
     ("test", "cuda_pipe", "pipe-cuda-test"),
     ("bench", "cuda_pipe", "pipe-cuda-bench"),
+    ("example", "cuda_two_streams", "pipe-cuda-example"),
 ];
 
 const RUN_SH: &str = include_str!("gpu_check_run.sh");
@@ -113,6 +114,8 @@ fn build() -> Result<Vec<(String, String, PathBuf)>, Failure> {
         "cuda_pipe",
         "--bench",
         "cuda_pipe",
+        "--example",
+        "cuda_two_streams",
         "--message-format=json-render-diagnostics",
     ])
     .stderr(Stdio::inherit())

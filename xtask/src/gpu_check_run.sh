@@ -88,6 +88,8 @@ if [ "$starts" -eq 1 ]; then
   pipe_rc=$rc
   run_logged "$limit" "$out/pipe_bench.log" "$here/pipe-cuda-bench"
   pipe_bench_rc=$rc
+  run_logged "$limit" "$out/pipe.log" "$here/pipe-cuda-example"
+  [ "$rc" -eq 0 ] || pipe_rc=1
   # 4. PowerSGD through the reducer on NCCL: device path, staged path, HBM bound
   #    (writes $out/cuda_hooks.jsonl).
   OUT=$out run_logged "$limit" "$out/cuda_hooks.log" "$here/ddp-hooks-cuda-hooks-bench"
@@ -268,6 +270,7 @@ count() { local n; n=$(grep -c "$1" "$2" 2>/dev/null); echo "${n:-0}"; }
 grep -E '^test .* \.\.\. (ok|FAILED)$' "$out/pipe.log" | sed 's/^test /pipe-cuda test: /' | tee -a "$log"
 grep -E '^(  (always|except_last|never) )' "$out/pipe.log" | sed 's/^  /pipe-cuda memory: /' | tee -a "$log"
 grep '^pipe-cuda:' "$out/pipe_bench.log" | tee -a "$log"
+grep 'partitions on 2 streams against 1 partition' "$out/pipe.log" | sed 's/^/pipe-cuda example: /' | tee -a "$log"
 say "summary: pipe CUDA tests $(ok "$pipe_rc" passed FAILED) ($(grep -c ' ok$' "$out/pipe.log") ok, $(grep -c '^skipped' "$out/pipe.log") skipped); pipe CUDA bench $(ok "$pipe_bench_rc" ran FAILED)$(grep -q '^skipped' "$out/pipe_bench.log" && echo ' (skipped)')"
 say "summary: lowrank tests $(ok "$tests_rc" passed FAILED) ($(grep -c ': ok$' "$out/tests.log") CUDA checks ok, $(grep -c 'skipped' "$out/tests.log") skipped); ddp-hooks CUDA test $(ok "$hooks_rc" passed FAILED) ($(grep -c 'skipped' "$out/hooks.log") skipped); NCCL tests $(ok "$nccl_rc" passed FAILED) ($(grep -c 'skipped' "$out/nccl.log") skipped); lowrank bench $(ok "$bench_rc" ran FAILED); cuda_hooks bench $(ok "$cuda_hooks_rc" ran FAILED)$(grep -q '^skipped' "$out/cuda_hooks.log" && echo ' (skipped)'); pytorch reference $(ok "$torch_rc" ran 'did not run')$(grep -q '^pytorch: skipped' "$out/pytorch.log" && echo ' (skipped)'); CPU report $(ok "$report_rc" ran FAILED) ($(count '"kind":"row"' "$out/report.jsonl") rows)$san_note"
 exit $status

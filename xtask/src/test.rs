@@ -170,6 +170,10 @@ pub fn run(args: &[String]) -> Result<(), Failure> {
         "--",
         "--nocapture",
     ]))?);
+    gpu_skips.extend(run_counting_skips(Command::new(pipe_example(
+        "cuda_two_streams",
+        "cuda",
+    )?))?);
     // The embedding features: the candle adapters (ddp-hooks, pipe) and pipeline × data
     // parallel (ddp-hooks' `pipe` feature).
     run_status(cargo(&[
