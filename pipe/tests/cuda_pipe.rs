@@ -219,11 +219,13 @@ fn the_device_layers_match_the_cpu_layers() {
 }
 
 /// A layer that enqueues a spin kernel on its stream before the wrapped layer's work, in
-/// both passes: a consumer that did not wait for it would read stale memory.
+/// its forward passes (`forward`) or its backward passes: a consumer that did not wait
+/// for it would read stale memory.
 struct Slow {
     inner: Box<dyn Layer<CudaTensor>>,
     stream: Arc<GpuStream>,
     cycles: u64,
+    forward: bool,
 }
 
 impl Layer<CudaTensor> for Slow {
@@ -232,7 +234,9 @@ impl Layer<CudaTensor> for Slow {
         input: Batch<CudaTensor>,
         ctx: &mut Context,
     ) -> Result<(Batch<CudaTensor>, Saved<CudaTensor>), Error> {
-        self.stream.spin(self.cycles)?;
+        if self.forward {
+            self.stream.spin(self.cycles)?;
+        }
         self.inner.forward(input, ctx)
     }
 
@@ -242,7 +246,9 @@ impl Layer<CudaTensor> for Slow {
         saved: Saved<CudaTensor>,
         ctx: &mut Context,
     ) -> Result<Batch<CudaTensor>, Error> {
-        self.stream.spin(self.cycles)?;
+        if !self.forward {
+            self.stream.spin(self.cycles)?;
+        }
         self.inner.backward(grad_output, saved, ctx)
     }
 
@@ -260,11 +266,12 @@ impl Layer<CudaTensor> for Slow {
 }
 
 /// Linear, ReLU, Dropout, BatchNorm (plain or deferred), Linear, ReLU, Linear: layer `i`
-/// on `streams[i]`; the layers at `slow` spin `cycles` first.
+/// on `streams[i]`; each `(i, forward)` of `slow` makes layer `i` spin `cycles` first, in
+/// its forward passes or its backward passes.
 fn model(
     streams: &[Arc<GpuStream>],
     deferred: bool,
-    slow: &[usize],
+    slow: &[(usize, bool)],
     cycles: u64,
 ) -> Vec<Box<dyn Layer<CudaTensor>>> {
     let s = |i: usize| &streams[i];
@@ -286,11 +293,12 @@ fn model(
         .into_iter()
         .enumerate()
         .map(|(i, inner)| -> Box<dyn Layer<CudaTensor>> {
-            if slow.contains(&i) {
+            if let Some(&(_, forward)) = slow.iter().find(|(at, _)| *at == i) {
                 Box::new(Slow {
                     inner,
                     stream: streams[i].clone(),
                     cycles,
+                    forward,
                 })
             } else {
                 inner
@@ -423,13 +431,14 @@ fn a_delayed_producer_is_waited_for() {
         build(model(&vec![one; 7], false, &[], 0), &[7], mode, kind, false),
         &input,
     );
-    // Partition 0's last layer spins before writing each output, partition 1's first
-    // layer before writing each input gradient (some 10 ms a call): a receiver that read
-    // before the event would see the memory's earlier contents.
+    // Partition 0's last layer spins before writing each output (forward passes), and
+    // partition 1's first layer before writing each input gradient (backward passes),
+    // some 0.1 s a call; the consumers do not spin. A receiver that read before the
+    // producer's event would see the memory's earlier contents.
     let (s0, s1) = (gpu.stream().unwrap(), gpu.stream().unwrap());
     let streams = [vec![s0; 4], vec![s1; 3]].concat();
     let slow = build(
-        model(&streams, false, &[3, 4], 20_000_000),
+        model(&streams, false, &[(3, true), (4, false)], 200_000_000),
         &[4, 3],
         mode,
         kind,
@@ -448,27 +457,39 @@ fn a_freed_buffer_reused_and_poisoned_while_the_consumer_stalls() {
     let want = values(n, 1);
     let relu: Vec<u32> = bits(&want.iter().map(|v| v.max(0.0)).collect::<Vec<_>>());
     let poison = vec![f32::NAN; n];
-    for shared in [false, true] {
+    // The consumer reads the producer's memory behind a long spin, while the producer's
+    // last holder goes and the producer allocates memory of the same size and poisons it:
+    // the memory must not be reused before the consumer's read. Two reads: a copy on
+    // write (ReLU in place on a tensor someone else still holds) and a plain read (the
+    // operand of an accumulation).
+    for copy_on_write in [true, false] {
         let (producer, consumer) = (gpu.stream().unwrap(), gpu.stream().unwrap());
         let x = CudaTensor::from_host(&producer, &[n], &want).unwrap();
-        let keep = shared.then(|| x.clone());
+        let keep = x.clone();
+        let y = x
+            .to_device(&Device::Cuda(0))
+            .unwrap()
+            .on(&consumer)
+            .unwrap();
         consumer.spin(200_000_000).unwrap(); // about 0.1 s
-        let y = x.on(&consumer).unwrap();
-        // The producer's last holder goes (freeing stream-ordered where the memory stayed
-        // the producer's), and the producer reuses memory of the same size and poisons it.
+        let z = if copy_on_write {
+            let mut layer = ReLU::new(&consumer);
+            let (z, _) = layer
+                .forward(Batch::single(y), &mut Context::new(true, 0, 0, n))
+                .unwrap();
+            z.into_single().unwrap()
+        } else {
+            let mut z = CudaTensor::zeros(&consumer, &[n]).unwrap();
+            z.accumulate(&y).unwrap();
+            drop(y);
+            z
+        };
         drop(keep);
         let poisoned: Vec<CudaTensor> = (0..4)
             .map(|_| CudaTensor::from_host(&producer, &[n], &poison).unwrap())
             .collect();
-        let mut layer = ReLU::new(&consumer);
-        let (z, _) = layer
-            .forward(Batch::single(y), &mut Context::new(true, 0, 0, n))
-            .unwrap();
-        assert_eq!(
-            bits(&host(&z.into_single().unwrap())),
-            relu,
-            "shared {shared}"
-        );
+        let expected = if copy_on_write { &relu } else { &bits(&want) };
+        assert_eq!(&bits(&host(&z)), expected, "copy on write {copy_on_write}");
         drop(poisoned);
     }
     // The same for a gradient accumulated from another stream: the reader stalls, the
@@ -539,6 +560,7 @@ fn device_memory_by_checkpoint_mode() {
         peaks.push(peak);
         per_partition.push(partitions);
         drop(pipe);
+        gpu.synchronize().unwrap();
         assert_eq!(gpu.live_bytes(), base - 4 * (width * width + width) * 4 * 2);
     }
     let (free, total) = gpu.memory().unwrap();
@@ -606,6 +628,7 @@ fn tensor_operations_on_the_device() {
     let mut other = CudaTensor::zeros(&s1, &[3, 10]).unwrap();
     assert!(matches!(other.accumulate(&t), Err(Error::Shape { .. })));
     drop((t, back, sum, other));
+    gpu.synchronize().unwrap(); // frees what waited for other streams' reads
     assert_eq!(
         s0.live_bytes() + s1.live_bytes(),
         0,

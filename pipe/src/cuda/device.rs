@@ -56,6 +56,7 @@ pub struct Gpu {
     transfer: OnceLock<Arc<GpuStream>>,
     live: AtomicUsize,
     peak: AtomicUsize,
+    graveyard: Mutex<Vec<Grave>>,
 }
 
 impl fmt::Debug for Gpu {
@@ -65,6 +66,15 @@ impl fmt::Debug for Gpu {
             .field("sm_count", &self.sm_count)
             .finish_non_exhaustive()
     }
+}
+
+/// Memory whose last holder is gone while other streams may still read it: freed once
+/// every event (recorded on each reader when the holder went) has completed, as PyTorch's
+/// caching allocator does for `record_stream`. No stream waits for another to free it.
+struct Grave {
+    slice: CudaSlice<f32>,
+    home: Arc<GpuStream>,
+    events: Vec<CudaEvent>,
 }
 
 /// The devices opened so far, by ordinal.
@@ -141,6 +151,7 @@ impl Gpu {
             transfer: OnceLock::new(),
             live: AtomicUsize::new(0),
             peak: AtomicUsize::new(0),
+            graveyard: Mutex::new(Vec::new()),
         })
     }
 
@@ -220,9 +231,54 @@ impl Gpu {
         self.peak.store(self.live_bytes(), Ordering::Relaxed);
     }
 
-    /// Waits for all work on the device.
+    /// Waits for all work on the device (and frees the memory that was waiting for
+    /// other streams' reads).
     pub fn synchronize(&self) -> Result<(), Error> {
-        self.ctx.synchronize().map_err(driver)
+        self.ctx.synchronize().map_err(driver)?;
+        self.collect();
+        Ok(())
+    }
+
+    /// Keeps `slice` (at home on `home`) until every event has completed: each was
+    /// recorded on a stream that read the memory, after its reads.
+    pub(super) fn bury(&self, slice: CudaSlice<f32>, home: Arc<GpuStream>, events: Vec<CudaEvent>) {
+        self.graveyard().push(Grave {
+            slice,
+            home,
+            events,
+        });
+    }
+
+    /// Frees the buried memory whose readers have all passed their events (on its home
+    /// stream, after the home's own earlier work). Memory whose event cannot be queried
+    /// (a failed device) stays buried: leaked, never freed under a reader.
+    pub(super) fn collect(&self) {
+        let done: Vec<Grave> = {
+            let mut graves = self.graveyard();
+            if graves.is_empty() {
+                return;
+            }
+            let (done, waiting): (Vec<Grave>, Vec<Grave>) = graves.drain(..).partition(|g| {
+                g.events
+                    .iter()
+                    .all(|e| matches!(e.try_is_complete(), Ok(true)))
+            });
+            *graves = waiting;
+            done
+        };
+        if done.is_empty() || self.ctx.bind_to_thread().is_err() {
+            // Not bound: keep them for a later call rather than free without a context.
+            self.graveyard().extend(done);
+            return;
+        }
+        for g in done {
+            g.home.uncount(g.slice.len() * 4);
+            drop(g.slice);
+        }
+    }
+
+    fn graveyard(&self) -> std::sync::MutexGuard<'_, Vec<Grave>> {
+        self.graveyard.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     pub(super) fn kernels(&self) -> &Kernels {
@@ -289,9 +345,12 @@ impl GpuStream {
         self.peak.store(self.live_bytes(), Ordering::Relaxed);
     }
 
-    /// Waits for the work enqueued on this stream.
+    /// Waits for the work enqueued on this stream (and frees the device's memory that
+    /// was waiting for reads that have now finished).
     pub fn synchronize(&self) -> Result<(), Error> {
-        self.stream.synchronize().map_err(driver)
+        self.stream.synchronize().map_err(driver)?;
+        self.gpu.collect();
+        Ok(())
     }
 
     /// Enqueues a kernel that spins for about `cycles` clock cycles (tests delay a
@@ -316,6 +375,11 @@ impl GpuStream {
             .map_err(driver)
     }
 
+    /// Makes this stream wait for `event`.
+    pub(super) fn wait_event(&self, event: &CudaEvent) -> Result<(), Error> {
+        self.stream.wait(event).map_err(driver)
+    }
+
     /// Makes this stream wait for everything enqueued so far on `other`.
     pub(super) fn wait_for(&self, other: &GpuStream) -> Result<(), Error> {
         if std::ptr::eq(self, other) {
@@ -328,6 +392,7 @@ impl GpuStream {
     /// `len` uninitialised elements at home here (one hidden element when `len` is 0:
     /// the driver refuses empty allocations).
     pub(super) fn alloc(&self, len: usize) -> Result<CudaSlice<f32>, Error> {
+        self.gpu.collect();
         if len == 0 {
             // SAFETY: one f32 is allocated; it is never read as data (the slice made from
             // it claims 0 elements).

@@ -153,6 +153,21 @@ impl Linear {
         &self.bias
     }
 
+    /// Brings the parameters and gradients to the layer's stream (a caller may have put
+    /// tensors of another stream in through `parameters_mut`).
+    fn settle(&mut self) -> Result<(), Error> {
+        let s = self.stream.clone();
+        for t in [
+            &mut self.weight,
+            &mut self.bias,
+            &mut self.weight_grad,
+            &mut self.bias_grad,
+        ] {
+            t.bring(&s)?;
+        }
+        Ok(())
+    }
+
     fn dims(&self) -> (usize, usize) {
         (self.weight.shape()[0], self.weight.shape()[1])
     }
@@ -167,6 +182,7 @@ impl Layer<CudaTensor> for Linear {
         if let Some(e) = self.fault.take() {
             return Err(e);
         }
+        self.settle()?;
         let s = &self.stream;
         let x = input(input_batch, s)?;
         let (inputs, outputs) = self.dims();
@@ -213,6 +229,7 @@ impl Layer<CudaTensor> for Linear {
         if let Some(e) = self.fault.take() {
             return Err(e);
         }
+        self.settle()?;
         let s = self.stream.clone();
         let dy = input(grad_output, &s)?;
         let x = saved
@@ -534,6 +551,23 @@ impl BatchNorm {
         &self.running_var
     }
 
+    /// Brings the parameters, gradients and running statistics to the layer's stream (a
+    /// caller may have put tensors of another stream in through `parameters_mut`).
+    fn settle(&mut self) -> Result<(), Error> {
+        let s = self.stream.clone();
+        for t in [
+            &mut self.weight,
+            &mut self.bias,
+            &mut self.weight_grad,
+            &mut self.bias_grad,
+            &mut self.running_mean,
+            &mut self.running_var,
+        ] {
+            t.bring(&s)?;
+        }
+        Ok(())
+    }
+
     fn features(&self) -> usize {
         self.weight.shape()[0]
     }
@@ -613,6 +647,7 @@ impl Layer<CudaTensor> for BatchNorm {
         if let Some(e) = self.fault.take() {
             return Err(e);
         }
+        self.settle()?;
         let s = self.stream.clone();
         let x = input(batch, &s)?;
         let (n, c, l) = self.layout(&x, "BatchNorm::forward")?;
@@ -745,6 +780,7 @@ impl Layer<CudaTensor> for BatchNorm {
         if let Some(e) = self.fault.take() {
             return Err(e);
         }
+        self.settle()?;
         let s = self.stream.clone();
         let dy = input(grad_output, &s)?;
         let [x_hat, inv_std] =

@@ -10,13 +10,14 @@
 //! and its layers are made for that stream; two partitions on one GPU then run their
 //! kernels concurrently instead of serialising on the legacy default stream. The ordering
 //! rules are on [`CudaTensor`]: a tensor is used on one stream; moving it to another
-//! ([`CudaTensor::on`]) is an event wait, and then either a change of home (unshared
-//! memory) or a recorded reader (shared memory, which its home frees only after an event
-//! on every reader); writes to shared memory copy first. What the pipe does
-//! automatically: the partition that receives a micro-batch moves it to its own stream
-//! before the first kernel reads it ([`CudaTensor::on`], called by every layer here), and
-//! [`Tensor::to_device`](crate::Tensor::to_device) between ordinals is a peer copy. What is
-//! yours: a layer of your own calls `on` for its inputs and enqueues only on its stream.
+//! ([`CudaTensor::on`]) waits on the event recorded when the producer handed it over and
+//! records the new stream as a reader; memory read by other streams is freed only after
+//! an event on every reader has completed; writes to shared memory copy first. What the
+//! pipe does automatically: the sending partition marks a tensor ready as it hands it over
+//! ([`Tensor::to_device`](crate::Tensor::to_device) on the same ordinal; between ordinals
+//! it is a peer copy), and the receiving layer moves it to its own stream before the first
+//! kernel reads it ([`CudaTensor::on`], called by every layer here). What is yours: a
+//! layer of your own calls `on` for its inputs and enqueues only on its stream.
 //!
 //! The libraries are loaded at run time (cudarc's dynamic loading): without a driver,
 //! [`Gpu::new`] returns [`Error::CudaUnavailable`](crate::Error::CudaUnavailable).

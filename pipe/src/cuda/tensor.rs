@@ -3,7 +3,7 @@
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use cudarc::driver::{CudaSlice, PushKernelArg};
+use cudarc::driver::{CudaEvent, CudaSlice, PushKernelArg};
 
 use super::device::{driver, Gpu, GpuStream};
 use crate::cpu::CpuTensor;
@@ -83,20 +83,32 @@ impl Drop for Buffer {
         let Some(slice) = self.slice.take() else {
             return;
         };
-        self.home.uncount(slice.len() * 4);
-        // Every read on another stream was enqueued while a holder was alive, so before
-        // this drop: an event recorded on each reader now follows them, the home waits on
-        // those events, and the free is enqueued on the home after them (stream-ordered).
-        // Where a wait cannot be enqueued the reader is waited for on the host, and where
-        // that fails too the memory is leaked rather than freed under a reader.
         let readers = std::mem::take(&mut *self.readers());
+        if readers.is_empty() {
+            // Only the home used it: freed there, after its uses (stream-ordered).
+            self.home.uncount(slice.len() * 4);
+            let _ = self.home.gpu().context().bind_to_thread();
+            drop(slice);
+            return;
+        }
+        // Every read on another stream was enqueued while a holder was alive, so before
+        // this drop: an event recorded on each reader now follows its reads, and the
+        // memory is freed once all have completed (no stream waits for another). Where an
+        // event cannot be recorded the reader is waited for on the host; where that fails
+        // too the memory is leaked rather than freed under a reader.
+        let mut events = Vec::with_capacity(readers.len());
         for r in &readers {
-            if self.home.wait_for(r).is_err() && r.synchronize().is_err() {
-                std::mem::forget(slice);
-                return;
+            match r.event() {
+                Ok(e) => events.push(e),
+                Err(_) if r.synchronize().is_ok() => {}
+                Err(_) => {
+                    std::mem::forget(slice);
+                    return;
+                }
             }
         }
-        drop(slice);
+        let gpu = self.home.gpu().clone();
+        gpu.bury(slice, self.home.clone(), events);
     }
 }
 
@@ -109,15 +121,19 @@ impl Drop for Buffer {
 /// the order is the stream's own and nothing waits on the host.
 ///
 /// When a tensor reaches a layer on another stream of the same device (the next
-/// partition), the layer calls [`on`](CudaTensor::on): the new stream waits on an event
-/// recorded on the old one after everything enqueued there, the producer's last write
-/// included. If no one else holds the memory, it moves to the new stream and is freed
-/// there later. If it is shared (a clone kept for a checkpoint or for backward) it is not
-/// copied: the new stream is recorded as a reader, and before the memory is freed, on the
-/// stream that allocated it, that stream waits on an event recorded on every reader after
-/// its reads. A write through a shared tensor copies first (copy on write), so clones
-/// never see each other's changes and nothing is written while another stream may read.
-/// None of this relies on cudarc's per-slice event tracking, which [`Gpu`] turns off.
+/// partition), the layer calls [`on`](CudaTensor::on): the new stream waits on the
+/// tensor's ready event, recorded on the producer's stream right after the producer's
+/// work when the pipe handed the tensor over ([`Tensor::to_device`]), or else on an event
+/// recorded after everything enqueued there so far; and the new stream is recorded as a
+/// reader of the memory. Nothing is copied. The memory stays where it was allocated until
+/// a write: a write through a tensor whose memory is shared copies it first (copy on
+/// write, so clones never see each other's changes and nothing is written while another
+/// stream may read), and a write through the sole holder on another stream moves the
+/// memory there, that stream first waiting for the old one and every reader. When the last
+/// holder goes, memory read by other streams is freed only after an event recorded then
+/// on every reader has completed (as PyTorch's caching allocator treats `record_stream`):
+/// no stream waits on another to free it. None of this relies on cudarc's per-slice event
+/// tracking, which [`Gpu`] turns off.
 ///
 /// What is yours: work you enqueue yourself on a tensor's memory (through
 /// [`slice`](CudaTensor::slice) and [`slice_mut`](CudaTensor::slice_mut)) goes on its
@@ -130,6 +146,10 @@ pub struct CudaTensor {
     buf: Arc<Buffer>,
     /// Where this handle's work goes; it has waited for the memory's writes.
     stream: Arc<GpuStream>,
+    /// An event recorded on `stream` after the work that wrote this handle's data,
+    /// when it was handed to another partition: a receiver waits on it rather than on
+    /// everything its producer has enqueued since. Cleared by every write.
+    ready: Option<Arc<CudaEvent>>,
     shape: Vec<usize>,
 }
 
@@ -234,6 +254,7 @@ impl CudaTensor {
     /// The device memory for writing on the home stream: copied first if shared; moved
     /// to the home stream first (after every other stream's reads) if it lives elsewhere.
     pub fn slice_mut(&mut self) -> Result<&mut CudaSlice<f32>, Error> {
+        self.ready = None;
         let stream = self.stream.clone();
         match Arc::get_mut(&mut self.buf) {
             None => {
@@ -265,9 +286,10 @@ impl CudaTensor {
     }
 
     /// The tensor used on `stream` (same device): unchanged if already there; else
-    /// `stream` waits for everything enqueued so far on the old one, and the memory moves
-    /// (if unshared) or gains `stream` as a reader (see the type's documentation). No
-    /// device memory is copied.
+    /// `stream` waits for the tensor's data (its ready event from the hand-over, or
+    /// everything enqueued so far on the old stream) and is recorded as a reader of the
+    /// memory, which stays where it is until a write moves or copies it (see the type's
+    /// documentation). No device memory is copied.
     pub fn on(self, stream: &Arc<GpuStream>) -> Result<Self, Error> {
         if Arc::ptr_eq(&self.stream, stream) {
             return Ok(self);
@@ -280,26 +302,33 @@ impl CudaTensor {
                 stream.gpu().name()
             )));
         }
-        stream.wait_for(&self.stream)?;
-        let CudaTensor { mut buf, shape, .. } = self;
-        if let Some(unique) = Arc::get_mut(&mut buf) {
-            if !Arc::ptr_eq(&unique.home, stream) {
-                let slice = unique.take_for(stream)?;
-                return Ok(CudaTensor::wrap(stream.adopt(slice), stream, &shape));
-            }
+        match &self.ready {
+            Some(ready) => stream.wait_event(ready)?,
+            None => stream.wait_for(&self.stream)?,
         }
-        buf.read_on(stream);
+        self.buf.read_on(stream);
         Ok(CudaTensor {
-            buf,
+            buf: self.buf,
             stream: stream.clone(),
-            shape,
+            ready: None,
+            shape: self.shape,
         })
+    }
+
+    /// [`on`](CudaTensor::on) in place: for a layer's own tensors (parameters,
+    /// statistics), which a caller may have replaced with tensors of another stream.
+    pub(super) fn bring(&mut self, stream: &Arc<GpuStream>) -> Result<(), Error> {
+        if !Arc::ptr_eq(&self.stream, stream) {
+            *self = self.clone().on(stream)?;
+        }
+        Ok(())
     }
 
     pub(super) fn wrap(slice: CudaSlice<f32>, stream: &Arc<GpuStream>, shape: &[usize]) -> Self {
         CudaTensor {
             buf: Arc::new(Buffer::new(slice, stream.clone())),
             stream: stream.clone(),
+            ready: None,
             shape: shape.to_vec(),
         }
     }
@@ -433,7 +462,10 @@ impl Tensor for CudaTensor {
         }
         // Read `other` here: wait for its stream, and record the read so its memory is
         // neither freed nor overwritten before it.
-        stream.wait_for(&other.stream)?;
+        match &other.ready {
+            Some(ready) => stream.wait_event(ready)?,
+            None => stream.wait_for(&other.stream)?,
+        }
         other.buf.read_on(&stream);
         let gpu = stream.gpu().clone();
         let cfg = gpu.elementwise(self.len());
@@ -456,7 +488,14 @@ impl Tensor for CudaTensor {
             });
         };
         if self.stream.gpu().ordinal() == ordinal {
-            return Ok(self);
+            // The hand-over to another partition of this device: mark the data ready
+            // here, on the producer's thread right after its work was enqueued, so the
+            // receiver does not wait for what the producer enqueues next.
+            let mut t = self;
+            if t.ready.is_none() {
+                t.ready = Some(Arc::new(t.stream.event()?));
+            }
+            return Ok(t);
         }
         let target = Gpu::new(ordinal)?.transfer_stream()?;
         let mut dst = target.alloc(self.len())?;
@@ -465,7 +504,10 @@ impl Tensor for CudaTensor {
             // other device's context: the driver allows waiting on it); the driver stages
             // it through the host where peer access is off. The copy is a read on
             // `target`, which the memory's home waits for before freeing it.
-            target.wait_for(&self.stream)?;
+            match &self.ready {
+                Some(ready) => target.wait_event(ready)?,
+                None => target.wait_for(&self.stream)?,
+            }
             self.buf.read_on(&target);
             target
                 .cuda_stream()
