@@ -492,6 +492,31 @@ fn a_freed_buffer_reused_and_poisoned_while_the_consumer_stalls() {
         assert_eq!(&bits(&host(&z)), expected, "copy on write {copy_on_write}");
         drop(poisoned);
     }
+    // A read through `slice()` alone (Linear reads its input, writes only its output):
+    // only the reader recorded by `on` keeps the producer's memory from reuse.
+    let (producer, consumer) = (gpu.stream().unwrap(), gpu.stream().unwrap());
+    let (rows, k) = (1024, 1024);
+    let data = values(rows * k, 3);
+    let mut linear = Linear::new(k, 64, 5, &consumer).unwrap();
+    let mut ctx = Context::new(true, 0, 0, rows);
+    let clean = CudaTensor::from_host(&consumer, &[rows, k], &data).unwrap();
+    let (want_y, _) = linear.forward(Batch::single(clean), &mut ctx).unwrap();
+    let want_y = bits(&host(&want_y.into_single().unwrap()));
+    let x = CudaTensor::from_host(&producer, &[rows, k], &data).unwrap();
+    let y = x.on(&consumer).unwrap();
+    consumer.spin(200_000_000).unwrap();
+    let (z, saved) = linear.forward(Batch::single(y), &mut ctx).unwrap();
+    drop(saved); // the last holder of the producer's memory
+    let poisoned: Vec<CudaTensor> = (0..4)
+        .map(|_| CudaTensor::from_host(&producer, &[rows, k], &vec![f32::NAN; rows * k]).unwrap())
+        .collect();
+    assert_eq!(
+        bits(&host(&z.into_single().unwrap())),
+        want_y,
+        "read through slice()"
+    );
+    drop(poisoned);
+
     // The same for a gradient accumulated from another stream: the reader stalls, the
     // writer frees its operand and poisons the memory.
     let (a_home, b_home) = (gpu.stream().unwrap(), gpu.stream().unwrap());
@@ -548,13 +573,15 @@ fn device_memory_by_checkpoint_mode() {
         let after_forward = gpu.live_bytes() - base - y.size_bytes();
         let partitions: Vec<usize> = pipe.memory().iter().map(|p| p.held).collect();
         pipe.backward(Batch::single(y)).unwrap();
+        let buried = gpu.buried_bytes();
         gpu.synchronize().unwrap();
         let peak = gpu.peak_bytes() - base;
         println!(
-            "  {mode:<11} held after forward {:>6.1} MiB (per partition {:?} MiB), peak over the step {:>6.1} MiB",
+            "  {mode:<11} held after forward {:>6.1} MiB (per partition {:?} MiB), peak over the step {:>6.1} MiB ({:.1} MiB waiting for readers at the end)",
             mib(after_forward),
             partitions.iter().map(|&b| (mib(b) * 10.0).round() / 10.0).collect::<Vec<_>>(),
-            mib(peak)
+            mib(peak),
+            mib(buried)
         );
         held.push(after_forward);
         peaks.push(peak);

@@ -5,7 +5,8 @@
 //! folder stays well under the 64 MiB that may travel), next to `run.sh`, which there:
 //! checks that a binary built here starts, finds the driver, cuBLAS, NVRTC and NCCL
 //! (system folders and the Python packages' `nvidia/*/lib`), runs everything and prints a
-//! summary. The folder also carries `torch_hooks.py` (PyTorch's `powerSGD_hook` on the
+//! summary, a line per check (`pipe::cuda`'s suite, example and bench among them). The
+//! folder also carries `torch_hooks.py` (PyTorch's `powerSGD_hook` on the
 //! shapes of the `cuda_hooks` bench: the reference the GPU figures are compared with)
 //! and the CPU compression report (`ddp-hooks/benches/report.rs`, run with `--quick`;
 //! its JSON lines go to `$OUT/report.jsonl`, where `cargo xtask bench` would draw them). `run.sh` takes its

@@ -215,7 +215,8 @@ impl Gpu {
 
     /// Bytes of the [`CudaTensor`](super::CudaTensor)s on this device, over all its
     /// streams (the allocator's own accounting, as each stream's
-    /// [`live_bytes`](GpuStream::live_bytes)).
+    /// [`live_bytes`](GpuStream::live_bytes)), memory waiting for other streams' reads
+    /// before it is freed included ([`buried_bytes`](Gpu::buried_bytes)).
     pub fn live_bytes(&self) -> usize {
         self.live.load(Ordering::Relaxed)
     }
@@ -255,15 +256,19 @@ impl Gpu {
     pub(super) fn collect(&self) {
         let done: Vec<Grave> = {
             let mut graves = self.graveyard();
-            if graves.is_empty() {
-                return;
-            }
-            let (done, waiting): (Vec<Grave>, Vec<Grave>) = graves.drain(..).partition(|g| {
-                g.events
+            let mut done = Vec::new();
+            let mut i = 0;
+            while i < graves.len() {
+                let complete = graves[i]
+                    .events
                     .iter()
-                    .all(|e| matches!(e.try_is_complete(), Ok(true)))
-            });
-            *graves = waiting;
+                    .all(|e| matches!(e.try_is_complete(), Ok(true)));
+                if complete {
+                    done.push(graves.swap_remove(i));
+                } else {
+                    i += 1;
+                }
+            }
             done
         };
         if done.is_empty() || self.ctx.bind_to_thread().is_err() {
@@ -275,6 +280,13 @@ impl Gpu {
             g.home.uncount(g.slice.len() * 4);
             drop(g.slice);
         }
+    }
+
+    /// Bytes of memory whose last holder is gone but which waits for other streams'
+    /// reads to finish before it is freed; [`live_bytes`](Gpu::live_bytes) and the peaks
+    /// include it, as it is still allocated. [`synchronize`](Gpu::synchronize) frees it.
+    pub fn buried_bytes(&self) -> usize {
+        self.graveyard().iter().map(|g| g.slice.len() * 4).sum()
     }
 
     fn graveyard(&self) -> std::sync::MutexGuard<'_, Vec<Grave>> {

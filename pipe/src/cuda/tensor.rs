@@ -70,6 +70,9 @@ impl Buffer {
     /// writes, and reads by holders since gone) and for every reader; the home stops
     /// counting it.
     fn take_for(&mut self, stream: &GpuStream) -> Result<CudaSlice<f32>, Error> {
+        // The home's whole queue, not a handle's ready event: reads enqueued on the home
+        // after a hand-over (the producer's backward reading its saved output, say) are
+        // ordered only by this wait.
         stream.wait_for(&self.home)?;
         self.wait_for_readers(stream)?;
         let slice = self.slice.take().expect("present outside a move");
