@@ -54,8 +54,7 @@ pub struct Gpu {
     sm_count: usize,
     name: String,
     transfer: OnceLock<Arc<GpuStream>>,
-    live: AtomicUsize,
-    peak: AtomicUsize,
+    bytes: Bytes,
     graveyard: Mutex<Vec<Grave>>,
 }
 
@@ -75,6 +74,36 @@ struct Grave {
     slice: CudaSlice<f32>,
     home: Arc<GpuStream>,
     events: Vec<CudaEvent>,
+}
+
+/// Live bytes and their peak (of a stream, or of a whole device).
+#[derive(Debug, Default)]
+struct Bytes {
+    live: AtomicUsize,
+    peak: AtomicUsize,
+}
+
+impl Bytes {
+    fn live(&self) -> usize {
+        self.live.load(Ordering::Relaxed)
+    }
+
+    fn peak(&self) -> usize {
+        self.peak.load(Ordering::Relaxed)
+    }
+
+    fn reset_peak(&self) {
+        self.peak.store(self.live(), Ordering::Relaxed);
+    }
+
+    fn add(&self, bytes: usize) {
+        let now = self.live.fetch_add(bytes, Ordering::Relaxed) + bytes;
+        self.peak.fetch_max(now, Ordering::Relaxed);
+    }
+
+    fn sub(&self, bytes: usize) {
+        self.live.fetch_sub(bytes, Ordering::Relaxed);
+    }
 }
 
 /// The devices opened so far, by ordinal.
@@ -149,8 +178,7 @@ impl Gpu {
             ctx,
             kernels,
             transfer: OnceLock::new(),
-            live: AtomicUsize::new(0),
-            peak: AtomicUsize::new(0),
+            bytes: Bytes::default(),
             graveyard: Mutex::new(Vec::new()),
         })
     }
@@ -177,8 +205,7 @@ impl Gpu {
             gpu: self.clone(),
             stream,
             blas: Mutex::new(blas),
-            live: AtomicUsize::new(0),
-            peak: AtomicUsize::new(0),
+            bytes: Bytes::default(),
         }))
     }
 
@@ -218,18 +245,18 @@ impl Gpu {
     /// [`live_bytes`](GpuStream::live_bytes)), memory waiting for other streams' reads
     /// before it is freed included ([`buried_bytes`](Gpu::buried_bytes)).
     pub fn live_bytes(&self) -> usize {
-        self.live.load(Ordering::Relaxed)
+        self.bytes.live()
     }
 
     /// The most [`live_bytes`](Gpu::live_bytes) has been since the device was opened or
     /// since [`reset_peak`](Gpu::reset_peak).
     pub fn peak_bytes(&self) -> usize {
-        self.peak.load(Ordering::Relaxed)
+        self.bytes.peak()
     }
 
     /// Restarts the device's peak at its current live bytes.
     pub fn reset_peak(&self) {
-        self.peak.store(self.live_bytes(), Ordering::Relaxed);
+        self.bytes.reset_peak();
     }
 
     /// Waits for all work on the device (and frees the memory that was waiting for
@@ -316,8 +343,7 @@ pub struct GpuStream {
     gpu: Arc<Gpu>,
     stream: Arc<CudaStream>,
     blas: Mutex<CudaBlas>,
-    live: AtomicUsize,
-    peak: AtomicUsize,
+    bytes: Bytes,
 }
 
 impl fmt::Debug for GpuStream {
@@ -343,18 +369,18 @@ impl GpuStream {
 
     /// Bytes of the tensors whose home is this stream.
     pub fn live_bytes(&self) -> usize {
-        self.live.load(Ordering::Relaxed)
+        self.bytes.live()
     }
 
     /// The most [`live_bytes`](GpuStream::live_bytes) has been since the stream was made
     /// or since [`reset_peak`](GpuStream::reset_peak).
     pub fn peak_bytes(&self) -> usize {
-        self.peak.load(Ordering::Relaxed)
+        self.bytes.peak()
     }
 
     /// Restarts the peak at the current live bytes.
     pub fn reset_peak(&self) {
-        self.peak.store(self.live_bytes(), Ordering::Relaxed);
+        self.bytes.reset_peak();
     }
 
     /// Waits for the work enqueued on this stream (and frees the device's memory that
@@ -433,15 +459,13 @@ impl GpuStream {
     }
 
     pub(super) fn count(&self, bytes: usize) {
-        for (live, peak) in [(&self.live, &self.peak), (&self.gpu.live, &self.gpu.peak)] {
-            let now = live.fetch_add(bytes, Ordering::Relaxed) + bytes;
-            peak.fetch_max(now, Ordering::Relaxed);
-        }
+        self.bytes.add(bytes);
+        self.gpu.bytes.add(bytes);
     }
 
     pub(super) fn uncount(&self, bytes: usize) {
-        self.live.fetch_sub(bytes, Ordering::Relaxed);
-        self.gpu.live.fetch_sub(bytes, Ordering::Relaxed);
+        self.bytes.sub(bytes);
+        self.gpu.bytes.sub(bytes);
     }
 
     /// Runs `f` with the cuBLAS handle, the context bound to the calling thread.

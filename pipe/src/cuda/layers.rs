@@ -35,6 +35,44 @@ fn int(v: usize) -> Result<i32, Error> {
     i32::try_from(v).map_err(|_| Error::Cuda(format!("{v} exceeds cuBLAS's 32-bit dimensions")))
 }
 
+/// A weight and a bias with their gradients, in the order every layer here lists them.
+fn weight_and_bias<'a>(
+    (weight, weight_grad): (&'a CudaTensor, &'a CudaTensor),
+    (bias, bias_grad): (&'a CudaTensor, &'a CudaTensor),
+) -> Vec<Param<'a, CudaTensor>> {
+    vec![
+        Param {
+            name: "weight",
+            value: weight,
+            grad: weight_grad,
+        },
+        Param {
+            name: "bias",
+            value: bias,
+            grad: bias_grad,
+        },
+    ]
+}
+
+/// [`weight_and_bias`], mutably.
+fn weight_and_bias_mut<'a>(
+    (weight, weight_grad): (&'a mut CudaTensor, &'a mut CudaTensor),
+    (bias, bias_grad): (&'a mut CudaTensor, &'a mut CudaTensor),
+) -> Vec<ParamMut<'a, CudaTensor>> {
+    vec![
+        ParamMut {
+            name: "weight",
+            value: weight,
+            grad: weight_grad,
+        },
+        ParamMut {
+            name: "bias",
+            value: bias,
+            grad: bias_grad,
+        },
+    ]
+}
+
 /// `C = alpha op(A) op(B) + beta C` (column-major, cuBLAS's terms); every dimension > 0.
 #[allow(clippy::too_many_arguments)]
 fn gemm(
@@ -293,33 +331,17 @@ impl Layer<CudaTensor> for Linear {
     }
 
     fn parameters(&self) -> Vec<Param<'_, CudaTensor>> {
-        vec![
-            Param {
-                name: "weight",
-                value: &self.weight,
-                grad: &self.weight_grad,
-            },
-            Param {
-                name: "bias",
-                value: &self.bias,
-                grad: &self.bias_grad,
-            },
-        ]
+        weight_and_bias(
+            (&self.weight, &self.weight_grad),
+            (&self.bias, &self.bias_grad),
+        )
     }
 
     fn parameters_mut(&mut self) -> Vec<ParamMut<'_, CudaTensor>> {
-        vec![
-            ParamMut {
-                name: "weight",
-                value: &mut self.weight,
-                grad: &mut self.weight_grad,
-            },
-            ParamMut {
-                name: "bias",
-                value: &mut self.bias,
-                grad: &mut self.bias_grad,
-            },
-        ]
+        weight_and_bias_mut(
+            (&mut self.weight, &mut self.weight_grad),
+            (&mut self.bias, &mut self.bias_grad),
+        )
     }
 
     fn zero_grad(&mut self) {
@@ -836,33 +858,17 @@ impl Layer<CudaTensor> for BatchNorm {
     }
 
     fn parameters(&self) -> Vec<Param<'_, CudaTensor>> {
-        vec![
-            Param {
-                name: "weight",
-                value: &self.weight,
-                grad: &self.weight_grad,
-            },
-            Param {
-                name: "bias",
-                value: &self.bias,
-                grad: &self.bias_grad,
-            },
-        ]
+        weight_and_bias(
+            (&self.weight, &self.weight_grad),
+            (&self.bias, &self.bias_grad),
+        )
     }
 
     fn parameters_mut(&mut self) -> Vec<ParamMut<'_, CudaTensor>> {
-        vec![
-            ParamMut {
-                name: "weight",
-                value: &mut self.weight,
-                grad: &mut self.weight_grad,
-            },
-            ParamMut {
-                name: "bias",
-                value: &mut self.bias,
-                grad: &mut self.bias_grad,
-            },
-        ]
+        weight_and_bias_mut(
+            (&mut self.weight, &mut self.weight_grad),
+            (&mut self.bias, &mut self.bias_grad),
+        )
     }
 
     fn zero_grad(&mut self) {
