@@ -298,7 +298,10 @@ impl Gpu {
             }
             done
         };
-        if done.is_empty() || self.ctx.bind_to_thread().is_err() {
+        if done.is_empty() {
+            return;
+        }
+        if self.ctx.bind_to_thread().is_err() {
             // Not bound: keep them for a later call rather than free without a context.
             self.graveyard().extend(done);
             return;
