@@ -34,6 +34,19 @@ pub(crate) trait Simd: Copy {
         #[cfg(not(target_arch = "x86_64"))]
         let _ = p;
     }
+    /// A hint to fetch the cache line at `p` into L2 (and L3) but not L1; never faults.
+    /// For streams fetched far ahead: brought into L1, they would evict the factors and
+    /// the accumulators the kernels keep there (32 KiB of L1d on AMD Zen 4).
+    #[inline(always)]
+    unsafe fn prefetch_l2(p: *const f32) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: prefetch is a hint that never faults, whatever the address.
+        unsafe {
+            core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T1 }>(p.cast());
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = p;
+    }
 }
 
 /// Eight lanes in plain Rust; LLVM vectorises it with whatever the target has (SSE2 on

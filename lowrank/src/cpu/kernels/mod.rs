@@ -30,6 +30,19 @@ use std::ops::Range;
 /// it, and `add` beyond one past the end is undefined behaviour even when never read.
 const PREFETCH: usize = 512;
 
+/// Floats between two software prefetches of a stream swept ahead into L2 (`mq`,
+/// `mtp`): one a 64-byte line. Cold, n = m = 4096, AMD Zen 4 (AVX-512), one prefetch a
+/// 128-byte pair of lines read less of the read bandwidth where the kernel is nearest
+/// its in-core limit (`mq` r = 8 0.42-0.50 against 0.62-0.66, `mtp` r = 4 0.71-0.74
+/// against 0.90-0.93, one thread).
+const SWEEP_STRIDE: usize = 16;
+/// Bytes of `M` a call (one thread's rows or columns) must stream for the kernels to
+/// sweep ahead with software prefetches: below that `M` is likely in cache, where they
+/// only take load slots (with `M` in L2, `mq` at r = 1 read 0.78 of its in-core limit
+/// without them against 0.58), or its rows too few for a sweep blocks ahead to run ahead
+/// of the loads.
+const SWEEP_MIN_BYTES: usize = 1 << 20;
+
 /// One matrix of a batch and its factors, as raw pointers checked by the caller.
 ///
 /// `m` is `n x cols` row-major; `e` (optional, may be null) has the same shape; `p` is

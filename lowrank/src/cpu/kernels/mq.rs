@@ -8,7 +8,7 @@
 //! the last whole vector added one by one. `U` depends only on the instruction set and on
 //! the width of the tile of columns `k` falls in, which depends only on `r`.
 
-use super::Mat;
+use super::{Mat, SWEEP_MIN_BYTES, SWEEP_STRIDE};
 use crate::cpu::simd::Simd;
 use std::ops::Range;
 
@@ -21,8 +21,16 @@ const MQ_WHOLE_ROW_BYTES: usize = 16 * 1024;
 /// chunks read 0.42-0.47 of the read bandwidth, 16 KiB 0.37-0.41.
 const MQ_CHUNK_BYTES: usize = 12 * 1024;
 /// Rows per block when the columns are chunked: each chunk serves a block of rows, whose
-/// accumulators wait in L1 between chunks.
-const MQ_BLOCK_ROWS: usize = 16;
+/// accumulators wait in L1 between chunks. Cold, n = m = 4096, one thread, AMD Zen 4
+/// (AVX-512), with the sweep 2 blocks ahead: 8 rows read 0.83-0.92 of the read bandwidth
+/// at r = 2 and 0.78-0.87 at r = 4, 16 rows 0.82-0.89 and 0.80-0.83.
+const MQ_BLOCK_ROWS: usize = 8;
+/// How many row blocks ahead the software prefetch sweeps ([`Ahead::Sweep`]). Cold,
+/// n = m = 4096, r = 2, one thread, AMD Zen 4 (AVX-512): with no sweep and prefetches
+/// of the next group's span into L1 the kernel read 0.53-0.58 of the read bandwidth (the
+/// prefetched rows evicted the chunk of `Q`); the same prefetches into L2 0.74-0.84, the
+/// sweep 1 block ahead 0.80-0.88, 2 blocks 0.84-0.89.
+const MQ_AHEAD_BLOCKS: usize = 2;
 
 /// The tile for a group of `kt` columns of `P` (8, 4, 2 or 1) on an instruction set of
 /// `lanes` lanes: `(rows, accumulators per column)`. Accumulators `rows x kt x u` plus
@@ -41,17 +49,18 @@ const fn tile(lanes: usize, kt: usize) -> (usize, usize) {
     }
 }
 
-/// What a span prefetches, in step with its loads (only a group's first column tile;
-/// the others reread the span from L1).
+/// What a span prefetches (only a group's first column tile; the others reread the span
+/// from L1).
 #[derive(Clone, Copy)]
 enum Ahead {
-    /// Nothing: whole rows, whose single stream the hardware prefetchers follow (with a
-    /// software prefetch along the rows, Zen 4 read 0.52-0.66 of the read bandwidth at
-    /// rank 1 against 0.78-0.86 without).
+    /// Nothing.
     No,
-    /// The rows read after this span (chunked columns): element offset into `M` (and
-    /// `E`) of the first of them, at the same column as the span's start.
-    Next(usize),
+    /// The span's image [`MQ_AHEAD_BLOCKS`] row blocks ahead, into L2: a block's tiles
+    /// (group by group, span by span) map one to one onto the later block read as one
+    /// run, so the prefetches walk memory in order, as far ahead as the loads consume.
+    /// Element offset into `M` (and `E`) of the image of the span's first row, and the
+    /// span's length (the image's row stride).
+    Sweep(usize, usize),
 }
 
 /// Runs the local macro `$go!(KT, U)` for a column tile `kt` wide, with the accumulators
@@ -104,11 +113,14 @@ unsafe fn mq_step<S: Simd, const RB: usize, const KT: usize, const U: usize, con
         let row = |ii: usize| a.m.add((i0 + ii) * cols);
         let mut x = [S::zero(); RB];
         for ii in 0..RB {
-            if let Ahead::Next(base) = ahead {
-                let at = base + ii * cols + (jj - span_start);
-                S::prefetch(a.m.wrapping_add(at));
-                if FUSE {
-                    S::prefetch(a.e.wrapping_add(at));
+            if let Ahead::Sweep(base, span_len) = ahead {
+                let off = jj - span_start;
+                if off.is_multiple_of(SWEEP_STRIDE) {
+                    let at = base + ii * span_len + off;
+                    S::prefetch_l2(a.m.wrapping_add(at));
+                    if FUSE {
+                        S::prefetch_l2(a.e.wrapping_add(at));
+                    }
                 }
             }
             let mut v = S::load(row(ii).add(jj));
@@ -413,6 +425,7 @@ unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(a: &Mat, rows: 
     let per_group = group_vectors(lanes, a.r, RB);
     let per_row = group_vectors(lanes, a.r, 1);
     let block = if chunked { MQ_BLOCK_ROWS } else { RB };
+    let sweep = rows.len() * a.cols * 4 >= SWEEP_MIN_BYTES;
     // SAFETY: S::zero has no preconditions beyond the instruction set, which the entry
     // point guarantees.
     let zero = unsafe { S::zero() };
@@ -447,18 +460,17 @@ unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(a: &Mat, rows: 
                 let span = j0..(j0 + chunk).min(vec_end);
                 for g in 0..groups {
                     let (i, slot) = (i0 + g * rb, base.add(g * per));
-                    // Chunked, the rows read after this group's span: the next group's
-                    // same span, else the first group's next span, else the next
-                    // block's first span, one span ahead (rows are read in runs of a
-                    // chunk, which the hardware prefetchers do not follow far).
-                    let ahead = if !chunked {
-                        Ahead::No
-                    } else if g + 1 < groups {
-                        Ahead::Next((i + rb) * a.cols + span.start)
-                    } else if span.end < vec_end {
-                        Ahead::Next(i0 * a.cols + span.end)
+                    // This tile's image in the block MQ_AHEAD_BLOCKS ahead: the block's
+                    // spans before this one, then its groups before this one.
+                    let block_rows = groups * rb;
+                    let span_len = span.end - span.start;
+                    let image = (i0 + MQ_AHEAD_BLOCKS * block_rows) * a.cols
+                        + span.start * block_rows
+                        + g * rb * span_len;
+                    let ahead = if sweep {
+                        Ahead::Sweep(image, span_len)
                     } else {
-                        Ahead::Next((i0 + groups * rb) * a.cols)
+                        Ahead::No
                     };
                     if rb == RB {
                         mq_group::<S, RB, FUSE>(a, i, span.clone(), slot, q, ahead)
@@ -494,6 +506,13 @@ unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(a: &Mat, rows: 
 /// `add_mq` went from 0.36-0.38 to 0.66-0.74 at r = 2 but from 0.91-0.93 to 0.56-0.59 at
 /// r = 1, and the AVX2 tiles at r = 8 lost to the previous 3 x 4 ones (0.39-0.42 against
 /// 0.51-0.71): both are open.
+///
+/// From memory, a call that streams [`SWEEP_MIN_BYTES`] or more sweeps the rows
+/// [`MQ_AHEAD_BLOCKS`] blocks ahead into L2 ([`Ahead::Sweep`]). Cold, n = m = 4096, one
+/// thread, AMD Zen 4 (AVX-512), alternated runs against prefetches of the next group's
+/// span into L1 (and none for whole rows): r = 1 0.69-0.98 → 0.86-0.92 of the read
+/// bandwidth, r = 2 0.49-0.58 → 0.77-0.88, r = 4 0.50-0.56 → 0.63-0.84, r = 8 (where the
+/// FMA units, not memory, set the pace) 0.48-0.51 → 0.49-0.66.
 #[inline(always)]
 pub(crate) unsafe fn mq_rows<S: Simd, const FUSE: bool>(a: &Mat, rows: Range<usize>) {
     // The row count of the first (widest) column tile.
