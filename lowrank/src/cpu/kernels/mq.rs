@@ -31,6 +31,10 @@ const MQ_BLOCK_ROWS: usize = 8;
 /// prefetched rows evicted the chunk of `Q`); the same prefetches into L2 0.74-0.84, the
 /// sweep 1 block ahead 0.80-0.88, 2 blocks 0.84-0.89.
 const MQ_AHEAD_BLOCKS: usize = 2;
+/// At least this many bytes ahead, in whole blocks: unchunked, a block is one group of
+/// rows (one row of 16 KiB for the fused pass at r = 1 and 4096 columns), and two of
+/// them are too near for a prefetch from memory to arrive in time.
+const MQ_AHEAD_MIN_BYTES: usize = 128 * 1024;
 
 /// The tile for a group of `kt` columns of `P` (8, 4, 2 or 1) on an instruction set of
 /// `lanes` lanes: `(rows, accumulators per column)`. Accumulators `rows x kt x u` plus
@@ -46,6 +50,31 @@ const fn tile(lanes: usize, kt: usize) -> (usize, usize) {
         (_, 4) => (2, 1),
         (_, 2) => (2, 2),
         _ => (4, 2),
+    }
+}
+
+/// Rows a group reads side by side (every column tile of the group takes them): the
+/// first column tile's ([`tile`]), but
+/// - one for the fused pass when that tile is at most 2 columns wide (4 with 8 lanes):
+///   at the row strides of most models (multiples of 4 KiB) a group's rows of `M` and
+///   of `E` all fall in one L1 set, and with 4 rows they and `Q` overflow its 8 ways.
+///   With `M` in L2, AMD Zen 4, alternated runs: r = 1 0.48-0.57 → 0.94-1.01 of the
+///   in-core limit (AVX-512), 0.57-0.63 → 0.87-0.91 (AVX2); r = 2 88-94 → 81-105 GB/s
+///   and 70-77 → 92-100; AVX2 r = 4 44-58 → 69-70;
+/// - 3 from 8 columns with 8 lanes (two tiles of 4, 12 accumulators): AVX2 r = 8,
+///   0.60-0.70 → 0.56-0.77 of the in-core limit for `mq`, 0.29-0.49 → 0.49-0.51 fused,
+///   cold 0.50-0.65 → 0.64-0.68 of the read bandwidth.
+///
+/// Rows do not change how any `P[i, k]` is summed, so this choice keeps results
+/// bit-identical.
+const fn group_rows(lanes: usize, r: usize, fuse: bool) -> usize {
+    let kt = tile_width(lanes, r);
+    if lanes == 8 && r >= 8 {
+        3
+    } else if fuse && (kt <= 2 || (lanes == 8 && kt == 4)) {
+        1
+    } else {
+        tile(lanes, kt).0
     }
 }
 
@@ -79,7 +108,7 @@ macro_rules! with_tile {
 
 /// The widest column tile (8, 4, 2, 1; at most 4 with 8 lanes) that fits the `rem`
 /// columns left.
-fn tile_width(lanes: usize, rem: usize) -> usize {
+const fn tile_width(lanes: usize, rem: usize) -> usize {
     if rem >= 8 && lanes == 16 {
         8
     } else if rem >= 4 {
@@ -464,7 +493,9 @@ unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(a: &Mat, rows: 
                     // spans before this one, then its groups before this one.
                     let block_rows = groups * rb;
                     let span_len = span.end - span.start;
-                    let image = (i0 + MQ_AHEAD_BLOCKS * block_rows) * a.cols
+                    let blocks =
+                        MQ_AHEAD_BLOCKS.max(MQ_AHEAD_MIN_BYTES.div_ceil(block_rows * a.cols * 4));
+                    let image = (i0 + blocks * block_rows) * a.cols
                         + span.start * block_rows
                         + g * rb * span_len;
                     let ahead = if sweep {
@@ -505,7 +536,8 @@ unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(a: &Mat, rows: 
 /// r = 1, 2, 4 and 0.66-0.70 at r = 8; this one 0.55-0.85 and 0.59-0.61. The fused
 /// `add_mq` went from 0.36-0.38 to 0.66-0.74 at r = 2 but from 0.91-0.93 to 0.56-0.59 at
 /// r = 1, and the AVX2 tiles at r = 8 lost to the previous 3 x 4 ones (0.39-0.42 against
-/// 0.51-0.71): both are open.
+/// 0.51-0.71): [`group_rows`] now takes one row for the fused pass at low rank and three
+/// rows for AVX2 at r = 8.
 ///
 /// From memory, a call that streams [`SWEEP_MIN_BYTES`] or more sweeps the rows
 /// [`MQ_AHEAD_BLOCKS`] blocks ahead into L2 ([`Ahead::Sweep`]). Cold, n = m = 4096, one
@@ -515,12 +547,12 @@ unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(a: &Mat, rows: 
 /// FMA units, not memory, set the pace) 0.48-0.51 → 0.49-0.66.
 #[inline(always)]
 pub(crate) unsafe fn mq_rows<S: Simd, const FUSE: bool>(a: &Mat, rows: Range<usize>) {
-    // The row count of the first (widest) column tile.
-    let rb = tile(S::LANES, tile_width(S::LANES, a.r)).0;
+    let rb = group_rows(S::LANES, a.r, FUSE);
     // SAFETY: forwarded caller guarantees.
     unsafe {
         match rb {
             4 => mq_rows_rb::<S, 4, FUSE>(a, rows),
+            3 => mq_rows_rb::<S, 3, FUSE>(a, rows),
             2 => mq_rows_rb::<S, 2, FUSE>(a, rows),
             _ => mq_rows_rb::<S, 1, FUSE>(a, rows),
         }
