@@ -972,8 +972,8 @@ fn results_do_not_depend_on_thread_count() {
 
 /// `Mᵀ P` over several column panels and row blocks (4096 columns a panel, 128 KiB a
 /// block), odd ranks that take several column tiles, and `M̂ = P Qᵀ` with the error update
-/// over two-row tiles and a leftover row: each against the f64 reference, and the same
-/// bits on every thread count.
+/// over two-row tiles and a leftover row (and `Mᵀ P` streaming rows with 8 lanes at
+/// r <= 2): each against the f64 reference, and the same bits on every thread count.
 #[test]
 fn blocked_mtp_and_pqt_match_the_reference_and_every_thread_count() {
     for &(batch, n, m, r) in &[
@@ -983,6 +983,10 @@ fn blocked_mtp_and_pqt_match_the_reference_and_every_thread_count() {
         (1, 9, 4111, 5),
         (1, 130, 257, 1),
         (1, 3, 8200, 2),
+        // 8 lanes, r <= 2: the row-streaming kernel, blocks of 4 rows and a remainder,
+        // ragged columns, and (1 MiB or more a call) the sweep ahead.
+        (2, 45, 1031, 2),
+        (1, 70, 4100, 1),
     ] {
         let d = Dims::new(batch, n, m, r).unwrap();
         let (x, p, q) = (

@@ -6,6 +6,7 @@
 //! whole vector: a multiply and an add, in the same order), whatever the blocking, the
 //! column panels and the thread count.
 
+use super::mq::QPack;
 use super::{Mat, SWEEP_MIN_BYTES, SWEEP_STRIDE};
 use crate::cpu::simd::Simd;
 use std::ops::Range;
@@ -114,6 +115,140 @@ unsafe fn mtp_block<S: Simd, const VW: usize, const KT: usize>(
     }
 }
 
+/// Rows the streaming kernel ([`mtp_stream`]) adds to each vector of `Q` in one pass.
+const MTP_STREAM_ROWS: usize = 4;
+/// Floats of each row one pass of [`mtp_stream`] keeps in L1 (2 KiB a row, 8 KiB for its
+/// rows) while the `r` columns of `Q` go over them.
+const MTP_STREAM_PANEL: usize = 512;
+/// Bytes at least that [`mtp_stream`] sweeps ahead, in whole blocks of rows.
+const MTP_STREAM_AHEAD_BYTES: usize = 128 * 1024;
+
+/// [`mtp_stream`] for the `RB` rows at `i0`: for each panel of the vectors `0..nvec`
+/// (from column `c0`) and each column `k` of `Q`, `RB` fused multiply-adds into each
+/// vector of the packed `Q` at `qp` (`qp[(v * r + k) * lanes]`), the rows' `P` values in
+/// registers and their vectors from L1 (read `r` times a panel).
+// Register tiles read best with explicit indices.
+#[allow(clippy::needless_range_loop)]
+#[inline(always)]
+unsafe fn mtp_stream_block<S: Simd, const RB: usize>(
+    a: &Mat,
+    i0: usize,
+    c0: usize,
+    nvec: usize,
+    qp: *mut f32,
+    ahead_rows: usize,
+) {
+    let lanes = S::LANES;
+    let panel = MTP_STREAM_PANEL / lanes;
+    // SAFETY: the caller guarantees rows i0..i0+RB inside 0..n, the nvec vectors from
+    // column c0 inside the row, and `qp` holding r * nvec vectors. Prefetch addresses
+    // are formed with `wrapping_add` and a prefetch never faults.
+    unsafe {
+        let row = |ii: usize| a.m.add((i0 + ii) * a.cols + c0);
+        let mut v0 = 0;
+        while v0 < nvec {
+            let v1 = (v0 + panel).min(nvec);
+            for k in 0..a.r {
+                let mut pk = [S::zero(); RB];
+                for ii in 0..RB {
+                    pk[ii] = S::splat(*a.p.add(k * a.n + i0 + ii));
+                }
+                for v in v0..v1 {
+                    // One prefetch a line, each line's in one of the r passes, so that
+                    // memory stays busy through all of them.
+                    let line = v * lanes / SWEEP_STRIDE;
+                    if ahead_rows != 0
+                        && (v * lanes).is_multiple_of(SWEEP_STRIDE)
+                        && line % a.r == k
+                    {
+                        for ii in 0..RB {
+                            S::prefetch_l2(row(ii).wrapping_add(ahead_rows * a.cols + v * lanes));
+                        }
+                    }
+                    let dst = qp.add((v * a.r + k) * lanes);
+                    let mut acc = S::load(dst);
+                    for ii in 0..RB {
+                        acc = S::fma(pk[ii], S::load(row(ii).add(v * lanes)), acc);
+                    }
+                    S::store(dst, acc);
+                }
+            }
+            v0 = v1;
+        }
+    }
+}
+
+/// `Q[cols] = (Mᵀ P)[cols]` streaming whole rows, for 8 lanes (AVX2 and the portable
+/// fallback): blocks of [`MTP_STREAM_ROWS`] rows, each added to every vector of a packed
+/// `Q` (for each vector of columns the `r` vectors one after the other, zeroed first,
+/// written back at the end) in panels of [`MTP_STREAM_PANEL`] floats.
+///
+/// The strips of [`mtp_block`] read 8 vectors (256 bytes) of each row down a block; at
+/// power-of-two widths the block's rows are multiples of 4 KiB apart and the strip's
+/// lines fall in 4 of L1's 64 sets: with `M` in L2 (AMD Zen 4, AVX2), 0.28-0.45 of the
+/// in-core limit at 1024 columns against 0.67-0.85 at 1008. Here 4 rows side by side
+/// share a set with one line of the packed `Q`: at r = 1 45 → 77 GB/s in L2, r = 2
+/// 31-34 → 65, and from memory (one thread, 4096 x 4096) r = 1 0.71-0.85 → 0.86-0.92
+/// of the read bandwidth, r = 2 0.71-0.94 → 0.63-0.84 (within this VM's noise). From
+/// r = 4 the rows' `r` passes over L1 cost more than the strips' sets: 0.71-0.94 → 0.44-0.64
+/// from memory, so [`mtp_cols`] takes this kernel only up to r = 2.
+///
+/// Each element gets the same operations in the same order as in [`mtp_block`] (from
+/// zero, one fused multiply-add a row in row order; the ragged columns a multiply and an
+/// add a row), so the two give the same bits.
+#[inline(always)]
+unsafe fn mtp_stream<S: Simd>(a: &Mat, cols: Range<usize>) {
+    let lanes = S::LANES;
+    let nvec = cols.len() / lanes;
+    let vec_end = cols.start + nvec * lanes;
+    let mut pack = QPack::take(a.r * nvec * lanes + 16);
+    let qp = pack.aligned();
+    let sweep = a.n * cols.len() * 4 >= SWEEP_MIN_BYTES;
+    let ahead_rows = if sweep {
+        (2 * MTP_STREAM_ROWS).max(MTP_STREAM_AHEAD_BYTES.div_ceil(a.cols * 4))
+    } else {
+        0
+    };
+    // SAFETY: the pack holds r * nvec vectors from its aligned start; every block's rows
+    // lie inside 0..n, the vectors and the ragged columns inside `cols` (inside 0..cols,
+    // the caller), and Q holds r columns of `cols` floats.
+    unsafe {
+        for t in 0..a.r * nvec {
+            S::store(qp.add(t * lanes), S::zero());
+        }
+        let mut i0 = 0;
+        while i0 < a.n {
+            let rb = if a.n - i0 >= MTP_STREAM_ROWS {
+                MTP_STREAM_ROWS
+            } else {
+                1
+            };
+            if rb == MTP_STREAM_ROWS {
+                mtp_stream_block::<S, MTP_STREAM_ROWS>(a, i0, cols.start, nvec, qp, ahead_rows);
+            } else {
+                mtp_stream_block::<S, 1>(a, i0, cols.start, nvec, qp, ahead_rows);
+            }
+            for jj in vec_end..cols.end {
+                for k in 0..a.r {
+                    let d = a.q.add(k * a.cols + jj);
+                    let mut s = if i0 > 0 { *d } else { 0.0 };
+                    for i in i0..i0 + rb {
+                        s += *a.p.add(k * a.n + i) * *a.m.add(i * a.cols + jj);
+                    }
+                    *d = s;
+                }
+            }
+            i0 += rb;
+        }
+        for v in 0..nvec {
+            for k in 0..a.r {
+                let src = qp.add((v * a.r + k) * lanes);
+                S::store(a.q.add(k * a.cols + cols.start + v * lanes), S::load(src));
+            }
+        }
+    }
+}
+
 /// Accumulators a tile holds: 16 vectors with AVX-512's 32 registers, 8 with 16 (AVX2
 /// and the portable fallback), leaving room for the row's vectors and a broadcast.
 const fn tile_accumulators(lanes: usize) -> usize {
@@ -155,6 +290,10 @@ pub(crate) unsafe fn mtp_cols<S: Simd>(a: &Mat, cols: Range<usize>) {
             }
         }
         return;
+    }
+    if lanes == 8 && a.r <= 2 {
+        // SAFETY: forwarded caller guarantees.
+        return unsafe { mtp_stream::<S>(a, cols) };
     }
     let accs = tile_accumulators(lanes);
     let width = MTP_PANEL_COLS.max(lanes);
