@@ -53,11 +53,12 @@
 //! against synchronising every one, at 1 and 10 Gbit/s (accounted as above).
 //!
 //! `batch` suite (run only when named): the per-layer PowerSGD hook with and without
-//! `batch_tensors_with_same_shape` on one preset (`--preset NAME`, default `bert-base`),
+//! `batch_tensors_with_same_shape`, and with it on buckets laid out by shape
+//! (`ReducerConfig::layout = BucketLayout::ByShape`: no stacking copies), on one preset (`--preset NAME`, default `bert-base`),
 //! r = 1, 2, 4, on 2 ranks of one CPU thread each, for each SIMD instruction set of this
 //! CPU (`--isa avx2` or `--isa avx512` for one, also for the `hooks` suite, where it caps
 //! the thread backend's 16-bit loops too: `LOWRANK_CPU_CAPABILITY`; `--no-bias` drops the preset's 1-D
-//! parameters), the two settings alternated step by step
+//! parameters), the three settings alternated step by step
 //! so that load drifts touch both alike; the hook time per step (median, slowest rank),
 //! its ratio to the memory bound at the one-thread read bandwidth (as `bound 1t` of the
 //! `hooks` suite), and the time of the first compressed step (which allocates the hook's
@@ -74,7 +75,7 @@ mod models;
 use accum::{Accumulator, GradSync};
 use collectives::link::{Charge, Link, Linked};
 use collectives::{run_local, ProcessGroup};
-use ddp_hooks::{CommHook, HookSpec, PowerSgdConfig, Reducer, ReducerConfig};
+use ddp_hooks::{BucketLayout, CommHook, HookSpec, PowerSgdConfig, Reducer, ReducerConfig};
 use lowrank::{CpuBackend, Isa};
 use measure::{median, read_bandwidth, synthetic, BOUND_PASSES, LATENCY, RANKS};
 use std::sync::Arc;
@@ -94,18 +95,26 @@ struct Args {
     steps: Option<usize>,
 }
 
-/// Hook times per step of PowerSGD (`cfg`, batching off then on) on `shapes` through
-/// the reducer, on [`RANKS`] ranks with the kernels of `isa`: for each setting, the
-/// slowest rank's time of each step, the [`measure::POWERSGD_WARMUP`] steps first (the
-/// last of them is the first compressed step, which allocates the hook's memories). Both hooks run on every rank, alternately,
-/// each on its own reducer.
-fn batch_pair(
+/// The settings the `batch` suite compares: batching off, on, and on with the buckets
+/// laid out by shape ([`BucketLayout::ByShape`], so that no batch is stacked by copy).
+const BATCH_SETTINGS: [(bool, BucketLayout); 3] = [
+    (false, BucketLayout::Launch),
+    (true, BucketLayout::Launch),
+    (true, BucketLayout::ByShape),
+];
+
+/// Hook times per step of PowerSGD (`cfg`, under each of [`BATCH_SETTINGS`]) on `shapes`
+/// through the reducer, on [`RANKS`] ranks with the kernels of `isa`: for each setting,
+/// the slowest rank's time of each step, the [`measure::POWERSGD_WARMUP`] steps first
+/// (the last of them is the first compressed step, which allocates the hook's
+/// memories). All settings run on every rank, alternately, each on its own reducer.
+fn batch_runs(
     shapes: &[Vec<usize>],
     grads: &[Vec<Vec<f32>>],
     cfg: &PowerSgdConfig,
     isa: Isa,
     steps: usize,
-) -> [Vec<Duration>; 2] {
+) -> Vec<Vec<Duration>> {
     let warmup = measure::POWERSGD_WARMUP;
     let out = run_local(RANKS, |g| {
         let rank = g.rank();
@@ -116,12 +125,12 @@ fn batch_pair(
                 .with_isa(isa)
                 .expect("isa"),
         );
-        // One group for both: each step of one hook finishes before the other's starts,
+        // One group for all: each step of one hook finishes before the next's starts,
         // so every rank issues the same collectives in the same order.
         let group: Arc<dyn ProcessGroup> = Arc::new(g);
-        let mut reducers: Vec<_> = [false, true]
+        let mut reducers: Vec<_> = BATCH_SETTINGS
             .into_iter()
-            .map(|batch| {
+            .map(|(batch, layout)| {
                 let group = group.clone();
                 let cfg = PowerSgdConfig {
                     batch_tensors_with_same_shape: Some(batch),
@@ -130,10 +139,14 @@ fn batch_pair(
                 let hook = HookSpec::PowerSgd(cfg)
                     .build(be.clone(), group)
                     .expect("hook");
-                Reducer::new(be.clone(), shapes, hook, ReducerConfig::default()).expect("reducer")
+                let config = ReducerConfig {
+                    layout,
+                    ..ReducerConfig::default()
+                };
+                Reducer::new(be.clone(), shapes, hook, config).expect("reducer")
             })
             .collect();
-        let mut times = [Vec::new(), Vec::new()];
+        let mut times = vec![Vec::new(); reducers.len()];
         for _ in 0..warmup + steps {
             for (which, reducer) in reducers.iter_mut().enumerate() {
                 for (p, grad) in grads[rank].iter().enumerate() {
@@ -151,11 +164,13 @@ fn batch_pair(
     })
     .expect("ranks");
     let ranks: Vec<_> = out.into_iter().map(|r| r.expect("rank")).collect();
-    [0, 1].map(|which| {
-        (0..warmup + steps)
-            .map(|i| ranks.iter().map(|r| r[which][i]).max().unwrap_or_default())
-            .collect()
-    })
+    (0..BATCH_SETTINGS.len())
+        .map(|which| {
+            (0..warmup + steps)
+                .map(|i| ranks.iter().map(|r| r[which][i]).max().unwrap_or_default())
+                .collect()
+        })
+        .collect()
 }
 
 fn batch_suite(a: &Args) {
@@ -186,20 +201,24 @@ fn batch_suite(a: &Args) {
     let steps = if a.quick { 3 } else { 7 };
     if !a.json {
         println!(
-            "{model}: PowerSGD, batch_tensors_with_same_shape off vs on, {RANKS} ranks x 1 thread; read bandwidth {:.1} GB/s",
+            "{model}: PowerSGD, batch_tensors_with_same_shape off, on, and on with buckets laid out by shape; {RANKS} ranks x 1 thread; read bandwidth {:.1} GB/s",
             bw / 1e9
         );
         println!(
-            "{:<8} {:>4} {:>14} {:>12} {:>8} {:>10} {:>10} {:>9} {:>9} {:>6}",
+            "{:<8} {:>4} {:>13} {:>11} {:>12} {:>7} {:>7} {:>9} {:>8} {:>9} {:>8} {:>7} {:>7} {:>6}",
             "isa",
             "rank",
             "unbatched ms",
             "batched ms",
-            "ratio",
+            "by-shape ms",
+            "on/off",
+            "bs/off",
             "bound off",
             "bound on",
+            "bound bs",
             "1st off",
             "1st on",
+            "1st bs",
             "load"
         );
     }
@@ -210,14 +229,12 @@ fn batch_suite(a: &Args) {
                 start_powersgd_iter: 2,
                 ..PowerSgdConfig::default()
             };
-            let [off, on] = batch_pair(&shapes, &grads, &cfg, isa, steps);
+            let runs = batch_runs(&shapes, &grads, &cfg, isa, steps);
             let first = measure::POWERSGD_WARMUP - 1;
             let ms = |d: Duration| d.as_secs_f64() * 1e3;
-            let (first_off, first_on) = (ms(off[first]), ms(on[first]));
-            let (off, on) = (
-                ms(median(off[first + 1..].to_vec())),
-                ms(median(on[first + 1..].to_vec())),
-            );
+            let firsts: Vec<f64> = runs.iter().map(|t| ms(t[first])).collect();
+            let [off, on, bs]: [f64; 3] =
+                std::array::from_fn(|k| ms(median(runs[k][first + 1..].to_vec())));
             let bound = |ms: f64| ms / (BOUND_PASSES * grad_bytes as f64 / bw * 1e3);
             let load = std::fs::read_to_string("/proc/loadavg")
                 .ok()
@@ -225,23 +242,31 @@ fn batch_suite(a: &Args) {
                 .unwrap_or_else(|| "?".into());
             if a.json {
                 println!(
-                    "{{\"bench\":\"ddp-hooks/batch\",\"model\":\"{model}\",\"isa\":\"{}\",\"rank\":{r},\"ranks\":{RANKS},\"unbatched_ms\":{off:.3},\"batched_ms\":{on:.3},\"bound_ratio_unbatched\":{:.3},\"bound_ratio_batched\":{:.3},\"first_step_ms_unbatched\":{first_off:.3},\"first_step_ms_batched\":{first_on:.3},\"load\":{load}}}",
+                    "{{\"bench\":\"ddp-hooks/batch\",\"model\":\"{model}\",\"isa\":\"{}\",\"rank\":{r},\"ranks\":{RANKS},\"unbatched_ms\":{off:.3},\"batched_ms\":{on:.3},\"by_shape_ms\":{bs:.3},\"bound_ratio_unbatched\":{:.3},\"bound_ratio_batched\":{:.3},\"bound_ratio_by_shape\":{:.3},\"first_step_ms_unbatched\":{:.3},\"first_step_ms_batched\":{:.3},\"first_step_ms_by_shape\":{:.3},\"load\":{load}}}",
                     isa.name(),
                     bound(off),
-                    bound(on)
+                    bound(on),
+                    bound(bs),
+                    firsts[0],
+                    firsts[1],
+                    firsts[2]
                 );
             } else {
                 println!(
-                    "{:<8} {:>4} {:>14.1} {:>12.1} {:>7.3}x {:>9.2}x {:>9.2}x {:>9.0} {:>9.0} {:>6}",
+                    "{:<8} {:>4} {:>13.1} {:>11.1} {:>12.1} {:>6.3}x {:>6.3}x {:>8.2}x {:>7.2}x {:>8.2}x {:>8.0} {:>7.0} {:>7.0} {:>6}",
                     isa.name(),
                     r,
                     off,
                     on,
+                    bs,
                     on / off,
+                    bs / off,
                     bound(off),
                     bound(on),
-                    first_off,
-                    first_on,
+                    bound(bs),
+                    firsts[0],
+                    firsts[1],
+                    firsts[2],
                     load
                 );
             }

@@ -83,6 +83,62 @@ impl Layout {
     }
 }
 
+/// How the reducer lays out the gradients of a bucket in its buffer
+/// ([`ReducerConfig::layout`](crate::ReducerConfig::layout)). Which parameters share a
+/// bucket, and when it launches, do not depend on it: only where each gradient lies.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum BucketLayout {
+    /// In the bucket's launch order, as DDP's buckets.
+    #[default]
+    Launch,
+    /// Laid out for PowerSGD: the tensors of two or more dimensions first, grouped by the
+    /// matrix view PowerSGD compresses ([`ParamSlot::matrix`]; the views in order of
+    /// first appearance, each group in launch order), then the 1-D tensors, scalars and
+    /// empty tensors, in launch order. Same-shape matrices then lie one after another, so
+    /// `batch_tensors_with_same_shape` reads every batch in place (no stacking copies),
+    /// and the tensors PowerSGD leaves uncompressed (biases, norms) are one run at the
+    /// end of the bucket. A saved PowerSGD state records its layout's shapes, so a state
+    /// saved under one layout is refused under the other ([`Error::Bucket`]).
+    ByShape,
+}
+
+impl BucketLayout {
+    /// The order in which this layout places the parameters of `shapes` (one bucket's,
+    /// in launch order): indices into `shapes`, a permutation. Applying it to shapes it
+    /// has already arranged changes nothing.
+    pub fn arrange(self, shapes: &[Vec<usize>]) -> Vec<usize> {
+        match self {
+            BucketLayout::Launch => (0..shapes.len()).collect(),
+            BucketLayout::ByShape => {
+                let mut groups: Vec<((usize, usize), Vec<usize>)> = Vec::new();
+                let mut rest = Vec::new();
+                for (i, s) in shapes.iter().enumerate() {
+                    let view = match s.split_first() {
+                        Some((&n, tail)) if !tail.is_empty() && n > 0 => {
+                            // An overflowing element count fails `Layout::packed` later;
+                            // here it only needs some key.
+                            Some((n, element_count(tail).unwrap_or(usize::MAX)))
+                        }
+                        _ => None,
+                    };
+                    match view.filter(|&(_, m)| m > 0) {
+                        Some(key) => match groups.iter_mut().find(|(k, _)| *k == key) {
+                            Some((_, members)) => members.push(i),
+                            None => groups.push((key, vec![i])),
+                        },
+                        None => rest.push(i),
+                    }
+                }
+                groups
+                    .into_iter()
+                    .flat_map(|(_, m)| m)
+                    .chain(rest)
+                    .collect()
+            }
+        }
+    }
+}
+
 /// The number of elements of a tensor of `shape`, if it fits in `usize`.
 pub(crate) fn element_count(shape: &[usize]) -> Option<usize> {
     shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d))

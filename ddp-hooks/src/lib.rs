@@ -58,7 +58,7 @@ mod wire;
 
 pub use averaging::{HierarchicalModelAverager, PeriodicModelAverager, PostLocalSgd};
 pub use broadcast::{broadcast_parameters, broadcast_parameters_bucketed, BROADCAST_BUCKET_BYTES};
-pub use bucket::{GradBucket, Layout, ParamSlot};
+pub use bucket::{BucketLayout, GradBucket, Layout, ParamSlot};
 pub use comm::{CommBackend, CommElement};
 pub use diloco::{DiLoCo, DiLoCoConfig, DiLoCoState};
 pub use error::{Error, Result};

@@ -81,7 +81,7 @@ mod rebuild;
 mod unused;
 
 use crate::bucket::{element_count, shape_str};
-use crate::{CommBackend, CommHook, Error, GradBucket, Layout, Result};
+use crate::{BucketLayout, CommBackend, CommHook, Error, GradBucket, Layout, Result};
 use assign::Caps;
 use collectives::{ProcessGroup, Work};
 use lowrank::Backend;
@@ -106,6 +106,11 @@ pub struct ReducerConfig {
     /// each synchronised step also finds the parameters no rank used
     /// ([`Reducer::globally_unused`]).
     pub find_unused_parameters: bool,
+    /// Where each gradient lies in its bucket (default [`BucketLayout::Launch`], DDP's
+    /// launch order). [`BucketLayout::ByShape`] lays buckets out for PowerSGD: same-shape
+    /// matrices adjacent, 1-D tensors last, so its batches read the bucket in place.
+    /// Every rank must use the same layout.
+    pub layout: BucketLayout,
 }
 
 impl ReducerConfig {
@@ -130,6 +135,7 @@ impl Default for ReducerConfig {
             bucket_cap_mb: 25.0,
             first_bucket_mb: 1.0,
             find_unused_parameters: false,
+            layout: BucketLayout::Launch,
         }
     }
 }
@@ -230,7 +236,7 @@ impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
             .collect::<Result<Vec<usize>>>()?;
         let reverse: Vec<usize> = (0..shapes.len()).rev().collect();
         let groups = assign::by_size(&reverse, &lens, Caps::new(&config));
-        let (buckets, places) = rebuild::build::<B>(&backend, shapes, groups)?;
+        let (buckets, places) = rebuild::build::<B>(&backend, shapes, config.layout, groups)?;
         tracing::debug!(buckets = buckets.len(), "reducer buckets assigned");
         Ok(Reducer {
             backend,

@@ -58,7 +58,14 @@ pub struct PowerSgdConfig {
     ///   their biases) are stacked by copy into a buffer the hook keeps per bucket (the
     ///   size of those matrices), and copied back after decompression, as PyTorch's
     ///   `torch.stack`: two extra passes over them in, two out, on top of the 7 of the
-    ///   fused algorithm.
+    ///   fused algorithm. A reducer with [`ReducerConfig::layout`] set to
+    ///   [`BucketLayout::ByShape`] lays its buckets out so that every batch is in place
+    ///   and the uncompressed tensors are one run (one copy each way): on BERT-base
+    ///   (Zen 4, AVX-512, 2 ranks) that takes the batched hook from 1.14-1.17 × the
+    ///   unbatched one's time to 0.95-1.04 ×.
+    ///
+    ///   [`ReducerConfig::layout`]: crate::ReducerConfig::layout
+    ///   [`BucketLayout::ByShape`]: crate::BucketLayout::ByShape
     /// - **When it pays.** Batching saves kernel launches and per-call overhead, so it
     ///   pays where launches cost more than memory traffic (CUDA, small matrices). On
     ///   the CPU each call is already a pass over the matrices at memory bandwidth, with

@@ -46,6 +46,9 @@ pub(super) struct LayerMemory<B: Backend> {
     pub work: Option<(Factor<B>, Factor<B>)>,
     /// The step's non-finite flag (one element).
     pub flag: Option<B::Buffer<f32>>,
+    /// The uncompressed tensors, gathered for their all-reduce (lost in a failed
+    /// collective: reallocated then).
+    pub u: Option<B::Buffer<f32>>,
 }
 
 impl<B: Backend> LayerMemory<B> {
@@ -60,6 +63,7 @@ impl<B: Backend> LayerMemory<B> {
             stack: None,
             work: None,
             flag: None,
+            u: None,
         }
     }
 }

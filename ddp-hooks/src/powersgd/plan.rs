@@ -108,7 +108,9 @@ pub(crate) struct Plan {
     pub compressed: Vec<Mat>,
     /// The batches, in the plan's order; one per compressed tensor without batching.
     pub groups: Vec<Group>,
-    /// `(offset in the bucket, length)` of each uncompressed tensor.
+    /// `(offset in the bucket, length)` of each run of uncompressed tensors that lie
+    /// one after another (one run under [`crate::BucketLayout::ByShape`], whose 1-D
+    /// tensors come last), in bucket order: one copy each way per run.
     pub uncompressed: Vec<(usize, usize)>,
     pub p_len: usize,
     pub q_len: usize,
@@ -171,7 +173,10 @@ impl Plan {
                 plan.e_len = add(plan.e_len, nm)?;
                 plan.after = plan.after.saturating_add(thin as u64);
             } else {
-                plan.uncompressed.push((slot.offset, slot.len));
+                match plan.uncompressed.last_mut() {
+                    Some((off, len)) if *off + *len == slot.offset => *len += slot.len,
+                    _ => plan.uncompressed.push((slot.offset, slot.len)),
+                }
                 plan.u_len = add(plan.u_len, slot.len)?;
                 plan.after = plan.after.saturating_add(slot.len as u64);
             }
@@ -475,5 +480,57 @@ mod tests {
         assert_eq!(p.stack_len, 0);
         assert!(p.in_saved_order());
         assert!(p.same_order(&plan(&shapes, 1, false)));
+    }
+
+    /// A BERT-like bucket (two layers, each four projections with their biases, norms
+    /// and the MLP) arranged by `BucketLayout::ByShape`: every batch is read in place
+    /// and the uncompressed tensors are one run at the end; in launch order the same
+    /// bucket needs the stack and one copy per tensor.
+    #[test]
+    fn by_shape_buckets_need_no_stack_and_one_gather() {
+        let h = 16;
+        let mut launch = Vec::new();
+        for _ in 0..2 {
+            for _ in 0..4 {
+                launch.extend([vec![h, h], vec![h]]);
+            }
+            launch.extend([
+                vec![h],
+                vec![h],
+                vec![4 * h, h],
+                vec![4 * h],
+                vec![h, 4 * h],
+            ]);
+            launch.extend([vec![h], vec![h], vec![h]]);
+        }
+        let order = crate::BucketLayout::ByShape.arrange(&launch);
+        let arranged: Vec<Vec<usize>> = order.iter().map(|&i| launch[i].clone()).collect();
+        let (before, after) = (plan(&launch, 2, true), plan(&arranged, 2, true));
+        assert!(before.stack_len > 0);
+        assert!(before.uncompressed.len() > 1);
+        assert_eq!(after.stack_len, 0);
+        assert_eq!(after.groups.len(), 3);
+        assert!(after
+            .groups
+            .iter()
+            .all(|g| matches!(g.x, Source::Bucket(_))));
+        assert_eq!(after.groups[0].dims.batch(), 8);
+        let tail: usize = launch.iter().filter(|s| s.len() == 1).map(|s| s[0]).sum();
+        assert_eq!(after.uncompressed, vec![(after.len - tail, tail)]);
+        assert_eq!(after.u_len, before.u_len);
+        assert_eq!((after.before, after.after), (before.before, before.after));
+    }
+
+    /// Adjacent uncompressed tensors are one run; a compressed tensor between splits it.
+    #[test]
+    fn uncompressed_runs_are_coalesced() {
+        let p = plan(
+            &[vec![3], vec![4], vec![8, 16], vec![5], vec![2, 2]],
+            1,
+            false,
+        );
+        // [2, 2] at rank 1: (2 + 2) · 1 · 2 = 8 is not below 4, so it stays uncompressed.
+        assert_eq!(p.uncompressed, vec![(0, 7), (7 + 128, 5 + 4)]);
+        assert_eq!(p.u_len, 16);
     }
 }

@@ -106,7 +106,12 @@ pub(super) fn start<B: CommBackend>(
     let first_use = m.order.is_none();
     reorder(&*be, index, m, &plan)?;
 
-    let mut u = be.alloc::<f32>(plan.u_len)?;
+    // The uncompressed tensors gathered for their all-reduce, into the buffer the last
+    // step left (one run to copy under `BucketLayout::ByShape`).
+    let mut u = match m.u.take() {
+        Some(u) if B::buffer_len(&u) == plan.u_len => u,
+        _ => be.try_alloc::<f32>(plan.u_len)?,
+    };
     let mut at = 0;
     for &(off, len) in &plan.uncompressed {
         be.copy(
@@ -255,7 +260,7 @@ fn issue<B: CommBackend>(
             };
             match r {
                 Ok(((p, q, xs), u)) => {
-                    decompress(&*be, lease, warm_start, &plan, (p, q, xs), &u).map_err(Into::into)
+                    decompress(&*be, lease, warm_start, &plan, (p, q, xs), u).map_err(Into::into)
                 }
                 // The lease puts the memories back as they were.
                 Err(e) => Err(e),
@@ -353,7 +358,7 @@ fn decompress<B: CommBackend>(
     warm_start: bool,
     plan: &Plan,
     reduced: Products<B>,
-    u: &B::Buffer<f32>,
+    u: B::Buffer<f32>,
 ) -> Result<B::Buffer<f32>> {
     let (p, q, xs) = reduced;
     let Matrices {
@@ -365,7 +370,7 @@ fn decompress<B: CommBackend>(
     // alike. A NaN or an infinity in any rank's gradient reaches them: `P = X Q` of a
     // non-finite `X` is non-finite, and the orthogonalisation turns that matrix into NaN
     // (so `Q = Xᵀ P̂` is NaN too); the uncompressed means carry it as they are.
-    for v in [&p, &q, u] {
+    for v in [&p, &q, &u] {
         be.flag_nonfinite(B::view(v, ..)?, B::view_mut(&mut flag, ..)?)?;
     }
     let index = lease.index();
@@ -402,7 +407,7 @@ fn decompress<B: CommBackend>(
     let mut at = 0;
     for &(off, len) in &plan.uncompressed {
         be.copy(
-            B::view(u, at..at + len)?,
+            B::view(&u, at..at + len)?,
             B::view_mut(&mut x, off..off + len)?,
         )?;
         at += len;
@@ -427,6 +432,7 @@ fn decompress<B: CommBackend>(
     }
     m.work = Some((p, q));
     m.stack = stack;
+    m.u = Some(u);
     lease.finish(be, flag)?;
     Ok(x)
 }

@@ -4,12 +4,16 @@
 
 use super::assign::{self, Caps};
 use super::{in_flight, Bucket, Place, Reducer};
-use crate::{CommBackend, CommHook, Error, Layout, Result};
+use crate::{BucketLayout, CommBackend, CommHook, Error, Layout, Result};
 use collectives::Buffer;
 use std::sync::Arc;
 
 impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
-    /// Parameter indices (forward order) of each bucket, in bucket order.
+    /// Parameter indices (forward order) of each bucket, in bucket order; within a
+    /// bucket, in the order of its layout ([`ReducerConfig::layout`]: launch order by
+    /// default).
+    ///
+    /// [`ReducerConfig::layout`]: crate::ReducerConfig::layout
     pub fn bucket_params(&self) -> Vec<Vec<usize>> {
         self.buckets.iter().map(|b| b.params.clone()).collect()
     }
@@ -78,13 +82,18 @@ impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
         Ok(())
     }
 
-    /// Moves every gradient into freshly allocated `buckets` (a checked partition).
-    /// Changes nothing on error.
+    /// Moves every gradient into freshly allocated `buckets` (a checked partition, each
+    /// in launch order or already arranged). Changes nothing on error.
     pub(super) fn apply(&mut self, groups: Vec<Vec<usize>>) -> Result<()> {
+        let groups: Vec<Vec<usize>> = groups
+            .into_iter()
+            .map(|params| arrange(&self.shapes, self.config.layout, params))
+            .collect();
         if self.buckets.iter().map(|b| &b.params).eq(groups.iter()) {
             return Ok(());
         }
-        let (mut buckets, places) = build::<B>(&self.backend, &self.shapes, groups)?;
+        let (mut buckets, places) =
+            build::<B>(&self.backend, &self.shapes, self.config.layout, groups)?;
         for (old, new) in self.places.iter().zip(&places) {
             if old.len == 0 {
                 continue;
@@ -108,15 +117,31 @@ impl<B: CommBackend, H: CommHook<B>> Reducer<B, H> {
     }
 }
 
-/// Buckets holding `groups` of parameters (in launch order) of the given shapes, with
-/// zeroed storage, and each parameter's place. Every layout is checked before the first
-/// allocation, so a shape that cannot exist fails without allocating anything.
+/// The parameters of one bucket in the order `layout` places them.
+fn arrange(shapes: &[Vec<usize>], layout: BucketLayout, params: Vec<usize>) -> Vec<usize> {
+    let bucket_shapes: Vec<Vec<usize>> = params.iter().map(|&p| shapes[p].clone()).collect();
+    layout
+        .arrange(&bucket_shapes)
+        .into_iter()
+        .map(|i| params[i])
+        .collect()
+}
+
+/// Buckets holding `groups` of parameters (in launch order, or already arranged) of the
+/// given shapes, laid out as `layout` says, with zeroed storage, and each parameter's
+/// place. Every layout is checked before the first allocation, so a shape that cannot
+/// exist fails without allocating anything.
 #[allow(clippy::type_complexity)]
 pub(super) fn build<B: CommBackend>(
     backend: &B,
     shapes: &[Vec<usize>],
+    layout: BucketLayout,
     groups: Vec<Vec<usize>>,
 ) -> Result<(Vec<Bucket<B>>, Vec<Place>)> {
+    let groups: Vec<Vec<usize>> = groups
+        .into_iter()
+        .map(|params| arrange(shapes, layout, params))
+        .collect();
     let layouts = groups
         .iter()
         .enumerate()
