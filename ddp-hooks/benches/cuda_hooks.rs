@@ -14,8 +14,10 @@
 //!   (`device_native`); `staged`, the same group behind a wrapper that keeps the trait's
 //!   default device methods, so every collective goes device → host → NCCL → host →
 //!   device; both with the CUDA defaults ([`PowerSgdConfig::default_for`]: same-shape
-//!   tensors batched). `device-unbatched` is the device path with batching off (PyTorch's
-//!   default), for reference;
+//!   tensors batched). `device-by-shape` is the device path with the buckets laid out by
+//!   shape (`BucketLayout::ByShape`: every batch read in place, no stacking copies);
+//!   `device-unbatched` is the device path with batching off (PyTorch's default), for
+//!   reference;
 //! - the **bound**: 28 bytes of device memory traffic per compressed element (the fused
 //!   algorithm's 7 passes of 4 bytes, `measure::BOUND_PASSES`) at the device copy
 //!   bandwidth measured first (a 1 GiB device-to-device copy, read plus write).
@@ -44,7 +46,9 @@ mod models;
 use collectives::nccl::{NcclGroup, NcclId};
 use collectives::{ProcessGroup, ReduceOp, Work};
 use cudarc::driver::CudaSlice;
-use ddp_hooks::{CommHook, Layout, Noop, PowerSgd, PowerSgdConfig, Reducer, ReducerConfig};
+use ddp_hooks::{
+    BucketLayout, CommHook, Layout, Noop, PowerSgd, PowerSgdConfig, Reducer, ReducerConfig,
+};
 use lowrank::{Backend, CudaBackend};
 use serde_json::json;
 use std::io::Write;
@@ -178,14 +182,20 @@ fn compressed_elements(shapes: &[Vec<usize>], rank: usize, rate: f64) -> Result<
         .sum())
 }
 
-/// The timed steps (after [`WARMUP`]) of `hook` through a reducer with DDP's buckets.
+/// The timed steps (after [`WARMUP`]) of `hook` through a reducer with DDP's buckets,
+/// laid out as `layout`.
 fn step_times(
     be: &Arc<CudaBackend>,
     shapes: &[Vec<usize>],
     grads: &[CudaSlice<f32>],
     hook: Box<dyn CommHook<CudaBackend>>,
+    layout: BucketLayout,
 ) -> Result<Vec<Duration>, BenchError> {
-    let mut reducer = Reducer::new(be.clone(), shapes, hook, ReducerConfig::default())?;
+    let config = ReducerConfig {
+        layout,
+        ..ReducerConfig::default()
+    };
+    let mut reducer = Reducer::new(be.clone(), shapes, hook, config)?;
     let steps = steps();
     let mut times = Vec::with_capacity(WARMUP + steps);
     for _ in 0..WARMUP + steps {
@@ -256,12 +266,16 @@ impl Rows {
     }
 }
 
+/// A measured configuration: its name, its group, whether same-shape tensors are
+/// batched, and the reducer's bucket layout.
+type Path = (&'static str, Arc<dyn ProcessGroup>, bool, BucketLayout);
+
 /// One preset: its gradients on the device, the noop baseline, then every rank and path.
 /// A configuration that fails is reported and the others still run; returns the number
 /// that failed.
 fn preset(
     be: &Arc<CudaBackend>,
-    paths: &[(&'static str, Arc<dyn ProcessGroup>, bool)],
+    paths: &[Path],
     base: &PowerSgdConfig,
     bw: f64,
     (name, shapes): (&'static str, Vec<Vec<usize>>),
@@ -278,12 +292,18 @@ fn preset(
         .iter()
         .map(|g| be.upload(g))
         .collect::<Result<Vec<_>, _>>()?;
-    let noop = measure::median(step_times(be, &shapes, &grads, Box::new(Noop::new()))?);
+    let noop = measure::median(step_times(
+        be,
+        &shapes,
+        &grads,
+        Box::new(Noop::new()),
+        BucketLayout::Launch,
+    )?);
     let mut failed = 0;
     for rank in RANKS {
         let elements = compressed_elements(&shapes, rank, base.min_compression_rate)?;
         let bound_ms = measure::BOUND_PASSES * 4.0 * elements as f64 / bw * 1e3;
-        for (path, pg, batch) in paths {
+        for (path, pg, batch, layout) in paths {
             if !selected(name, Some(rank), Some(path)) {
                 continue;
             }
@@ -295,7 +315,7 @@ fn preset(
             };
             let step = PowerSgd::new(be.clone(), pg.clone(), config)
                 .map_err(BenchError::from)
-                .and_then(|hook| step_times(be, &shapes, &grads, Box::new(hook)));
+                .and_then(|hook| step_times(be, &shapes, &grads, Box::new(hook), *layout));
             let step = match step {
                 Ok(times) => measure::median(times),
                 Err(e) => {
@@ -351,10 +371,21 @@ fn run(be: Arc<CudaBackend>, group: Arc<NcclGroup>, rows: &mut Rows) -> bool {
     );
     let base = PowerSgdConfig::default_for(&*be);
     let batch = base.batches_with(&*be);
-    let paths: [(&'static str, Arc<dyn ProcessGroup>, bool); 3] = [
-        ("device", group.clone(), batch),
-        ("staged", Arc::new(Staged(group.clone())), batch),
-        ("device-unbatched", group, false),
+    let paths: [Path; 4] = [
+        ("device", group.clone(), batch, BucketLayout::Launch),
+        (
+            "staged",
+            Arc::new(Staged(group.clone())),
+            batch,
+            BucketLayout::Launch,
+        ),
+        (
+            "device-by-shape",
+            group.clone(),
+            batch,
+            BucketLayout::ByShape,
+        ),
+        ("device-unbatched", group, false, BucketLayout::Launch),
     ];
     let mut ok = true;
     for (name, shapes) in PRESETS {

@@ -157,12 +157,13 @@ def show(v, fmt="{:.3f}"):
 
 print()
 print("PowerSGD hook time per step (ms; step minus the noop hook's), NCCL world size 1")
-print(f"{'preset':<14} {'r':>2} {'device':>8} {'staged':>8} {'unbatch':>8} {'pytorch':>8} "
+print(f"{'preset':<14} {'r':>2} {'device':>8} {'staged':>8} {'byshape':>8} {'unbatch':>8} {'pytorch':>8} "
       f"{'pt-batch':>8} {'dev/pt':>7} {'bound':>7} {'x bound':>7}")
 faster, within = [], []
 for preset, rank in keys:
     dev = ms(ours, (preset, rank, "device"))
     stg = ms(ours, (preset, rank, "staged"))
+    bys = ms(ours, (preset, rank, "device-by-shape"))
     unb = ms(ours, (preset, rank, "device-unbatched"))
     pt = ms(theirs, (preset, rank, "pytorch"))
     ptb = ms(theirs, (preset, rank, "pytorch-batched"))
@@ -171,7 +172,7 @@ for preset, rank in keys:
     row = ours.get((preset, rank, "device"))
     bound = row["bound_ms"] if row else None
     xb = row["bound_ratio"] if row else None
-    print(f"{preset:<14} {rank:>2} {show(dev):>8} {show(stg):>8} {show(unb):>8} {show(pt):>8} "
+    print(f"{preset:<14} {rank:>2} {show(dev):>8} {show(stg):>8} {show(bys):>8} {show(unb):>8} {show(pt):>8} "
           f"{show(ptb):>8} {show(ratio, '{:.2f}'):>7} {show(bound):>7} {show(xb, '{:.2f}'):>7}")
     faster.append(None if dev is None or best is None else dev < best)
     if preset in ("bert-base", "gpt2-small"):

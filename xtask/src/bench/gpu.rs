@@ -9,7 +9,8 @@
 //! - `hook_ms`: the hook time per step, ms (cuda_hooks: the median step minus the noop
 //!   hook's);
 //! - optional: `hook` (default `powersgd`, the hook cuda_hooks measures), `path`
-//!   (default `device`; cuda_hooks also writes `staged` and `device-unbatched`),
+//!   (default `device`; cuda_hooks also writes `staged`, `device-by-shape` and
+//!   `device-unbatched`),
 //!   `device` (the GPU's name; default `unnamed GPU`), `bound_ratio`; other fields are
 //!   ignored. Blank lines are skipped; any other line that is not such an object is an
 //!   error naming its line.
