@@ -105,11 +105,18 @@ unsafe fn pqt_block<S: Simd, const RB: usize, const U: usize, const RC: usize, c
 
 #[inline(always)]
 unsafe fn pqt_rows_rc<S: Simd, const RC: usize, const FUSE: bool>(a: &Mat, rows: Range<usize>) {
-    // Two rows with four vectors each (eight independent chains): with four rows of M
-    // and four of E in flight (and Q's columns, before packing) at power-of-two widths,
-    // one L1 set held more lines than it has ways (Zen 4, M in L2: 0.41-0.66 of the
-    // in-core limit at r <= 4 with 4 rows, 0.69-0.92 with 2).
-    const RB: usize = 2;
+    // Two rows with four vectors each (eight independent chains) at r = 8 (and any rank
+    // above 4), where one row would load each vector of Q for 8 FMAs of one row only;
+    // one row with eight vectors at r <= 4, where the loads are few and a second row's
+    // M and E lines only add to the L1 sets they share at power-of-two widths. With four
+    // rows of M and four of E in flight (and Q's columns, before packing) one set held
+    // more lines than it has ways (Zen 4, M in L2: 0.41-0.66 of the in-core limit at
+    // r <= 4 with 4 rows, 0.69-0.92 with 2). Two rows against one at r <= 4, M in L2,
+    // AMD Zen 4, alternated runs: AVX-512 r = 4 0.56-0.66 -> 0.62-0.76 of the in-core
+    // limit, r = 2 0.72-0.84 -> 0.78-0.90; AVX2 r = 4 0.59-0.67 -> 0.71-0.73, r = 1
+    // 0.76-0.80 -> 0.82-0.84. At r = 8 one row read 0.33-0.40 against 0.41-0.59.
+    // The tile does not change how any element is summed (each is its own chain of r
+    // FMAs in k order), so results are bit-identical either way.
     let vec_end = a.cols / S::LANES * S::LANES;
     let mut pack = QPack::take(a.r * vec_end + 16);
     let qpack = pack.aligned();
@@ -118,9 +125,11 @@ unsafe fn pqt_rows_rc<S: Simd, const RC: usize, const FUSE: bool>(a: &Mat, rows:
     // `rows`, inside 0..n.
     unsafe {
         pack_q::<S>(a, vec_end, qpack);
-        while i + RB <= rows.end {
-            pqt_block::<S, RB, 4, RC, FUSE>(a, i, qpack);
-            i += RB;
+        if a.r > 4 {
+            while i + 2 <= rows.end {
+                pqt_block::<S, 2, 4, RC, FUSE>(a, i, qpack);
+                i += 2;
+            }
         }
         while i < rows.end {
             pqt_block::<S, 1, 8, RC, FUSE>(a, i, qpack);
