@@ -25,7 +25,10 @@
 //!   needs (`r x 16 / lanes`), so `fma GB/s` is the rate the FMA ports alone allow;
 //! - `L2 GB/s`: the kernel with `M` resident in L2 (256 x 1024, 1 MiB, repeated), and
 //!   `L2 read`: the reference sum over the same `M`;
-//! - `cold` and `ref`: the kernel and the reference from memory, as in the table;
+//! - `cold` and `ref`: the kernel and the reference from memory (n = m = 4096), as in the
+//!   table for the products; for the fused passes the reference is the stream loop of
+//!   the L2 bound (`y += x`, `e = m; m /= 2`), so `fraction` is of the same traffic's
+//!   plain rate;
 //! - `serial`: the fraction the row would reach if its in-core work (the L2 rate) did not
 //!   overlap the memory transfer at all, `1 / (1 + ref / L2)`; a measured fraction
 //!   between `serial` and 1 says how much of it overlaps.
@@ -434,7 +437,8 @@ fn best_of(calls: usize, mut f: impl FnMut()) -> Duration {
 
 /// `--roofline`: for every kernel and rank (or those `--op` and `--rank` select), one
 /// thread, the in-core limit and how close the kernel comes to it with `M` in L2, then
-/// (for the products) the fraction of the read bandwidth from memory.
+/// the fraction of the reference's bandwidth from memory (the read sum for the
+/// products, the same stream loop for the fused passes).
 ///
 /// The in-core limit of a row is the lower of two rates, both measured here:
 /// - the FMA bound: the FMA units' rate (12 independent chains in registers) over the
@@ -544,13 +548,20 @@ fn roofline_row(
     let l2_k = traffic / kernel_time.as_secs_f64() / 1e9;
     let l2_stream = traffic / stream_time.as_secs_f64() / 1e9;
     let limit = fma_gbs.map_or(l2_stream, |f| f.min(l2_stream));
-    // From memory, as the table measures (the products only: the table's rows).
-    let cold = (bpe == 4).then(|| {
+    // From memory (n = m = 4096), as the table measures: the products against the read
+    // sum over the same M, the fused passes against the stream loop of the same traffic
+    // (the L2 column's, now from memory).
+    let cold = {
         let n = 4096;
         let d = Dims::new(1, n, n, r).expect("valid shape");
-        let m: Vec<f32> = (0..n * n)
+        let mut m: Vec<f32> = (0..n * n)
             .map(|i| ((i % 251) as f32 - 125.0) * 1e-3)
             .collect();
+        let mut e: Vec<f32> = if bpe == 4 {
+            Vec::new()
+        } else {
+            (0..n * n).map(|i| (i % 17) as f32 * 1e-6).collect()
+        };
         let (p, mut q, mut p_out) = (
             vec![0.5f32; d.p_len()],
             vec![0.25f32; d.q_len()],
@@ -560,24 +571,32 @@ fn roofline_row(
         for _ in 0..a.reps {
             flush(flush_buf);
             let t = Instant::now();
-            black_box(reference(&m, 1));
+            match kernel {
+                Kernel::Mq | Kernel::Mtp => {
+                    black_box(reference(&m, 1));
+                }
+                Kernel::AddMq => be.add(&mut m, &e).expect("add"),
+                Kernel::PqtError => split_stream(&mut m, &mut e),
+            }
             tr.push(t.elapsed());
             flush(flush_buf);
             let t = Instant::now();
             match kernel {
                 Kernel::Mq => be.mq(d, &m, &q, &mut p_out),
-                _ => be.mtp(d, &m, &p, &mut q),
+                Kernel::Mtp => be.mtp(d, &m, &p, &mut q),
+                Kernel::AddMq => be.add_mq(d, &mut m, &e, &q, &mut p_out),
+                Kernel::PqtError => be.pqt_error(d, &p, &q, &mut m, &mut e),
             }
             .expect("kernel");
             tk.push(t.elapsed());
             black_box((&q, &p_out));
         }
-        let bytes = (n * n * 4) as f64;
-        (
+        let bytes = (n * n * bpe) as f64;
+        Some((
             bytes / median(tk).as_secs_f64() / 1e9,
             bytes / median(tr).as_secs_f64() / 1e9,
-        )
-    });
+        ))
+    };
     if a.json {
         let num = |v: Option<f64>| v.map_or("null".to_string(), |v| format!("{v:.3}"));
         println!(

@@ -987,6 +987,10 @@ fn blocked_mtp_and_pqt_match_the_reference_and_every_thread_count() {
         // ragged columns, and (1 MiB or more a call) the sweep ahead.
         (2, 45, 1031, 2),
         (1, 70, 4100, 1),
+        // 1 MiB or more a call on one thread: the fused `P Qᵀ` sweeps M and E ahead,
+        // two-row tiles and a leftover row (r = 8), single rows (r = 4, ragged).
+        (1, 67, 4100, 8),
+        (1, 65, 4107, 4),
     ] {
         let d = Dims::new(batch, n, m, r).unwrap();
         let (x, p, q) = (

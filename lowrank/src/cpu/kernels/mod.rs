@@ -30,7 +30,7 @@ use std::ops::Range;
 /// it, and `add` beyond one past the end is undefined behaviour even when never read.
 const PREFETCH: usize = 512;
 
-/// Floats between two software prefetches of a stream swept ahead into L2 (`mq`,
+/// Floats between two software prefetches of a stream swept ahead into L2 (`mq`, `pqt+e`,
 /// `mtp`): one a 64-byte line. Cold, n = m = 4096, AMD Zen 4 (AVX-512), one prefetch a
 /// 128-byte pair of lines read less of the read bandwidth where the kernel is nearest
 /// its in-core limit (`mq` r = 8 0.42-0.50 against 0.62-0.66, `mtp` r = 4 0.71-0.74
