@@ -970,6 +970,51 @@ fn results_do_not_depend_on_thread_count() {
     }
 }
 
+/// `Mᵀ P` reads whole lines of `M` from its first 64-byte boundary on (8 lanes): the same
+/// matrix at every offset from a boundary (0..16 floats) gives the same bits as at the
+/// first, on every ISA and thread count, with panels, row blocks, ragged columns and
+/// rows that are not whole lines apart.
+#[test]
+fn mtp_does_not_depend_on_where_m_lies() {
+    for &(batch, n, m, r) in &[
+        (1, 70, 1024, 4),
+        (1, 9, 4608, 8),
+        (2, 33, 528, 5),
+        (1, 40, 48, 3),
+        (1, 21, 1000, 8),
+    ] {
+        let d = Dims::new(batch, n, m, r).unwrap();
+        let (x, p) = (random(d.m_len(), 41), random(d.p_len(), 42));
+        let mut buf = vec![0.0f32; d.m_len() + 32];
+        for isa in Isa::supported() {
+            for threads in [1, 2] {
+                let be = cpu_with(isa, threads);
+                let mut first: Option<Vec<f32>> = None;
+                for off in 0..16 {
+                    buf[off..off + d.m_len()].copy_from_slice(&x);
+                    let mut q = vec![0.0; d.q_len()];
+                    be.mtp(d, &buf[off..off + d.m_len()], &p, &mut q).unwrap();
+                    match &first {
+                        None => {
+                            assert_close(
+                                &format!("{isa:?} mtp on {d}"),
+                                &q,
+                                &ref_mtp(d, &x, &p),
+                                n,
+                            );
+                            first = Some(q);
+                        }
+                        Some(f) => assert!(
+                            f == &q,
+                            "{isa:?} {threads} threads {d}: mtp changed with M {off} floats further"
+                        ),
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// `Mᵀ P` over several column panels and row blocks (4096 columns a panel, 128 KiB a
 /// block), odd ranks that take several column tiles, and `M̂ = P Qᵀ` with the error update
 /// over two-row tiles and a leftover row (and `Mᵀ P` streaming rows with 8 lanes at

@@ -78,6 +78,68 @@ unsafe fn mtp_strip<S: Simd, const VW: usize, const KT: usize>(
     }
 }
 
+/// Floats from column `c` of `M`'s rows to the next 64-byte boundary, when every row
+/// has the same alignment (`cols` a multiple of 16 floats); 0 otherwise or on a boundary.
+///
+/// A large `Vec<f32>` from the system allocator starts 16 bytes past a 64-byte boundary
+/// (glibc's chunk header), so a strip one line wide reads two lines a row and every
+/// 32-byte load in two crosses a line: with 8 lanes [`mtp_block`] then takes the
+/// columns before the first boundary and the ones after its last whole strip one vector
+/// each ([`mtp_strip_part`]), and its strips from the boundary.
+fn line_lead(a: &Mat, c: usize) -> usize {
+    let at = a.m.wrapping_add(c) as usize;
+    if a.cols.is_multiple_of(SWEEP_STRIDE) && at.is_multiple_of(4) {
+        (64 - at % 64) % 64 / 4
+    } else {
+        0
+    }
+}
+
+/// [`mtp_strip`] for one vector from column `j0`, of which only the columns `keep` are
+/// written to `Q` (the others belong to other strips): the vector is loaded from `Q`
+/// and stored to a scratch tile, so each kept column gets the same operations as in a
+/// whole strip.
+// Register tiles read best with explicit indices.
+#[allow(clippy::needless_range_loop)]
+#[inline(always)]
+unsafe fn mtp_strip_part<S: Simd, const KT: usize>(
+    a: &Mat,
+    rows: Range<usize>,
+    j0: usize,
+    k0: usize,
+    keep: Range<usize>,
+) {
+    let lanes = S::LANES;
+    let cols = a.cols;
+    debug_assert!(j0 <= keep.start && keep.end <= j0 + lanes);
+    let mut tile = [0.0f32; 16];
+    // SAFETY: the caller guarantees `rows` inside 0..n, columns k0..k0+KT inside 0..r and
+    // the vector's columns j0..j0 + lanes inside 0..cols; the scratch tile holds 16
+    // floats, `lanes` at most.
+    unsafe {
+        let qv = |k: usize| a.q.add((k0 + k) * cols + j0);
+        let mut acc = [S::zero(); KT];
+        if rows.start > 0 {
+            for k in 0..KT {
+                acc[k] = S::load(qv(k));
+            }
+        }
+        for i in rows {
+            let x = S::load(a.m.add(i * cols + j0));
+            for k in 0..KT {
+                let pk = S::splat(*a.p.add((k0 + k) * a.n + i));
+                acc[k] = S::fma(pk, x, acc[k]);
+            }
+        }
+        for k in 0..KT {
+            S::store(tile.as_mut_ptr(), acc[k]);
+            for c in keep.clone() {
+                *qv(k).add(c - j0) = tile[c - j0];
+            }
+        }
+    }
+}
+
 /// One row block of one panel for the columns `k0..k0+KT` of `Q`: strips of `VW`
 /// vectors, then single vectors, then the ragged columns (scalar).
 #[inline(always)]
@@ -91,17 +153,59 @@ unsafe fn mtp_block<S: Simd, const VW: usize, const KT: usize>(
     let lanes = S::LANES;
     let vec_end = panel.start + panel.len() / lanes * lanes;
     let mut j = panel.start;
+    let lead = line_lead(a, panel.start);
+    // Eight lanes only: a strip of VW x 8 floats is one line or two at r >= 4, and split
+    // lines cost it 0.35-0.36 -> 0.49-0.51 of the in-core limit at r = 4 and 0.43-0.45 ->
+    // 0.51-0.52 at r = 8 (M in L2, AMD Zen 4, AVX2, alternated runs). AVX-512's strips
+    // are 2-16 lines a row; peeling them read 0.63-0.85 against 0.74-0.97 unpeeled.
+    let peel = lanes == 8 && lead != 0 && vec_end - panel.start >= lead + 2 * lanes;
     // SAFETY: strips lie inside the panel's whole vectors, inside 0..cols; rows and
     // columns of Q as the caller guarantees.
     unsafe {
+        let mut last = vec_end;
+        if peel {
+            // The columns before the first line boundary, then the strips from it, and
+            // the vector ending at `vec_end` for what they leave (see [`line_lead`]).
+            let mut c = panel.start;
+            while c < panel.start + lead {
+                let keep = c..(c + lanes).min(panel.start + lead);
+                mtp_strip_part::<S, KT>(a, rows.clone(), c, k0, keep);
+                c += lanes;
+            }
+            j = panel.start + lead;
+            last = j + (vec_end - j) / lanes * lanes;
+        }
+        let vec_end = last;
         while j + VW * lanes <= vec_end {
             mtp_strip::<S, VW, KT>(a, rows.clone(), j, k0, ahead);
             j += VW * lanes;
         }
-        while j < vec_end {
+        // The vectors left over, fewer than VW: strips of 8, 4, 2 and 1 (a binary
+        // decomposition), so that they keep several accumulators in flight: one vector
+        // at a time is one dependent chain of multiply-adds down the rows.
+        if VW > 8 && j + 8 * lanes <= vec_end {
+            mtp_strip::<S, 8, KT>(a, rows.clone(), j, k0, ahead);
+            j += 8 * lanes;
+        }
+        if VW > 4 && j + 4 * lanes <= vec_end {
+            mtp_strip::<S, 4, KT>(a, rows.clone(), j, k0, ahead);
+            j += 4 * lanes;
+        }
+        if VW > 2 && j + 2 * lanes <= vec_end {
+            mtp_strip::<S, 2, KT>(a, rows.clone(), j, k0, ahead);
+            j += 2 * lanes;
+        }
+        if VW > 1 && j < vec_end {
             mtp_strip::<S, 1, KT>(a, rows.clone(), j, k0, ahead);
             j += lanes;
         }
+        debug_assert_eq!(j, vec_end);
+        if vec_end < panel.start + panel.len() / lanes * lanes {
+            let end = panel.start + panel.len() / lanes * lanes;
+            mtp_strip_part::<S, KT>(a, rows.clone(), end - lanes, k0, vec_end..end);
+        }
+        let vec_end = panel.start + panel.len() / lanes * lanes;
+        let j = vec_end;
         for jj in j..panel.end {
             for k in k0..k0 + KT {
                 let d = a.q.add(k * a.cols + jj);
