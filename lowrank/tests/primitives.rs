@@ -970,43 +970,56 @@ fn results_do_not_depend_on_thread_count() {
     }
 }
 
-/// `Mᵀ P` reads whole lines of `M` from its first 64-byte boundary on (8 lanes): the same
-/// matrix at every offset from a boundary (0..16 floats) gives the same bits as at the
-/// first, on every ISA and thread count, with panels, row blocks, ragged columns and
-/// rows that are not whole lines apart.
+/// `Mᵀ P` (8 lanes) and `M = P Qᵀ` (with and without the error) read and write `M` in
+/// whole lines from its rows' first 64-byte boundary on: the same matrix at every offset
+/// from a boundary (0..16 floats) gives the same bits as at the first, on every ISA and
+/// thread count, with panels, row blocks, ragged columns and rows that are not whole
+/// lines apart.
 #[test]
-fn mtp_does_not_depend_on_where_m_lies() {
+fn products_do_not_depend_on_where_m_lies() {
     for &(batch, n, m, r) in &[
         (1, 70, 1024, 4),
         (1, 9, 4608, 8),
         (2, 33, 528, 5),
         (1, 40, 48, 3),
         (1, 21, 1000, 8),
+        (1, 5, 16, 1),
+        (1, 300, 1024, 2),
     ] {
         let d = Dims::new(batch, n, m, r).unwrap();
-        let (x, p) = (random(d.m_len(), 41), random(d.p_len(), 42));
+        let (x, p, q) = (
+            random(d.m_len(), 41),
+            random(d.p_len(), 42),
+            random(d.q_len(), 43),
+        );
+        let mhat = ref_pqt(d, &p, &q);
         let mut buf = vec![0.0f32; d.m_len() + 32];
+        let mut ebuf = vec![0.0f32; d.m_len() + 32];
         for isa in Isa::supported() {
             for threads in [1, 2] {
                 let be = cpu_with(isa, threads);
-                let mut first: Option<Vec<f32>> = None;
+                let mut first = None;
                 for off in 0..16 {
-                    buf[off..off + d.m_len()].copy_from_slice(&x);
-                    let mut q = vec![0.0; d.q_len()];
-                    be.mtp(d, &buf[off..off + d.m_len()], &p, &mut q).unwrap();
+                    let span = off..off + d.m_len();
+                    buf[span.clone()].copy_from_slice(&x);
+                    let mut qo = vec![0.0; d.q_len()];
+                    be.mtp(d, &buf[span.clone()], &p, &mut qo).unwrap();
+                    be.pqt_error(d, &p, &q, &mut buf[span.clone()], &mut ebuf[span.clone()])
+                        .unwrap();
+                    let (fused, e) = (buf[span.clone()].to_vec(), ebuf[span.clone()].to_vec());
+                    be.pqt(d, &p, &q, &mut buf[span.clone()]).unwrap();
+                    let got = (qo, fused, e, buf[span].to_vec());
                     match &first {
                         None => {
-                            assert_close(
-                                &format!("{isa:?} mtp on {d}"),
-                                &q,
-                                &ref_mtp(d, &x, &p),
-                                n,
-                            );
-                            first = Some(q);
+                            let what = |k: &str| format!("{isa:?} {k} on {d}");
+                            assert_close(&what("mtp"), &got.0, &ref_mtp(d, &x, &p), n);
+                            assert_close(&what("pqt_error"), &got.1, &mhat, r);
+                            assert_close(&what("pqt"), &got.3, &mhat, r);
+                            first = Some(got);
                         }
                         Some(f) => assert!(
-                            f == &q,
-                            "{isa:?} {threads} threads {d}: mtp changed with M {off} floats further"
+                            f == &got,
+                            "{isa:?} {threads} threads {d}: results changed with M {off} floats further"
                         ),
                     }
                 }

@@ -19,6 +19,9 @@ pub(crate) trait Simd: Copy {
     unsafe fn store(p: *mut f32, v: Self::V);
     /// `a * b + c`, fused where the hardware can.
     unsafe fn fma(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
+    /// One lane of [`Simd::fma`]: the same rounding, for the columns a kernel takes one
+    /// at a time, so that they get the same bits as in a vector.
+    unsafe fn fma1(a: f32, b: f32, c: f32) -> f32;
     unsafe fn add(a: Self::V, b: Self::V) -> Self::V;
     unsafe fn sub(a: Self::V, b: Self::V) -> Self::V;
     unsafe fn mul(a: Self::V, b: Self::V) -> Self::V;
@@ -80,6 +83,10 @@ impl Simd for Portable {
         std::array::from_fn(|i| a[i] * b[i] + c[i])
     }
     #[inline(always)]
+    unsafe fn fma1(a: f32, b: f32, c: f32) -> f32 {
+        a * b + c
+    }
+    #[inline(always)]
     unsafe fn add(a: Self::V, b: Self::V) -> Self::V {
         std::array::from_fn(|i| a[i] + b[i])
     }
@@ -136,6 +143,11 @@ mod x86 {
             unsafe { _mm256_fmadd_ps(a, b, c) }
         }
         #[inline(always)]
+        unsafe fn fma1(a: f32, b: f32, c: f32) -> f32 {
+            // Inlined into code compiled with `fma`: one `vfmadd`, rounded once.
+            a.mul_add(b, c)
+        }
+        #[inline(always)]
         unsafe fn add(a: __m256, b: __m256) -> __m256 {
             unsafe { _mm256_add_ps(a, b) }
         }
@@ -187,6 +199,11 @@ mod x86 {
         #[inline(always)]
         unsafe fn fma(a: __m512, b: __m512, c: __m512) -> __m512 {
             unsafe { _mm512_fmadd_ps(a, b, c) }
+        }
+        #[inline(always)]
+        unsafe fn fma1(a: f32, b: f32, c: f32) -> f32 {
+            // Inlined into code compiled with `fma`: one `vfmadd`, rounded once.
+            a.mul_add(b, c)
         }
         #[inline(always)]
         unsafe fn add(a: __m512, b: __m512) -> __m512 {

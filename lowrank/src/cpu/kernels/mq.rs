@@ -338,12 +338,20 @@ impl Drop for QPack {
 /// models all of them map to the same L1 sets.
 #[inline(always)]
 pub(super) unsafe fn pack_q<S: Simd>(a: &Mat, vec_end: usize, dst: *mut f32) {
+    // SAFETY: forwarded caller guarantees.
+    unsafe { pack_q_from::<S>(a, 0, vec_end / S::LANES, dst) }
+}
+
+/// [`pack_q`] for the `nvec` vectors of columns from `c0`.
+#[inline(always)]
+pub(super) unsafe fn pack_q_from<S: Simd>(a: &Mat, c0: usize, nvec: usize, dst: *mut f32) {
     let lanes = S::LANES;
-    // SAFETY: Q holds r columns of `cols` floats (the caller); `dst` holds r * vec_end.
+    // SAFETY: Q holds r columns of `cols` floats, c0 + nvec * lanes of them at most (the
+    // caller); `dst` holds r * nvec vectors.
     unsafe {
-        for v in 0..vec_end / lanes {
+        for v in 0..nvec {
             for k in 0..a.r {
-                let src = a.q.add(k * a.cols + v * lanes);
+                let src = a.q.add(k * a.cols + c0 + v * lanes);
                 S::store(dst.add((v * a.r + k) * lanes), S::load(src));
             }
         }

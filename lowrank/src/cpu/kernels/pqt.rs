@@ -1,6 +1,6 @@
 //! `M = P Qᵀ`, optionally fused with `E = X - M` (`X` read from `M`).
 
-use super::mq::{pack_q, QPack};
+use super::mq::{pack_q_from, QPack};
 use super::{Mat, PREFETCH, SWEEP_MIN_BYTES, SWEEP_STRIDE};
 use crate::cpu::simd::Simd;
 use std::ops::Range;
@@ -23,6 +23,7 @@ unsafe fn pqt_block<S: Simd, const RB: usize, const U: usize, const RC: usize, c
     a: &Mat,
     i0: usize,
     qpack: *const f32,
+    lead: usize,
     sweep: bool,
 ) {
     let lanes = S::LANES;
@@ -38,7 +39,7 @@ unsafe fn pqt_block<S: Simd, const RB: usize, const U: usize, const RC: usize, c
         let qcol = |k: usize| a.q.add(k * cols);
         // Q's vectors packed (`pack_q`): at power-of-two widths Q's r columns, the RB rows
         // of M and of E all map to the same L1 sets, more lines than it has ways.
-        let qvec = |k: usize, j: usize| qpack.add((j / lanes * a.r + k) * lanes);
+        let qvec = |k: usize, j: usize| qpack.add(((j - lead) / lanes * a.r + k) * lanes);
         // With a constant rank, a local copy of this block's P values: the compiler knows
         // nothing writes to it, so it keeps the broadcasts in registers across the row
         // (it cannot for `a.p`, which might alias `a.m`).
@@ -52,7 +53,7 @@ unsafe fn pqt_block<S: Simd, const RB: usize, const U: usize, const RC: usize, c
         }
         // U vectors a row at once: RB x U independent chains of r fused multiply-adds
         // (with one vector a row, the RB chains each waited 4 cycles an FMA).
-        let mut j = 0;
+        let mut j = lead;
         while j + U * lanes <= cols {
             let mut acc = [[S::zero(); U]; RB];
             for k in 0..r {
@@ -105,11 +106,13 @@ unsafe fn pqt_block<S: Simd, const RB: usize, const U: usize, const RC: usize, c
             }
             j += lanes;
         }
-        while j < cols {
+        // The columns before the first line boundary and the ragged ones past the last
+        // whole vector, one at a time with the vectors' operations (the same bits).
+        for j in (0..lead).chain(j..cols) {
             for ii in 0..RB {
                 let mut s = 0.0f32;
                 for k in 0..r {
-                    s += pval(k, ii) * *qcol(k).add(j);
+                    s = S::fma1(pval(k, ii), *qcol(k).add(j), s);
                 }
                 let dst = row(ii).add(j);
                 if FUSE {
@@ -117,8 +120,32 @@ unsafe fn pqt_block<S: Simd, const RB: usize, const U: usize, const RC: usize, c
                 }
                 *dst = s;
             }
-            j += 1;
         }
+    }
+}
+
+/// Floats from the start of `M`'s rows to their first 64-byte boundary when every row
+/// has the same alignment (`cols` a multiple of 16 floats) and a vector fits after it;
+/// 0 otherwise. The vectors of a row then start there: a large `Vec<f32>` from the
+/// system allocator starts 16 bytes past a boundary, and every 64-byte store of `M`
+/// crossed a line. The columns before it are computed one at a time with the vectors'
+/// operations ([`Simd::fma1`]), so the bits do not depend on where `M` lies.
+///
+/// Eight lanes only. With `M` in L2 (AMD Zen 4, 128 x 1024, three alternated runs),
+/// `pqt_error` AVX2 r = 1 0.74-0.78 -> 1.09-1.18 of the in-core limit, r = 2 0.73-0.78
+/// -> 0.77-1.10, r = 4 0.57-0.67 -> 0.65-0.76, r = 8 0.37-0.51 -> 0.37-0.56; with
+/// AVX-512 the 12-16 scalar columns a row cost more than the split lines (r = 1
+/// 0.90-0.96 -> 0.69-0.81, r = 8 0.45-0.56 -> 0.38-0.42), so it keeps them.
+fn line_lead<S: Simd>(a: &Mat) -> usize {
+    let at = a.m as usize;
+    if S::LANES != 8 || !a.cols.is_multiple_of(SWEEP_STRIDE) || !at.is_multiple_of(4) {
+        return 0;
+    }
+    let lead = (64 - at % 64) % 64 / 4;
+    if lead + SWEEP_STRIDE <= a.cols {
+        lead
+    } else {
+        0
     }
 }
 
@@ -136,23 +163,25 @@ unsafe fn pqt_rows_rc<S: Simd, const RC: usize, const FUSE: bool>(a: &Mat, rows:
     // 0.76-0.80 -> 0.82-0.84. At r = 8 one row read 0.33-0.40 against 0.41-0.59.
     // The tile does not change how any element is summed (each is its own chain of r
     // FMAs in k order), so results are bit-identical either way.
-    let vec_end = a.cols / S::LANES * S::LANES;
-    let mut pack = QPack::take(a.r * vec_end + 16);
+    let lanes = S::LANES;
+    let lead = line_lead::<S>(a);
+    let nvec = (a.cols - lead) / lanes;
+    let mut pack = QPack::take(a.r * nvec * lanes + 16);
     let qpack = pack.aligned();
     let mut i = rows.start;
     let sweep = rows.len() * a.cols * 4 >= SWEEP_MIN_BYTES;
-    // SAFETY: the pack holds r * vec_end floats from its aligned start; blocks stay inside
+    // SAFETY: the pack holds r * nvec vectors from its aligned start; blocks stay inside
     // `rows`, inside 0..n.
     unsafe {
-        pack_q::<S>(a, vec_end, qpack);
+        pack_q_from::<S>(a, lead, nvec, qpack);
         if a.r > 4 {
             while i + 2 <= rows.end {
-                pqt_block::<S, 2, 4, RC, FUSE>(a, i, qpack, sweep);
+                pqt_block::<S, 2, 4, RC, FUSE>(a, i, qpack, lead, sweep);
                 i += 2;
             }
         }
         while i < rows.end {
-            pqt_block::<S, 1, 8, RC, FUSE>(a, i, qpack, sweep);
+            pqt_block::<S, 1, 8, RC, FUSE>(a, i, qpack, lead, sweep);
             i += 1;
         }
     }
