@@ -95,8 +95,8 @@ fn line_lead(a: &Mat, c: usize) -> usize {
     }
 }
 
-/// [`mtp_strip`] for one vector from column `j0`, of which only the columns `keep` are
-/// written to `Q` (the others belong to other strips): the vector is loaded from `Q`
+/// [`mtp_strip`] for one vector from column `j0` (prefetching as it does, `ahead`), of
+/// which only the columns `keep` are written to `Q` (the others belong to other strips): the vector is loaded from `Q`
 /// and stored to a scratch tile, so each kept column gets the same operations as in a
 /// whole strip.
 // Register tiles read best with explicit indices.
@@ -108,6 +108,7 @@ unsafe fn mtp_strip_part<S: Simd, const KT: usize>(
     j0: usize,
     k0: usize,
     keep: Range<usize>,
+    ahead: usize,
 ) {
     let lanes = S::LANES;
     let cols = a.cols;
@@ -125,7 +126,14 @@ unsafe fn mtp_strip_part<S: Simd, const KT: usize>(
             }
         }
         for i in rows {
-            let x = S::load(a.m.add(i * cols + j0));
+            let at = a.m.add(i * cols + j0);
+            if ahead != 0 {
+                // Both lines the vector touches: the strips' prefetches start at the
+                // line boundary.
+                S::prefetch_l2(at.wrapping_add(ahead));
+                S::prefetch_l2(at.wrapping_add(ahead + lanes - 1));
+            }
+            let x = S::load(at);
             for k in 0..KT {
                 let pk = S::splat(*a.p.add((k0 + k) * a.n + i));
                 acc[k] = S::fma(pk, x, acc[k]);
@@ -169,7 +177,7 @@ unsafe fn mtp_block<S: Simd, const VW: usize, const KT: usize>(
             let mut c = panel.start;
             while c < panel.start + lead {
                 let keep = c..(c + lanes).min(panel.start + lead);
-                mtp_strip_part::<S, KT>(a, rows.clone(), c, k0, keep);
+                mtp_strip_part::<S, KT>(a, rows.clone(), c, k0, keep, ahead);
                 c += lanes;
             }
             j = panel.start + lead;
@@ -202,7 +210,7 @@ unsafe fn mtp_block<S: Simd, const VW: usize, const KT: usize>(
         debug_assert_eq!(j, vec_end);
         if vec_end < panel.start + panel.len() / lanes * lanes {
             let end = panel.start + panel.len() / lanes * lanes;
-            mtp_strip_part::<S, KT>(a, rows.clone(), end - lanes, k0, vec_end..end);
+            mtp_strip_part::<S, KT>(a, rows.clone(), end - lanes, k0, vec_end..end, ahead);
         }
         let vec_end = panel.start + panel.len() / lanes * lanes;
         let j = vec_end;
