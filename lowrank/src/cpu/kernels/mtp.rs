@@ -96,9 +96,9 @@ fn line_lead(a: &Mat, c: usize) -> usize {
 }
 
 /// [`mtp_strip`] for one vector from column `j0` (prefetching as it does, `ahead`), of
-/// which only the columns `keep` are written to `Q` (the others belong to other strips): the vector is loaded from `Q`
-/// and stored to a scratch tile, so each kept column gets the same operations as in a
-/// whole strip.
+/// which only the columns `keep` are written to `Q` (the others belong to other strips):
+/// the vector is loaded from `Q` and stored to a scratch tile, so each kept column gets
+/// the same operations as in a whole strip.
 // Register tiles read best with explicit indices.
 #[allow(clippy::needless_range_loop)]
 #[inline(always)]
@@ -148,8 +148,10 @@ unsafe fn mtp_strip_part<S: Simd, const KT: usize>(
     }
 }
 
-/// One row block of one panel for the columns `k0..k0+KT` of `Q`: strips of `VW`
-/// vectors, then single vectors, then the ragged columns (scalar).
+/// One row block of one panel for the columns `k0..k0+KT` of `Q`: with 8 lanes and a
+/// row start off a line boundary, edge vectors for the columns before it; strips of `VW`
+/// vectors from there, the vectors left over in strips of 8, 4, 2 and 1, an edge vector
+/// for what those leave of the whole vectors, then the ragged columns (one at a time).
 #[inline(always)]
 unsafe fn mtp_block<S: Simd, const VW: usize, const KT: usize>(
     a: &Mat,
@@ -162,10 +164,11 @@ unsafe fn mtp_block<S: Simd, const VW: usize, const KT: usize>(
     let vec_end = panel.start + panel.len() / lanes * lanes;
     let mut j = panel.start;
     let lead = line_lead(a, panel.start);
-    // Eight lanes only: a strip of VW x 8 floats is one line or two at r >= 4, and split
-    // lines cost it 0.35-0.36 -> 0.49-0.51 of the in-core limit at r = 4 and 0.43-0.45 ->
-    // 0.51-0.52 at r = 8 (M in L2, AMD Zen 4, AVX2, alternated runs). AVX-512's strips
-    // are 2-16 lines a row; peeling them read 0.63-0.85 against 0.74-0.97 unpeeled.
+    // Eight lanes only: a strip of VW x 8 floats is one line or two at r >= 4, and the
+    // split lines cost it: peeled, 0.35-0.40 -> 0.49-0.57 of the in-core limit at r = 4
+    // and 0.40-0.44 -> 0.46-0.55 at r = 8 (M in L2, AMD Zen 4, AVX2, alternated runs).
+    // AVX-512's strips are 2-16 lines a row; peeling them read 0.63-0.85 against
+    // 0.74-0.97 unpeeled.
     let peel = lanes == 8 && lead != 0 && vec_end - panel.start >= lead + 2 * lanes;
     // SAFETY: strips lie inside the panel's whole vectors, inside 0..cols; rows and
     // columns of Q as the caller guarantees.
