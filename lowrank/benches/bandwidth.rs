@@ -18,13 +18,17 @@
 //! An unknown flag, a missing value or one that does not parse (`--reps abc`) is an
 //! error, exit status 2. Driven by `cargo xtask bench lowrank`.
 //!
-//! `--roofline` (with `--isa`, `--op`, `--rank`; default rank 8): instead of the table, the
-//! in-core limits of each one-thread row, to explain a row below the read bandwidth:
+//! `--roofline` (with `--isa`, `--op`, `--rank`; default r = 1, 2, 4, 8): instead of the
+//! table, the in-core limits of each one-thread row, to explain a row below the read
+//! bandwidth:
 //! - `fma/ns`: fused multiply-adds per nanosecond at the kernels' vector width (12
 //!   independent chains in registers), and `fma/line`, the FMAs a 64-byte line of `M`
 //!   needs (`r x 16 / lanes`), so `fma GB/s` is the rate the FMA ports alone allow;
-//! - `L2 GB/s`: the kernel with `M` resident in L2 (256 x 1024, 1 MiB, repeated), and
-//!   `L2 read`: the reference sum over the same `M`;
+//! - `L2 strm`: a plain SIMD loop moving the same data with `M` resident in L2 (128 x
+//!   1024, 512 KiB; 64 x 1024 with `E` for the fused passes), `limit` the lower of the
+//!   two bounds (`*` where they are within 20% of each other: the kernel would have to
+//!   keep the FMA pipes and the L2 fills both near full at once, so such rows read
+//!   lower against it), and `L2 GB/s` the kernel over the same buffers;
 //! - `cold` and `ref`: the kernel and the reference from memory (n = m = 4096), as in the
 //!   table for the products; for the fused passes the reference is the stream loop of
 //!   the L2 bound (`y += x`, `e = m; m /= 2`), so `fraction` is of the same traffic's
@@ -461,7 +465,7 @@ fn roofline(a: &Args, cpu: &CpuBackend) {
     let mut flush_buf = vec![1u64; FLUSH_BYTES / 8];
     if !a.json {
         println!(
-            "{} kernels, one thread; FMA/ns at {lanes} lanes: {}; limit = min(FMA bound, L2 stream bound)",
+            "{} kernels, one thread; FMA/ns at {lanes} lanes: {}; limit = min(FMA bound, L2 stream bound), * = the two within 20% (co-limited)",
             isa.name(),
             fma.map_or("-".into(), |f| format!("{f:.2}"))
         );
@@ -548,6 +552,8 @@ fn roofline_row(
     let l2_k = traffic / kernel_time.as_secs_f64() / 1e9;
     let l2_stream = traffic / stream_time.as_secs_f64() / 1e9;
     let limit = fma_gbs.map_or(l2_stream, |f| f.min(l2_stream));
+    // Both ceilings within 20%: the row is co-limited (see the module docs).
+    let co_limited = fma_gbs.is_some_and(|f| f.min(l2_stream) / f.max(l2_stream) >= 0.8);
     // From memory (n = m = 4096), as the table measures: the products against the read
     // sum over the same M, the fused passes against the stream loop of the same traffic
     // (the L2 column's, now from memory).
@@ -600,7 +606,7 @@ fn roofline_row(
     if a.json {
         let num = |v: Option<f64>| v.map_or("null".to_string(), |v| format!("{v:.3}"));
         println!(
-            "{{\"bench\":\"lowrank/roofline\",\"isa\":\"{}\",\"op\":\"{}\",\"r\":{r},\"fma_per_line\":{fma_per_line},\"fma_gb_per_s\":{},\"l2_stream_gb_per_s\":{l2_stream:.3},\"limit_gb_per_s\":{limit:.3},\"l2_gb_per_s\":{l2_k:.3},\"fraction_of_limit\":{:.4},\"cold_gb_per_s\":{},\"reference_gb_per_s\":{},\"fraction_of_bandwidth\":{}}}",
+            "{{\"bench\":\"lowrank/roofline\",\"isa\":\"{}\",\"op\":\"{}\",\"r\":{r},\"fma_per_line\":{fma_per_line},\"fma_gb_per_s\":{},\"l2_stream_gb_per_s\":{l2_stream:.3},\"limit_gb_per_s\":{limit:.3},\"l2_gb_per_s\":{l2_k:.3},\"fraction_of_limit\":{:.4},\"co_limited\":{co_limited},\"cold_gb_per_s\":{},\"reference_gb_per_s\":{},\"fraction_of_bandwidth\":{}}}",
             be.isa().name(),
             kernel.name(),
             num(fma_gbs),
@@ -620,9 +626,10 @@ fn roofline_row(
             None => ("-".into(), "-".into(), "-".into(), "-".into()),
         };
         println!(
-            "{:<6} {r:>2} {fma_per_line:>8.1} {:>9} {l2_stream:>9.1} {limit:>7.1} {l2_k:>7.1} {:>8.2} {c:>7} {rf:>6} {fr:>9} {se:>7}",
+            "{:<6} {r:>2} {fma_per_line:>8.1} {:>9} {l2_stream:>9.1} {:>7} {l2_k:>7.1} {:>8.2} {c:>7} {rf:>6} {fr:>9} {se:>7}",
             kernel.name(),
             fma_gbs.map_or("-".into(), |g| format!("{g:.1}")),
+            format!("{limit:.1}{}", if co_limited { "*" } else { "" }),
             l2_k / limit,
         );
     }
