@@ -21,7 +21,7 @@ pub(crate) trait Simd: Copy {
     unsafe fn fma(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
     /// One lane of [`Simd::fma`]: the same rounding, for the columns a kernel takes one
     /// at a time, so that they get the same bits as in a vector.
-    unsafe fn fma1(a: f32, b: f32, c: f32) -> f32;
+    fn fma1(a: f32, b: f32, c: f32) -> f32;
     unsafe fn add(a: Self::V, b: Self::V) -> Self::V;
     unsafe fn sub(a: Self::V, b: Self::V) -> Self::V;
     unsafe fn mul(a: Self::V, b: Self::V) -> Self::V;
@@ -83,7 +83,7 @@ impl Simd for Portable {
         std::array::from_fn(|i| a[i] * b[i] + c[i])
     }
     #[inline(always)]
-    unsafe fn fma1(a: f32, b: f32, c: f32) -> f32 {
+    fn fma1(a: f32, b: f32, c: f32) -> f32 {
         a * b + c
     }
     #[inline(always)]
@@ -143,7 +143,7 @@ mod x86 {
             unsafe { _mm256_fmadd_ps(a, b, c) }
         }
         #[inline(always)]
-        unsafe fn fma1(a: f32, b: f32, c: f32) -> f32 {
+        fn fma1(a: f32, b: f32, c: f32) -> f32 {
             // Inlined into code compiled with `fma`: one `vfmadd`, rounded once.
             a.mul_add(b, c)
         }
@@ -201,7 +201,7 @@ mod x86 {
             unsafe { _mm512_fmadd_ps(a, b, c) }
         }
         #[inline(always)]
-        unsafe fn fma1(a: f32, b: f32, c: f32) -> f32 {
+        fn fma1(a: f32, b: f32, c: f32) -> f32 {
             // Inlined into code compiled with `fma`: one `vfmadd`, rounded once.
             a.mul_add(b, c)
         }

@@ -43,6 +43,21 @@ const SWEEP_STRIDE: usize = 16;
 /// of the loads.
 const SWEEP_MIN_BYTES: usize = 1 << 20;
 
+/// Floats from column `c` of `M`'s rows to the next 64-byte boundary, when every row has
+/// the same alignment (`cols` a multiple of [`SWEEP_STRIDE`] floats); 0 otherwise or on
+/// a boundary. A large `Vec<f32>` from the system allocator starts 16 bytes past one
+/// (glibc's chunk header), so loads and stores of whole lines straddle two; the 8-lane
+/// `mtp` and `pqt` start their vectors at the boundary and take the columns before it
+/// apart, with the same operations, so the bits do not depend on where `M` lies.
+fn line_lead(a: &Mat, c: usize) -> usize {
+    let at = a.m.wrapping_add(c) as usize;
+    if a.cols.is_multiple_of(SWEEP_STRIDE) && at.is_multiple_of(4) {
+        (64 - at % 64) % 64 / 4
+    } else {
+        0
+    }
+}
+
 /// One matrix of a batch and its factors, as raw pointers checked by the caller.
 ///
 /// `m` is `n x cols` row-major; `e` (optional, may be null) has the same shape; `p` is

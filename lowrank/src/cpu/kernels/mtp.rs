@@ -7,7 +7,7 @@
 //! the thread count and where `M` lies.
 
 use super::mq::QPack;
-use super::{Mat, SWEEP_MIN_BYTES, SWEEP_STRIDE};
+use super::{line_lead, Mat, SWEEP_MIN_BYTES, SWEEP_STRIDE};
 use crate::cpu::simd::Simd;
 use std::ops::Range;
 
@@ -75,23 +75,6 @@ unsafe fn mtp_strip<S: Simd, const VW: usize, const KT: usize>(
                 S::store(qv(k, v), acc[k][v]);
             }
         }
-    }
-}
-
-/// Floats from column `c` of `M`'s rows to the next 64-byte boundary, when every row
-/// has the same alignment (`cols` a multiple of 16 floats); 0 otherwise or on a boundary.
-///
-/// A large `Vec<f32>` from the system allocator starts 16 bytes past a 64-byte boundary
-/// (glibc's chunk header), so a strip one line wide reads two lines a row and every
-/// 32-byte load in two crosses a line: with 8 lanes [`mtp_block`] then takes the
-/// columns before the first boundary and the ones after its last whole strip one vector
-/// each ([`mtp_strip_part`]), and its strips from the boundary.
-fn line_lead(a: &Mat, c: usize) -> usize {
-    let at = a.m.wrapping_add(c) as usize;
-    if a.cols.is_multiple_of(SWEEP_STRIDE) && at.is_multiple_of(4) {
-        (64 - at % 64) % 64 / 4
-    } else {
-        0
     }
 }
 

@@ -1,7 +1,7 @@
 //! `M = P Qᵀ`, optionally fused with `E = X - M` (`X` read from `M`).
 
 use super::mq::{pack_q_from, QPack};
-use super::{Mat, PREFETCH, SWEEP_MIN_BYTES, SWEEP_STRIDE};
+use super::{line_lead, Mat, PREFETCH, SWEEP_MIN_BYTES, SWEEP_STRIDE};
 use crate::cpu::simd::Simd;
 use std::ops::Range;
 
@@ -124,28 +124,19 @@ unsafe fn pqt_block<S: Simd, const RB: usize, const U: usize, const RC: usize, c
     }
 }
 
-/// Floats from the start of `M`'s rows to their first 64-byte boundary when every row
-/// has the same alignment (`cols` a multiple of 16 floats) and a vector fits after it;
-/// 0 otherwise. The vectors of a row then start there: a large `Vec<f32>` from the
-/// system allocator starts 16 bytes past a boundary, and every 64-byte store of `M`
-/// crossed a line. The columns before it are computed one at a time with the vectors'
-/// operations ([`Simd::fma1`]), so the bits do not depend on where `M` lies.
+/// Where each row's vectors start: at [`line_lead`] with 8 lanes when a vector fits
+/// after it, at 0 otherwise. The columns before it are computed one at a time with the
+/// vectors' rounding ([`Simd::fma1`]).
 ///
 /// Eight lanes only. With `M` in L2 (AMD Zen 4, 128 x 1024, three alternated runs),
 /// `pqt_error` AVX2 r = 1 0.74-0.78 -> 1.09-1.18 of the in-core limit, r = 2 0.73-0.78
 /// -> 0.77-1.10, r = 4 0.57-0.67 -> 0.65-0.76, r = 8 0.37-0.51 -> 0.37-0.56; with
 /// AVX-512 the 12-16 scalar columns a row cost more than the split lines (r = 1
 /// 0.90-0.96 -> 0.69-0.81, r = 8 0.45-0.56 -> 0.38-0.42), so it keeps them.
-fn line_lead<S: Simd>(a: &Mat) -> usize {
-    let at = a.m as usize;
-    if S::LANES != 8 || !a.cols.is_multiple_of(SWEEP_STRIDE) || !at.is_multiple_of(4) {
-        return 0;
-    }
-    let lead = (64 - at % 64) % 64 / 4;
-    if lead + SWEEP_STRIDE <= a.cols {
-        lead
-    } else {
-        0
+fn vector_start<S: Simd>(a: &Mat) -> usize {
+    match line_lead(a, 0) {
+        lead if S::LANES == 8 && lead + SWEEP_STRIDE <= a.cols => lead,
+        _ => 0,
     }
 }
 
@@ -164,7 +155,7 @@ unsafe fn pqt_rows_rc<S: Simd, const RC: usize, const FUSE: bool>(a: &Mat, rows:
     // The tile does not change how any element is summed (each is its own chain of r
     // FMAs in k order), so results are bit-identical either way.
     let lanes = S::LANES;
-    let lead = line_lead::<S>(a);
+    let lead = vector_start::<S>(a);
     let nvec = (a.cols - lead) / lanes;
     let mut pack = QPack::take(a.r * nvec * lanes + 16);
     let qpack = pack.aligned();
