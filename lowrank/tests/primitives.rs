@@ -1030,8 +1030,9 @@ fn products_do_not_depend_on_where_m_lies() {
 
 /// `Mᵀ P` over several column panels and row blocks (4096 columns a panel, 128 KiB a
 /// block), odd ranks that take several column tiles, and `M̂ = P Qᵀ` with the error update
-/// over two-row tiles and a leftover row (and `Mᵀ P` streaming rows with 8 lanes at
-/// r <= 2): each against the f64 reference, and the same bits on every thread count.
+/// over two-row tiles and a leftover row (and `Mᵀ P` streaming rows with 8 lanes, in
+/// tiles of two columns of `Q` and one): each against the f64 reference, and the same
+/// bits on every thread count.
 #[test]
 fn blocked_mtp_and_pqt_match_the_reference_and_every_thread_count() {
     for &(batch, n, m, r) in &[
@@ -1046,9 +1047,13 @@ fn blocked_mtp_and_pqt_match_the_reference_and_every_thread_count() {
         (2, 45, 1031, 2),
         (1, 70, 4100, 1),
         // 1 MiB or more a call on one thread: the fused `P Qᵀ` sweeps M and E ahead,
-        // two-row tiles and a leftover row (r = 8), single rows (r = 4, ragged).
+        // two-row tiles and a leftover row (r = 8), single rows (r = 4, ragged). With 8
+        // lanes `Mᵀ P` takes the strips on one thread and the row-streaming kernel on two
+        // or three (less than 1 MiB each): the two must give the same bits.
         (1, 67, 4100, 8),
         (1, 65, 4107, 4),
+        (1, 64, 4096, 5),
+        (1, 64, 4096, 3),
     ] {
         let d = Dims::new(batch, n, m, r).unwrap();
         let (x, p, q) = (

@@ -218,15 +218,76 @@ const MTP_STREAM_ROWS: usize = 4;
 /// Floats of each row one pass of [`mtp_stream`] keeps in L1 (2 KiB a row, 8 KiB for its
 /// rows) while the `r` columns of `Q` go over them.
 const MTP_STREAM_PANEL: usize = 512;
+/// Columns of `Q` one pass of [`mtp_stream`] adds the rows to: the rows' vectors are
+/// loaded once for them, and `RB x KT` splats of `P`, `RB` row vectors and an
+/// accumulator fill 13 of AVX2's 16 registers.
+const MTP_STREAM_COLS: usize = 2;
+/// The largest rank at which [`mtp_cols`] takes [`mtp_stream`] for a call that streams
+/// `M` from memory (see there).
+const MTP_STREAM_MAX_RANK: usize = 3;
 /// Bytes at least that [`mtp_stream`] sweeps ahead, in whole blocks of rows.
 const MTP_STREAM_AHEAD_BYTES: usize = 128 * 1024;
 
 /// [`mtp_stream`] for the `RB` rows at `i0`: for each panel of the vectors `0..nvec`
-/// (from column `c0`) and each column `k` of `Q`, `RB` fused multiply-adds into each
-/// vector of the packed `Q` at `qp` (`qp[(v * r + k) * lanes]`), the rows' `P` values in
-/// registers and their vectors from L1 (read `r` times a panel).
+/// (from column `c0`) and each tile of [`MTP_STREAM_COLS`] columns of `Q` (`KT` the
+/// tile's width), the rows' vectors loaded once and `RB` fused multiply-adds into each
+/// of the tile's vectors of the packed `Q` at `qp` (`qp[(v * r + k) * lanes]`), the
+/// rows' `P` values in registers and their vectors from L1 (read once a tile).
 // Register tiles read best with explicit indices.
 #[allow(clippy::needless_range_loop)]
+#[inline(always)]
+unsafe fn mtp_stream_tile<S: Simd, const RB: usize, const KT: usize>(
+    a: &Mat,
+    i0: usize,
+    c0: usize,
+    vecs: Range<usize>,
+    k0: usize,
+    qp: *mut f32,
+    ahead_rows: usize,
+) {
+    let lanes = S::LANES;
+    // The tiles start at multiples of MTP_STREAM_COLS: this is tile `pass` of `passes`.
+    let (pass, passes) = (k0 / MTP_STREAM_COLS, a.r.div_ceil(MTP_STREAM_COLS));
+    // SAFETY: the caller guarantees rows i0..i0+RB inside 0..n, the vectors `vecs` from
+    // column c0 inside the row, columns k0..k0+KT inside 0..r, and `qp` holding r * nvec
+    // vectors. Prefetch addresses are formed with `wrapping_add` and a prefetch never
+    // faults.
+    unsafe {
+        let row = |ii: usize| a.m.add((i0 + ii) * a.cols + c0);
+        let mut pk = [[S::zero(); KT]; RB];
+        for ii in 0..RB {
+            for k in 0..KT {
+                pk[ii][k] = S::splat(*a.p.add((k0 + k) * a.n + i0 + ii));
+            }
+        }
+        for v in vecs {
+            // One prefetch a line, each line's in one of the passes, so that memory
+            // stays busy through all of them.
+            let line = v * lanes / SWEEP_STRIDE;
+            if ahead_rows != 0 && (v * lanes).is_multiple_of(SWEEP_STRIDE) && line % passes == pass
+            {
+                for ii in 0..RB {
+                    S::prefetch_l2(row(ii).wrapping_add(ahead_rows * a.cols + v * lanes));
+                }
+            }
+            let mut x = [S::zero(); RB];
+            for ii in 0..RB {
+                x[ii] = S::load(row(ii).add(v * lanes));
+            }
+            for k in 0..KT {
+                let dst = qp.add((v * a.r + k0 + k) * lanes);
+                let mut acc = S::load(dst);
+                for ii in 0..RB {
+                    acc = S::fma(pk[ii][k], x[ii], acc);
+                }
+                S::store(dst, acc);
+            }
+        }
+    }
+}
+
+/// [`mtp_stream_tile`] for every panel of the vectors `0..nvec` and every tile of
+/// columns of `Q`, for the `RB` rows at `i0`.
 #[inline(always)]
 unsafe fn mtp_stream_block<S: Simd, const RB: usize>(
     a: &Mat,
@@ -236,39 +297,28 @@ unsafe fn mtp_stream_block<S: Simd, const RB: usize>(
     qp: *mut f32,
     ahead_rows: usize,
 ) {
-    let lanes = S::LANES;
-    let panel = MTP_STREAM_PANEL / lanes;
-    // SAFETY: the caller guarantees rows i0..i0+RB inside 0..n, the nvec vectors from
-    // column c0 inside the row, and `qp` holding r * nvec vectors. Prefetch addresses
-    // are formed with `wrapping_add` and a prefetch never faults.
+    let panel = MTP_STREAM_PANEL / S::LANES;
+    let mut v0 = 0;
+    // SAFETY: forwarded caller guarantees; every tile's columns lie inside 0..r.
     unsafe {
-        let row = |ii: usize| a.m.add((i0 + ii) * a.cols + c0);
-        let mut v0 = 0;
         while v0 < nvec {
             let v1 = (v0 + panel).min(nvec);
-            for k in 0..a.r {
-                let mut pk = [S::zero(); RB];
-                for ii in 0..RB {
-                    pk[ii] = S::splat(*a.p.add(k * a.n + i0 + ii));
-                }
-                for v in v0..v1 {
-                    // One prefetch a line, each line's in one of the r passes, so that
-                    // memory stays busy through all of them.
-                    let line = v * lanes / SWEEP_STRIDE;
-                    if ahead_rows != 0
-                        && (v * lanes).is_multiple_of(SWEEP_STRIDE)
-                        && line % a.r == k
-                    {
-                        for ii in 0..RB {
-                            S::prefetch_l2(row(ii).wrapping_add(ahead_rows * a.cols + v * lanes));
-                        }
-                    }
-                    let dst = qp.add((v * a.r + k) * lanes);
-                    let mut acc = S::load(dst);
-                    for ii in 0..RB {
-                        acc = S::fma(pk[ii], S::load(row(ii).add(v * lanes)), acc);
-                    }
-                    S::store(dst, acc);
+            let mut k0 = 0;
+            while k0 < a.r {
+                if a.r - k0 >= MTP_STREAM_COLS {
+                    mtp_stream_tile::<S, RB, MTP_STREAM_COLS>(
+                        a,
+                        i0,
+                        c0,
+                        v0..v1,
+                        k0,
+                        qp,
+                        ahead_rows,
+                    );
+                    k0 += MTP_STREAM_COLS;
+                } else {
+                    mtp_stream_tile::<S, RB, 1>(a, i0, c0, v0..v1, k0, qp, ahead_rows);
+                    k0 += 1;
                 }
             }
             v0 = v1;
@@ -287,9 +337,20 @@ unsafe fn mtp_stream_block<S: Simd, const RB: usize>(
 /// in-core limit at 1024 columns against 0.67-0.85 at 1008. Here 4 rows side by side
 /// share a set with one line of the packed `Q`: at r = 1 45 → 77 GB/s in L2, r = 2
 /// 31-34 → 65, and from memory (one thread, 4096 x 4096) r = 1 0.71-0.85 → 0.86-0.92
-/// of the read bandwidth, r = 2 0.71-0.94 → 0.63-0.84 (within this VM's noise). From
-/// r = 4 the rows' `r` passes over L1 cost more than the strips' sets: 0.71-0.94 → 0.44-0.64
-/// from memory, so [`mtp_cols`] takes this kernel only up to r = 2.
+/// of the read bandwidth, r = 2 0.71-0.94 → 0.63-0.84 (within this VM's noise).
+///
+/// The rows' vectors are loaded once for [`MTP_STREAM_COLS`] columns of `Q` (one pass
+/// per column had them loaded `r` times). With `M` in L2 (128 x 1024 and 32 x 4096),
+/// AMD Zen 4, AVX2, three alternated runs against one pass a column: r = 2 0.94-1.22 of
+/// the old rate with `M` on a line boundary and 1.17-1.50 at 16 bytes past one (where
+/// glibc puts a large `Vec`), cold (4096 x 4096) the same within noise. Against the
+/// strips, in L2 at 1024 columns: r = 3 27 → 47 GB/s, r = 4 31-33 → 43, r = 6 18 → 26,
+/// r = 8 15-16 → 21; cold, one thread, 4096 x 4096: r = 3 16 → 19 GB/s, but r = 4
+/// 17-20 → 14-18, r = 5 17 → 13, r = 6 15 → 11 and r = 8 5-9 → 8-9 (each row block
+/// reads and writes the whole packed `Q`, `r` times the row's bytes, where a strip's
+/// tile stays in registers down a block). So [`mtp_cols`] takes this kernel up to
+/// [`MTP_STREAM_MAX_RANK`], and at every rank for a call that streams less than
+/// [`SWEEP_MIN_BYTES`] (`M` likely in cache).
 ///
 /// Each element gets the same operations in the same order as in [`mtp_block`] (from
 /// zero, one fused multiply-add a row in row order, [`Simd::fma1`] for the columns taken
@@ -365,7 +426,9 @@ const fn tile_accumulators(lanes: usize) -> usize {
 /// `Q` by `VW` vectors (`KT x VW` accumulators: 1 x 16, 2 x 8, 4 x 4, 8 x 2 on AVX-512;
 /// 1 x 8, 2 x 4, 4 x 2, 8 x 1 on AVX2), each row adding `KT x VW` fused multiply-adds
 /// to them. A rank that is not 1, 2, 4 or 8 goes in tiles of 8, 4, 2, 1 columns, each
-/// tile walking the block again (from L2).
+/// tile walking the block again (from L2). With 8 lanes, ranks up to
+/// [`MTP_STREAM_MAX_RANK`] and calls that stream less than [`SWEEP_MIN_BYTES`] take the
+/// row-streaming [`mtp_stream`] instead (the same bits).
 ///
 /// A call that streams [`SWEEP_MIN_BYTES`] or more prefetches each row it reads into L2
 /// one row block ahead at r = 1, two otherwise (the hardware prefetchers do not keep up
@@ -392,13 +455,13 @@ pub(crate) unsafe fn mtp_cols<S: Simd>(a: &Mat, cols: Range<usize>) {
         }
         return;
     }
-    if lanes == 8 && a.r <= 2 {
+    let sweep = a.n * cols.len() * 4 >= SWEEP_MIN_BYTES;
+    if lanes == 8 && (a.r <= MTP_STREAM_MAX_RANK || !sweep) {
         // SAFETY: forwarded caller guarantees.
         return unsafe { mtp_stream::<S>(a, cols) };
     }
     let accs = tile_accumulators(lanes);
     let width = MTP_PANEL_COLS.max(lanes);
-    let sweep = a.n * cols.len() * 4 >= SWEEP_MIN_BYTES;
     let mut c0 = cols.start;
     while c0 < cols.end {
         let panel = c0..(c0 + width).min(cols.end);
