@@ -559,22 +559,40 @@ fn the_last_handle_dropped_inside_its_own_continuation() {
 fn waiting_in_a_continuation_for_the_groups_next_operation_fails_at_once() {
     // The continuation runs on the group's own thread, which is the only one that can
     // run the barrier it waits for: that wait would never end. It fails at once, and the
-    // group goes on (the queued barrier still runs and completes).
+    // group goes on (the queued barrier still runs and completes). Rank 1 enters the
+    // first barrier only once rank 0 has attached its continuation, so that barrier
+    // cannot have completed by then (a continuation attached to finished work runs on
+    // the caller's thread, where the wait is fine); rank 1 matches the three barriers
+    // rank 0 issues with plain waits.
     let start = Instant::now();
+    let attached = std::sync::Barrier::new(2);
     let out = run_local_with_timeout(2, Duration::from_secs(20), |g| {
         let g = std::sync::Arc::new(g);
-        let g2 = g.clone();
-        let inner = g.barrier().then(move |_| g2.barrier().wait()).wait();
-        let after = g.barrier().wait();
-        (inner, after)
+        if g.rank() == 0 {
+            let g2 = g.clone();
+            let inner = g.barrier().then(move |_| g2.barrier().wait());
+            attached.wait();
+            let inner = inner.wait();
+            let after = g.barrier().wait();
+            (inner, after)
+        } else {
+            attached.wait();
+            let first = g.barrier().wait();
+            let second = g.barrier().wait();
+            (first.and(second), g.barrier().wait())
+        }
     })
     .unwrap();
-    for r in out {
+    for (rank, r) in out.into_iter().enumerate() {
         let (inner, after) = r.unwrap();
-        assert!(
-            matches!(&inner, Err(Error::InvalidArgument(m)) if m.contains("and_then")),
-            "{inner:?}"
-        );
+        if rank == 0 {
+            assert!(
+                matches!(&inner, Err(Error::InvalidArgument(m)) if m.contains("and_then")),
+                "{inner:?}"
+            );
+        } else {
+            inner.unwrap();
+        }
         after.unwrap();
     }
     assert_prompt(start);
