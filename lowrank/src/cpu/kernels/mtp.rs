@@ -215,8 +215,8 @@ unsafe fn mtp_block<S: Simd, const VW: usize, const KT: usize>(
 
 /// Rows the streaming kernel ([`mtp_stream`]) adds to each vector of `Q` in one pass.
 const MTP_STREAM_ROWS: usize = 4;
-/// Floats of each row one pass of [`mtp_stream`] keeps in L1 (2 KiB a row, 8 KiB for its
-/// rows) while the `r` columns of `Q` go over them.
+/// Floats of each row [`mtp_stream`] keeps in L1 (2 KiB a row, 8 KiB for its rows) while
+/// its passes (one per tile of [`MTP_STREAM_COLS`] columns of `Q`) go over them.
 const MTP_STREAM_PANEL: usize = 512;
 /// Columns of `Q` one pass of [`mtp_stream`] adds the rows to: the rows' vectors are
 /// loaded once for them, and `RB x KT` splats of `P`, `RB` row vectors and an
@@ -249,9 +249,11 @@ unsafe fn mtp_stream_tile<S: Simd, const RB: usize, const KT: usize>(
     // The tiles start at multiples of MTP_STREAM_COLS: this is tile `pass` of `passes`.
     let (pass, passes) = (k0 / MTP_STREAM_COLS, a.r.div_ceil(MTP_STREAM_COLS));
     // SAFETY: the caller guarantees rows i0..i0+RB inside 0..n, the vectors `vecs` from
-    // column c0 inside the row, columns k0..k0+KT inside 0..r, and `qp` holding r * nvec
-    // vectors. Prefetch addresses are formed with `wrapping_add` and a prefetch never
-    // faults.
+    // column c0 inside the row, columns k0..k0+KT inside 0..r, and `qp` holding the r
+    // vectors of every vector of columns in `vecs` (`qp[(v * r + k) * lanes]`). Prefetch
+    // addresses are formed with `wrapping_add` and a prefetch never faults. Nothing here
+    // waits or unwinds: a failure elsewhere cannot leave it half-way with anything but
+    // partial sums in this thread's own `Q` columns.
     unsafe {
         let row = |ii: usize| a.m.add((i0 + ii) * a.cols + c0);
         let mut pk = [[S::zero(); KT]; RB];
