@@ -1091,7 +1091,7 @@ fn blocked_mtp_and_pqt_match_the_reference_and_every_thread_count() {
 
 /// Wide `Q`s (more than 16 KiB) take the chunked `M Q` kernel (columns in chunks that keep `Q` in
 /// L1, rows in blocks): shapes with several chunks, ragged columns, row blocks with a
-/// remainder, and a rank past one register tile. Each must match the f64 reference, the
+/// remainder, and a rank past one register tile; and two narrower ones read in whole rows. Each must match the f64 reference, the
 /// fused `add_mq` must give exactly what `mq` gives on `g + e`, and no result may depend
 /// on the thread count.
 #[test]
@@ -1106,6 +1106,10 @@ fn chunked_mq_matches_the_reference_the_fused_path_and_every_thread_count() {
         (1, 33, 600, 24),
         (1, 16, 4096, 8),
         (3, 5, 17, 8),
+        // Whole rows (Q within 16 KiB), the fused pass's groups of two rows at r = 4 and
+        // 5 with AVX-512 and a row left over.
+        (2, 13, 1024, 4),
+        (1, 7, 1000, 5),
     ] {
         let d = Dims::new(batch, n, m, r).unwrap();
         let (g, e, q) = (

@@ -61,6 +61,12 @@ const fn tile(lanes: usize, kt: usize) -> (usize, usize) {
 ///   With `M` in L2, AMD Zen 4, alternated runs: r = 1 0.48-0.57 → 0.94-1.01 of the
 ///   in-core limit (AVX-512), 0.57-0.63 → 0.87-0.91 (AVX2); r = 2 88-94 → 81-105 GB/s
 ///   and 70-77 → 92-100; AVX2 r = 4 44-58 → 69-70;
+/// - two for the fused pass when it is 4 columns wide with 16 lanes: its four rows of `M`
+///   and four of `E` (the first tile's, [`tile`]) are eight streams through L1, and a
+///   pass over two (eight independent chains still) keeps up better. With `M` in L2, AMD
+///   Zen 4, AVX-512, r = 4, alternated runs: 0.47-0.48 → 0.49-0.51 of the in-core limit
+///   (one row 0.55, but less from memory); cold, n = m = 4096, 0.66-0.71 → 0.73-0.79 of
+///   the same traffic's stream loop;
 /// - 3 from 8 columns with 8 lanes (two tiles of 4, 12 accumulators): AVX2 r = 8,
 ///   0.60-0.70 → 0.56-0.77 of the in-core limit for `mq`, 0.29-0.49 → 0.49-0.51 fused,
 ///   cold 0.50-0.65 → 0.64-0.68 of the read bandwidth.
@@ -73,6 +79,8 @@ const fn group_rows(lanes: usize, r: usize, fuse: bool) -> usize {
         3
     } else if fuse && (kt <= 2 || (lanes == 8 && kt == 4)) {
         1
+    } else if fuse && kt == 4 {
+        2
     } else {
         tile(lanes, kt).0
     }
