@@ -237,6 +237,10 @@ const MTP_STREAM_COLS: usize = 2;
 /// The largest rank at which [`mtp_cols`] takes [`mtp_stream`] for a call that streams
 /// `M` from memory (see there).
 const MTP_STREAM_MAX_RANK: usize = 3;
+/// The rank from which [`mtp_cols`] takes [`mtp_stream`] again for such a call: there
+/// the strips' tiles (at most 4 columns of `Q` with 8 lanes) walk each row block twice or
+/// more, and the stream's passes over rows kept in L1 cost less (see there).
+const MTP_STREAM_FROM_RANK: usize = 8;
 /// Bytes at least that [`mtp_stream`] sweeps ahead, in whole blocks of rows.
 const MTP_STREAM_AHEAD_BYTES: usize = 128 * 1024;
 
@@ -362,9 +366,16 @@ unsafe fn mtp_stream_block<S: Simd, const RB: usize>(
 /// r = 8 15-16 → 21; cold, one thread, 4096 x 4096: r = 3 16 → 19 GB/s, but r = 4
 /// 17-20 → 14-18, r = 5 17 → 13, r = 6 15 → 11 and r = 8 5-9 → 8-9 (each row block
 /// reads and writes the whole packed `Q`, `r` times the row's bytes, where a strip's
-/// tile stays in registers down a block). So [`mtp_cols`] takes this kernel up to
-/// [`MTP_STREAM_MAX_RANK`], and at every rank for a call that streams less than
-/// [`SWEEP_MIN_BYTES`] (`M` likely in cache).
+/// tile stays in registers down a block). With [`MTP_STREAM_COLS`] columns a pass (the
+/// rows' vectors loaded once for two columns of `Q`), cold, alternated runs: r = 4
+/// strips 23.9-24.3 GB/s against the stream's 20.1-21.8, r = 5 19.7-19.9 against
+/// 17.6-17.8, r = 6 18.7-19.5 against 17.9-18.0, r = 7 14.1-14.3 against 13.9-14.0,
+/// but r = 8 12.3-12.4 against 15.4-15.8, r = 12 8.7-8.9 against 11.5-11.6. The
+/// strips' old 8-column tile (one vector wide) read 6.5-7.2 GB/s at r = 8 in one
+/// placement of the buffers and 11.1-13.9 in another, where the stream read 14.7-15.5
+/// in both. So [`mtp_cols`] takes this
+/// kernel up to [`MTP_STREAM_MAX_RANK`] and from [`MTP_STREAM_FROM_RANK`], and at every
+/// rank for a call that streams less than [`SWEEP_MIN_BYTES`] (`M` likely in cache).
 ///
 /// Each element gets the same operations in the same order as in [`mtp_block`] (from
 /// zero, one fused multiply-add a row in row order, [`Simd::fma1`] for the columns taken
@@ -438,11 +449,12 @@ const fn tile_accumulators(lanes: usize) -> usize {
 /// `Q[cols] = (Mᵀ P)[cols]` for one matrix: column panels of [`MTP_PANEL_COLS`], row
 /// blocks of [`MTP_BLOCK_FLOATS`] inside each, and in each block tiles of `KT` columns of
 /// `Q` by `VW` vectors (`KT x VW` accumulators: 1 x 16, 2 x 8, 4 x 4, 8 x 2 on AVX-512;
-/// 1 x 8, 2 x 4, 4 x 2, 8 x 1 on AVX2), each row adding `KT x VW` fused multiply-adds
-/// to them. A rank that is not 1, 2, 4 or 8 goes in tiles of 8, 4, 2, 1 columns, each
-/// tile walking the block again (from L2). With 8 lanes, ranks up to
-/// [`MTP_STREAM_MAX_RANK`] and calls that stream less than [`SWEEP_MIN_BYTES`] take the
-/// row-streaming [`mtp_stream`] instead (the same bits).
+/// 1 x 8, 2 x 4, 4 x 2 on AVX2), each row adding `KT x VW` fused multiply-adds to them.
+/// A rank that is not 1, 2, 4 or 8 goes in tiles of 8 (16 lanes only), 4, 2, 1 columns,
+/// each tile walking the block again (from L2). With 8 lanes, ranks up to
+/// [`MTP_STREAM_MAX_RANK`] or from [`MTP_STREAM_FROM_RANK`] and calls that stream less
+/// than [`SWEEP_MIN_BYTES`] take the row-streaming [`mtp_stream`] instead (the same
+/// bits).
 ///
 /// A call that streams [`SWEEP_MIN_BYTES`] or more prefetches each row it reads into L2
 /// one row block ahead at r = 1, two otherwise (the hardware prefetchers do not keep up
@@ -470,7 +482,7 @@ pub(crate) unsafe fn mtp_cols<S: Simd>(a: &Mat, cols: Range<usize>) {
         return;
     }
     let sweep = a.n * cols.len() * 4 >= SWEEP_MIN_BYTES;
-    if lanes == 8 && (a.r <= MTP_STREAM_MAX_RANK || !sweep) {
+    if lanes == 8 && (a.r <= MTP_STREAM_MAX_RANK || a.r >= MTP_STREAM_FROM_RANK || !sweep) {
         // SAFETY: forwarded caller guarantees.
         return unsafe { mtp_stream::<S>(a, cols) };
     }
@@ -496,7 +508,8 @@ pub(crate) unsafe fn mtp_cols<S: Simd>(a: &Mat, cols: Range<usize>) {
                 // Only the first tile of columns prefetches; the others walk the block
                 // again from L2.
                 let ahead = if k0 == 0 { ahead_rows * a.cols } else { 0 };
-                let kt = if rem >= 8 {
+                // Eight lanes never reach 8 columns (the stream takes those ranks).
+                let kt = if rem >= 8 && lanes == 16 {
                     8
                 } else if rem >= 4 {
                     4
@@ -513,7 +526,6 @@ pub(crate) unsafe fn mtp_cols<S: Simd>(a: &Mat, cols: Range<usize>) {
                         (4, 16) => mtp_block::<S, 4, 4>(a, rows.clone(), &panel, k0, ahead),
                         (2, 16) => mtp_block::<S, 8, 2>(a, rows.clone(), &panel, k0, ahead),
                         (1, 16) => mtp_block::<S, 16, 1>(a, rows.clone(), &panel, k0, ahead),
-                        (8, _) => mtp_block::<S, 1, 8>(a, rows.clone(), &panel, k0, ahead),
                         (4, _) => mtp_block::<S, 2, 4>(a, rows.clone(), &panel, k0, ahead),
                         (2, _) => mtp_block::<S, 4, 2>(a, rows.clone(), &panel, k0, ahead),
                         _ => mtp_block::<S, 8, 1>(a, rows.clone(), &panel, k0, ahead),
