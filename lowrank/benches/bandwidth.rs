@@ -25,13 +25,21 @@
 //!   independent chains in registers), and `fma/line`, the FMAs a 64-byte line of `M`
 //!   needs (`r x 16 / lanes`), so `fma GB/s` is the rate the FMA ports alone allow;
 //! - `L2 strm`: a plain SIMD loop moving the same data with `M` resident in L2 (128 x
-//!   1024, 512 KiB; 64 x 1024 with `E` for the fused passes), `limit` the lower of the
-//!   two bounds (`*` where they are within 20% of each other: the kernel would have to
-//!   keep the FMA pipes and the L2 fills both near full at once, so such rows read
-//!   lower against it), and `L2 GB/s` the kernel over the same buffers;
+//!   1024, 512 KiB; 64 x 1024 with `E` for the fused passes) on 64-byte aligned buffers
+//!   (the machine's best stream), `limit` the lower of the two bounds (`*` where they are
+//!   within 20% of each other: the kernel would have to keep the FMA pipes and the L2
+//!   fills both near full at once, so such rows read lower against it), and `L2 GB/s`
+//!   the kernel over buffers that start 16 bytes past a line, where the system allocator
+//!   puts large blocks (so a kernel that loads split lines pays for it);
+//! - `aligned`: `of limit` for the kernel over buffers on a line (what the placement
+//!   costs it);
+//! - the kernel, the stream and the FMA rate are measured one after the other, seven
+//!   times, and each column is the median of the seven (`of limit` the median of the
+//!   seven runs' own ratios): a VM's clock and its neighbours move all three between
+//!   runs, not within one;
 //! - `cold` and `ref`: the kernel and the reference from memory (n = m = 4096), as in the
 //!   table for the products; for the fused passes the reference is the stream loop of
-//!   the L2 bound (`y += x`, `e = m; m /= 2`), so `fraction` is of the same traffic's
+//!   the L2 bound (`y += x`, `e = m; m = -m`), so `fraction` is of the same traffic's
 //!   plain rate;
 //! - `serial`: the fraction the row would reach if its in-core work (the L2 rate) did not
 //!   overlap the memory transfer at all, `1 / (1 + ref / L2)`; a measured fraction
@@ -184,8 +192,10 @@ unsafe fn sum_avx2(x: &[f32]) -> f32 {
     lanes.iter().sum::<f32>() + tail
 }
 
-/// The stream `pqt_error` makes, with nothing computed: `e = m; m = m / 2` (one read and
-/// two writes an element), in the widest vectors this CPU has.
+/// The stream `pqt_error` makes, with nothing computed: `e = m; m = -m` (one read and
+/// two writes an element), in the widest vectors this CPU has. (A sign flip, not a
+/// scale: repeated in cache, halving would reach subnormal numbers, whose arithmetic
+/// takes microcode assists on Intel cores.)
 fn split_stream(m: &mut [f32], e: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     {
@@ -200,7 +210,60 @@ fn split_stream(m: &mut [f32], e: &mut [f32]) {
     }
     for (x, y) in m.iter_mut().zip(e.iter_mut()) {
         *y = *x;
-        *x *= 0.5;
+        *x = -*x;
+    }
+}
+
+/// The stream `add_mq` makes, with nothing computed: `m += e` (two reads and a write an
+/// element), in the widest vectors this CPU has.
+fn add_stream(m: &mut [f32], e: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if Isa::Avx512.is_supported() {
+            // SAFETY: AVX-512F is present (checked above).
+            return unsafe { add_avx512(m, e) };
+        }
+        if Isa::Avx2.is_supported() {
+            // SAFETY: AVX2 is present (checked above).
+            return unsafe { add_avx2(m, e) };
+        }
+    }
+    for (x, y) in m.iter_mut().zip(e) {
+        *x += *y;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn add_avx512(m: &mut [f32], e: &[f32]) {
+    use std::arch::x86_64::*;
+    let n = m.len().min(e.len()) / 16 * 16;
+    for i in (0..n).step_by(16) {
+        // SAFETY: i + 16 <= n, inside both slices.
+        unsafe {
+            let x = _mm512_add_ps(
+                _mm512_loadu_ps(m.as_ptr().add(i)),
+                _mm512_loadu_ps(e.as_ptr().add(i)),
+            );
+            _mm512_storeu_ps(m.as_mut_ptr().add(i), x);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn add_avx2(m: &mut [f32], e: &[f32]) {
+    use std::arch::x86_64::*;
+    let n = m.len().min(e.len()) / 8 * 8;
+    for i in (0..n).step_by(8) {
+        // SAFETY: i + 8 <= n, inside both slices.
+        unsafe {
+            let x = _mm256_add_ps(
+                _mm256_loadu_ps(m.as_ptr().add(i)),
+                _mm256_loadu_ps(e.as_ptr().add(i)),
+            );
+            _mm256_storeu_ps(m.as_mut_ptr().add(i), x);
+        }
     }
 }
 
@@ -209,13 +272,13 @@ fn split_stream(m: &mut [f32], e: &mut [f32]) {
 unsafe fn split_avx512(m: &mut [f32], e: &mut [f32]) {
     use std::arch::x86_64::*;
     let n = m.len().min(e.len()) / 16 * 16;
-    let half = _mm512_set1_ps(0.5);
+    let flip = _mm512_set1_ps(-1.0);
     for i in (0..n).step_by(16) {
         // SAFETY: i + 16 <= n, inside both slices.
         unsafe {
             let x = _mm512_loadu_ps(m.as_ptr().add(i));
             _mm512_storeu_ps(e.as_mut_ptr().add(i), x);
-            _mm512_storeu_ps(m.as_mut_ptr().add(i), _mm512_mul_ps(x, half));
+            _mm512_storeu_ps(m.as_mut_ptr().add(i), _mm512_mul_ps(x, flip));
         }
     }
 }
@@ -225,13 +288,13 @@ unsafe fn split_avx512(m: &mut [f32], e: &mut [f32]) {
 unsafe fn split_avx2(m: &mut [f32], e: &mut [f32]) {
     use std::arch::x86_64::*;
     let n = m.len().min(e.len()) / 8 * 8;
-    let half = _mm256_set1_ps(0.5);
+    let flip = _mm256_set1_ps(-1.0);
     for i in (0..n).step_by(8) {
         // SAFETY: i + 8 <= n, inside both slices.
         unsafe {
             let x = _mm256_loadu_ps(m.as_ptr().add(i));
             _mm256_storeu_ps(e.as_mut_ptr().add(i), x);
-            _mm256_storeu_ps(m.as_mut_ptr().add(i), _mm256_mul_ps(x, half));
+            _mm256_storeu_ps(m.as_mut_ptr().add(i), _mm256_mul_ps(x, flip));
         }
     }
 }
@@ -321,9 +384,13 @@ fn gemm_product(
 /// Fused multiply-adds per nanosecond at `lanes` lanes (16: AVX-512, 8: AVX2), on 12
 /// independent chains; `None` where this CPU has no such FMA.
 fn fma_per_ns(lanes: usize) -> Option<f64> {
+    fma_rate(lanes, 20_000_000)
+}
+
+/// [`fma_per_ns`] over `n` rounds of the 12 chains (the better of two runs).
+fn fma_rate(lanes: usize, n: usize) -> Option<f64> {
     #[cfg(target_arch = "x86_64")]
     {
-        let n = 20_000_000usize;
         // The better of two runs of `f`, in FMAs per nanosecond.
         let best = |f: &dyn Fn() -> f32| {
             let rate = || {
@@ -343,7 +410,7 @@ fn fma_per_ns(lanes: usize) -> Option<f64> {
             return Some(best(&|| unsafe { fma_chains_avx2(n) }));
         }
     }
-    let _ = lanes;
+    let _ = (lanes, n);
     None
 }
 
@@ -425,18 +492,50 @@ impl Kernel {
     }
 }
 
-/// One in-cache timing: the best per-call time of `f` over 7 runs of `calls` calls.
-fn best_of(calls: usize, mut f: impl FnMut()) -> Duration {
-    (0..7)
-        .map(|_| {
-            let t = Instant::now();
-            for _ in 0..calls {
-                f();
-            }
-            t.elapsed() / calls as u32
-        })
-        .min()
-        .unwrap_or_default()
+/// One in-cache timing: the per-call time of `calls` calls of `f`.
+fn time_calls(calls: usize, mut f: impl FnMut()) -> Duration {
+    let t = Instant::now();
+    for _ in 0..calls {
+        f();
+    }
+    t.elapsed() / calls as u32
+}
+
+fn median_f64(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Bytes past a 64-byte line at which the kernels' in-L2 buffers start: where glibc's
+/// `malloc` puts a large block (its 16-byte chunk header after a page), so what
+/// training code's `Vec<f32>` gradients see.
+const KERNEL_PLACEMENT: usize = 16;
+
+/// A buffer of `len` floats starting `offset` bytes past a 64-byte line.
+struct Placed {
+    buf: Vec<f32>,
+    start: usize,
+    len: usize,
+}
+
+impl Placed {
+    fn new(len: usize, offset: usize, fill: impl Fn(usize) -> f32) -> Placed {
+        assert!(offset.is_multiple_of(4) && offset < 64);
+        let mut buf = vec![0.0f32; len + 32];
+        let start = (buf.as_ptr().align_offset(64) + offset / 4) % 16;
+        for (i, x) in buf[start..start + len].iter_mut().enumerate() {
+            *x = fill(i);
+        }
+        Placed { buf, start, len }
+    }
+
+    fn get(&self) -> &[f32] {
+        &self.buf[self.start..self.start + self.len]
+    }
+
+    fn get_mut(&mut self) -> &mut [f32] {
+        &mut self.buf[self.start..self.start + self.len]
+    }
 }
 
 /// `--roofline`: for every kernel and rank (or those `--op` and `--rank` select), one
@@ -470,7 +569,7 @@ fn roofline(a: &Args, cpu: &CpuBackend) {
             fma.map_or("-".into(), |f| format!("{f:.2}"))
         );
         println!(
-            "{:<6} {:>2} {:>8} {:>9} {:>9} {:>7} {:>7} {:>8} {:>7} {:>6} {:>9} {:>7}",
+            "{:<6} {:>2} {:>8} {:>9} {:>9} {:>7} {:>7} {:>8} {:>7} {:>7} {:>6} {:>9} {:>7}",
             "op",
             "r",
             "fma/line",
@@ -479,6 +578,7 @@ fn roofline(a: &Args, cpu: &CpuBackend) {
             "limit",
             "L2 GB/s",
             "of limit",
+            "aligned",
             "cold",
             "ref",
             "fraction",
@@ -512,19 +612,25 @@ fn roofline_row(
 ) {
     let bpe = kernel.bytes_per_element();
     let fma_per_line = (r * 16) as f64 / lanes as f64;
-    // The FMA bound in bytes of the row's traffic: a line of M is 64 bytes of M and
-    // 64 * bpe / 4 bytes of traffic.
-    let fma_gbs = fma.map(|f| 64.0 * f / fma_per_line * (bpe / 4) as f64);
     let rows = if bpe == 4 { 128 } else { 64 };
     let cols = 1024;
     let d = Dims::new(1, rows, cols, r).expect("valid shape");
     let len = rows * cols;
-    let mut m_buf: Vec<f32> = (0..len).map(|i| (i % 251) as f32 * 1e-3).collect();
-    let mut e_buf: Vec<f32> = (0..len).map(|i| (i % 17) as f32 * 1e-4).collect();
-    let e0_buf = vec![0.0f32; len];
-    let m = &mut m_buf[..len];
-    let e = &mut e_buf[..len];
-    let e0 = &e0_buf[..len];
+    // The kernel's `M` and `E` where the system allocator puts large buffers (16 bytes
+    // past a 64-byte line), the reference's on a line: the L2 bound is the machine's
+    // best stream, and a kernel that loads split lines pays for it here.
+    let mut m_buf = Placed::new(len, KERNEL_PLACEMENT, |i| (i % 251) as f32 * 1e-3);
+    let mut e_buf = Placed::new(len, KERNEL_PLACEMENT, |i| (i % 17) as f32 * 1e-4);
+    let e0_buf = Placed::new(len, KERNEL_PLACEMENT, |_| 0.0);
+    let mut m_ref = Placed::new(len, 0, |i| (i % 251) as f32 * 1e-3);
+    let mut e_ref = Placed::new(len, 0, |i| (i % 17) as f32 * 1e-4);
+    // The kernel once more on buffers on a line: what the placement costs it.
+    let mut m_aln = Placed::new(len, 0, |i| (i % 251) as f32 * 1e-3);
+    let mut e_aln = Placed::new(len, 0, |i| (i % 17) as f32 * 1e-4);
+    let e0_aln = Placed::new(len, 0, |_| 0.0);
+    let (m, e, e0) = (m_buf.get_mut(), e_buf.get_mut(), e0_buf.get());
+    let (mr, er) = (m_ref.get_mut(), e_ref.get_mut());
+    let (ma, ea, e0a) = (m_aln.get_mut(), e_aln.get_mut(), e0_aln.get());
     let (p, mut q, mut p_out) = (
         vec![0.5f32; d.p_len()],
         vec![0.25f32; d.q_len()],
@@ -532,25 +638,50 @@ fn roofline_row(
     );
     // About 2 ms of work per timed run.
     let calls = 2_000_000 / (rows * cols * bpe / 64).max(1);
-    let kernel_time = match kernel {
-        Kernel::Mq => best_of(calls, || be.mq(d, m, &q, &mut p_out).expect("mq")),
-        Kernel::Mtp => best_of(calls, || be.mtp(d, m, &p, &mut q).expect("mtp")),
-        // E is zero here, so M keeps its values call after call.
-        Kernel::AddMq => best_of(calls, || {
-            be.add_mq(d, m, e0, &q, &mut p_out).expect("add_mq")
-        }),
-        Kernel::PqtError => best_of(calls, || be.pqt_error(d, &p, &q, m, e).expect("pqt_error")),
-    };
-    let stream_time = match kernel {
-        Kernel::Mq | Kernel::Mtp => best_of(calls, || {
-            black_box(sum_slice(m));
-        }),
-        Kernel::AddMq => best_of(calls, || be.add(m, e).expect("add")),
-        Kernel::PqtError => best_of(calls, || split_stream(m, e)),
-    };
     let traffic = (rows * cols * bpe) as f64;
-    let l2_k = traffic / kernel_time.as_secs_f64() / 1e9;
-    let l2_stream = traffic / stream_time.as_secs_f64() / 1e9;
+    // Kernel, stream and FMA rate measured one after the other, 7 times: each run's
+    // ratio is of rates measured within milliseconds of each other (a VM's clock and
+    // its neighbours move all of them between runs); the medians are reported.
+    let (mut kernel_gbs, mut stream_gbs, mut fma_gbs_runs, mut of_limit, mut of_limit_aln) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..7 {
+        let mut run = |m: &mut [f32], e: &mut [f32], e0: &[f32]| {
+            time_calls(calls, || match kernel {
+                Kernel::Mq => be.mq(d, m, &q, &mut p_out).expect("mq"),
+                Kernel::Mtp => be.mtp(d, m, &p, &mut q).expect("mtp"),
+                // E is zero here, so M keeps its values call after call.
+                Kernel::AddMq => be.add_mq(d, m, e0, &q, &mut p_out).expect("add_mq"),
+                Kernel::PqtError => be.pqt_error(d, &p, &q, m, e).expect("pqt_error"),
+            })
+        };
+        let kernel_time = run(m, e, e0);
+        let aligned_time = run(ma, ea, e0a);
+        let stream_time = time_calls(calls, || match kernel {
+            Kernel::Mq | Kernel::Mtp => {
+                black_box(sum_slice(mr));
+            }
+            Kernel::AddMq => add_stream(mr, er),
+            Kernel::PqtError => split_stream(mr, er),
+        });
+        let l2_k = traffic / kernel_time.as_secs_f64() / 1e9;
+        let l2_stream = traffic / stream_time.as_secs_f64() / 1e9;
+        // The FMA bound in bytes of the row's traffic: a line of M is 64 bytes of M and
+        // 64 * bpe / 4 bytes of traffic.
+        let fma_gbs = fma
+            .and(fma_rate(lanes, 200_000))
+            .map(|f| 64.0 * f / fma_per_line * (bpe / 4) as f64);
+        let limit = fma_gbs.map_or(l2_stream, |f| f.min(l2_stream));
+        kernel_gbs.push(l2_k);
+        stream_gbs.push(l2_stream);
+        fma_gbs_runs.extend(fma_gbs);
+        of_limit.push(l2_k / limit);
+        of_limit_aln.push(traffic / aligned_time.as_secs_f64() / 1e9 / limit);
+    }
+    let l2_k = median_f64(kernel_gbs);
+    let l2_stream = median_f64(stream_gbs);
+    let fma_gbs = (!fma_gbs_runs.is_empty()).then(|| median_f64(fma_gbs_runs));
+    let of_limit = median_f64(of_limit);
+    let of_limit_aln = median_f64(of_limit_aln);
     let limit = fma_gbs.map_or(l2_stream, |f| f.min(l2_stream));
     // Both ceilings within 20%: the row is co-limited (see the module docs).
     let co_limited = fma_gbs.is_some_and(|f| f.min(l2_stream) / f.max(l2_stream) >= 0.8);
@@ -581,7 +712,7 @@ fn roofline_row(
                 Kernel::Mq | Kernel::Mtp => {
                     black_box(reference(&m, 1));
                 }
-                Kernel::AddMq => be.add(&mut m, &e).expect("add"),
+                Kernel::AddMq => add_stream(&mut m, &e),
                 Kernel::PqtError => split_stream(&mut m, &mut e),
             }
             tr.push(t.elapsed());
@@ -606,11 +737,11 @@ fn roofline_row(
     if a.json {
         let num = |v: Option<f64>| v.map_or("null".to_string(), |v| format!("{v:.3}"));
         println!(
-            "{{\"bench\":\"lowrank/roofline\",\"isa\":\"{}\",\"op\":\"{}\",\"r\":{r},\"fma_per_line\":{fma_per_line},\"fma_gb_per_s\":{},\"l2_stream_gb_per_s\":{l2_stream:.3},\"limit_gb_per_s\":{limit:.3},\"l2_gb_per_s\":{l2_k:.3},\"fraction_of_limit\":{:.4},\"co_limited\":{co_limited},\"cold_gb_per_s\":{},\"reference_gb_per_s\":{},\"fraction_of_bandwidth\":{}}}",
+            "{{\"bench\":\"lowrank/roofline\",\"isa\":\"{}\",\"op\":\"{}\",\"r\":{r},\"fma_per_line\":{fma_per_line},\"fma_gb_per_s\":{},\"l2_stream_gb_per_s\":{l2_stream:.3},\"limit_gb_per_s\":{limit:.3},\"l2_gb_per_s\":{l2_k:.3},\"fraction_of_limit\":{:.4},\"fraction_of_limit_aligned\":{of_limit_aln:.4},\"co_limited\":{co_limited},\"cold_gb_per_s\":{},\"reference_gb_per_s\":{},\"fraction_of_bandwidth\":{}}}",
             be.isa().name(),
             kernel.name(),
             num(fma_gbs),
-            l2_k / limit,
+            of_limit,
             num(cold.map(|c| c.0)),
             num(cold.map(|c| c.1)),
             num(cold.map(|c| c.0 / c.1)),
@@ -626,11 +757,11 @@ fn roofline_row(
             None => ("-".into(), "-".into(), "-".into(), "-".into()),
         };
         println!(
-            "{:<6} {r:>2} {fma_per_line:>8.1} {:>9} {l2_stream:>9.1} {:>7} {l2_k:>7.1} {:>8.2} {c:>7} {rf:>6} {fr:>9} {se:>7}",
+            "{:<6} {r:>2} {fma_per_line:>8.1} {:>9} {l2_stream:>9.1} {:>7} {l2_k:>7.1} {:>8.2} {of_limit_aln:>7.2} {c:>7} {rf:>6} {fr:>9} {se:>7}",
             kernel.name(),
             fma_gbs.map_or("-".into(), |g| format!("{g:.1}")),
             format!("{limit:.1}{}", if co_limited { "*" } else { "" }),
-            l2_k / limit,
+            of_limit,
         );
     }
 }

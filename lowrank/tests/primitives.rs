@@ -971,7 +971,8 @@ fn results_do_not_depend_on_thread_count() {
 }
 
 /// `Mᵀ P` (8 lanes) and `M = P Qᵀ` (with and without the error) read and write `M` in
-/// whole lines from its rows' first 64-byte boundary on: the same matrix at every offset
+/// whole lines from its rows' first 64-byte boundary on, `M Q` and `M += E; M Q` in whole
+/// vectors from its rows' first vector boundary: the same matrix at every offset
 /// from a boundary (0..16 floats) gives the same bits as at the first, on every ISA and
 /// thread count, with panels, row blocks, ragged columns and rows that are not whole
 /// lines apart.
@@ -993,8 +994,15 @@ fn products_do_not_depend_on_where_m_lies() {
             random(d.q_len(), 43),
         );
         let mhat = ref_pqt(d, &p, &q);
+        let err = random(d.m_len(), 44);
         let mut buf = vec![0.0f32; d.m_len() + 32];
         let mut ebuf = vec![0.0f32; d.m_len() + 32];
+        let mut gbuf = vec![0.0f32; d.m_len() + 32];
+        let mut g_e = vec![0.0f32; d.m_len() + 32];
+        let mut x_plus_e = x.clone();
+        for (g, e) in x_plus_e.iter_mut().zip(&err) {
+            *g += e;
+        }
         for isa in Isa::supported() {
             for threads in [1, 2] {
                 let be = cpu_with(isa, threads);
@@ -1004,17 +1012,36 @@ fn products_do_not_depend_on_where_m_lies() {
                     buf[span.clone()].copy_from_slice(&x);
                     let mut qo = vec![0.0; d.q_len()];
                     be.mtp(d, &buf[span.clone()], &p, &mut qo).unwrap();
+                    // `M Q` and `M += E; M Q`, with `E` at another offset than `M`.
+                    let (mut po, mut po_fused) = (vec![0.0; d.p_len()], vec![0.0; d.p_len()]);
+                    be.mq(d, &buf[span.clone()], &q, &mut po).unwrap();
+                    let espan = (15 - off)..(15 - off) + d.m_len();
+                    gbuf[span.clone()].copy_from_slice(&x);
+                    g_e[espan.clone()].copy_from_slice(&err);
+                    be.add_mq(d, &mut gbuf[span.clone()], &g_e[espan], &q, &mut po_fused)
+                        .unwrap();
                     be.pqt_error(d, &p, &q, &mut buf[span.clone()], &mut ebuf[span.clone()])
                         .unwrap();
                     let (fused, e) = (buf[span.clone()].to_vec(), ebuf[span.clone()].to_vec());
                     be.pqt(d, &p, &q, &mut buf[span.clone()]).unwrap();
-                    let got = (qo, fused, e, buf[span].to_vec());
+                    let got = (
+                        qo,
+                        fused,
+                        e,
+                        buf[span.clone()].to_vec(),
+                        po,
+                        po_fused,
+                        gbuf[span].to_vec(),
+                    );
                     match &first {
                         None => {
                             let what = |k: &str| format!("{isa:?} {k} on {d}");
                             assert_close(&what("mtp"), &got.0, &ref_mtp(d, &x, &p), n);
                             assert_close(&what("pqt_error"), &got.1, &mhat, r);
                             assert_close(&what("pqt"), &got.3, &mhat, r);
+                            assert_close(&what("mq"), &got.4, &ref_mq(d, &x, &q), m);
+                            assert_close(&what("add_mq"), &got.5, &ref_mq(d, &x_plus_e, &q), m);
+                            assert!(got.6 == x_plus_e, "{isa:?} add_mq on {d}: M + E");
                             first = Some(got);
                         }
                         Some(f) => assert!(
@@ -1023,6 +1050,33 @@ fn products_do_not_depend_on_where_m_lies() {
                         ),
                     }
                 }
+            }
+        }
+    }
+}
+
+/// `M Q` where every product underflows: with fused multiply-adds (AVX2, AVX-512) each
+/// sum is -0, and stays so wherever `M` lies (the lanes of a vector that fall outside a
+/// row must not be accumulated, even as zeros: -0 + +0 is +0); the portable kernels'
+/// separate multiply and add give +0 everywhere.
+#[test]
+fn mq_keeps_the_sign_of_a_zero_sum_wherever_m_lies() {
+    for &(n, m, r) in &[(6, 64, 1), (6, 64, 2), (5, 48, 8), (3, 1024, 4)] {
+        let d = Dims::new(1, n, m, r).unwrap();
+        let q = vec![1e-30f32; d.q_len()];
+        let mut buf = vec![0.0f32; d.m_len() + 16];
+        for isa in Isa::supported() {
+            let be = cpu_with(isa, 1);
+            let zero = if isa == Isa::Portable { 0.0f32 } else { -0.0 };
+            for off in 0..16 {
+                buf[off..off + d.m_len()].fill(-1e-30);
+                let mut p = vec![1.0f32; d.p_len()];
+                be.mq(d, &buf[off..off + d.m_len()], &q, &mut p).unwrap();
+                assert!(
+                    p.iter().all(|x| x.to_bits() == zero.to_bits()),
+                    "{isa:?} {d} at offset {off}: {:?}, want {zero:?}",
+                    &p[..p.len().min(4)]
+                );
             }
         }
     }

@@ -25,7 +25,22 @@ pub(crate) trait Simd: Copy {
     unsafe fn add(a: Self::V, b: Self::V) -> Self::V;
     unsafe fn sub(a: Self::V, b: Self::V) -> Self::V;
     unsafe fn mul(a: Self::V, b: Self::V) -> Self::V;
+    /// The sum of the lanes by one fixed tree: lanes `i` and `i + LANES / 2` first, then
+    /// `i` and `i + LANES / 4` of those sums, and so on. Every level pairs lanes a fixed
+    /// distance apart around the vector, so the result does not change when the lanes
+    /// are rotated: the `mq` kernel's aligned vectors rely on it (`mq::Edges`).
     unsafe fn reduce(v: Self::V) -> f32;
+    /// Whether the kernels should start their vectors of `M` at a vector boundary
+    /// (`LANES * 4` bytes) where its rows do not: true where an unaligned vector load
+    /// costs more than an aligned one (x86), false for the portable fallback.
+    const ALIGN: bool;
+    /// Lanes `lo..hi` of the vector at `p` (the others zero), touching only those lanes'
+    /// memory: `p.add(lo)..p.add(hi)` must be readable.
+    unsafe fn load_lanes(p: *const f32, lo: usize, hi: usize) -> Self::V;
+    /// Stores lanes `lo..hi` of `v` at `p`, touching only those lanes' memory.
+    unsafe fn store_lanes(p: *mut f32, v: Self::V, lo: usize, hi: usize);
+    /// [`Simd::fma`] in lanes `lo..hi`; the other lanes keep `c`.
+    unsafe fn fma_lanes(a: Self::V, b: Self::V, c: Self::V, lo: usize, hi: usize) -> Self::V;
     /// A hint to fetch the cache line at `p` into all levels; never faults.
     #[inline(always)]
     unsafe fn prefetch(p: *const f32) {
@@ -100,7 +115,36 @@ impl Simd for Portable {
     }
     #[inline(always)]
     unsafe fn reduce(v: Self::V) -> f32 {
-        ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]))
+        ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]))
+    }
+    const ALIGN: bool = false;
+    #[inline(always)]
+    unsafe fn load_lanes(p: *const f32, lo: usize, hi: usize) -> Self::V {
+        std::array::from_fn(|i| {
+            if (lo..hi).contains(&i) {
+                // SAFETY: the caller guarantees lanes lo..hi readable; only those are read.
+                unsafe { *p.add(i) }
+            } else {
+                0.0
+            }
+        })
+    }
+    #[inline(always)]
+    unsafe fn store_lanes(p: *mut f32, v: Self::V, lo: usize, hi: usize) {
+        for (i, x) in v.iter().enumerate().take(hi).skip(lo) {
+            // SAFETY: the caller guarantees lanes lo..hi writable.
+            unsafe { *p.add(i) = *x };
+        }
+    }
+    #[inline(always)]
+    unsafe fn fma_lanes(a: Self::V, b: Self::V, c: Self::V, lo: usize, hi: usize) -> Self::V {
+        std::array::from_fn(|i| {
+            if (lo..hi).contains(&i) {
+                a[i] * b[i] + c[i]
+            } else {
+                c[i]
+            }
+        })
     }
 }
 
@@ -168,6 +212,37 @@ mod x86 {
                 _mm_cvtss_f32(s)
             }
         }
+        const ALIGN: bool = true;
+        #[inline(always)]
+        unsafe fn load_lanes(p: *const f32, lo: usize, hi: usize) -> __m256 {
+            // `vmaskmovps` reads only the lanes whose mask sign bit is set and
+            // suppresses faults on the others.
+            unsafe { _mm256_maskload_ps(p, lane_mask(lo, hi)) }
+        }
+        #[inline(always)]
+        unsafe fn store_lanes(p: *mut f32, v: __m256, lo: usize, hi: usize) {
+            unsafe { _mm256_maskstore_ps(p, lane_mask(lo, hi), v) }
+        }
+        #[inline(always)]
+        unsafe fn fma_lanes(a: __m256, b: __m256, c: __m256, lo: usize, hi: usize) -> __m256 {
+            unsafe {
+                let f = _mm256_fmadd_ps(a, b, c);
+                _mm256_blendv_ps(c, f, _mm256_castsi256_ps(lane_mask(lo, hi)))
+            }
+        }
+    }
+
+    /// All ones in lanes `lo..hi` of 8, zero elsewhere (a `vmaskmovps` or `vblendvps`
+    /// mask).
+    #[inline(always)]
+    #[allow(clippy::undocumented_unsafe_blocks)]
+    unsafe fn lane_mask(lo: usize, hi: usize) -> __m256i {
+        unsafe {
+            let iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            let above = _mm256_cmpgt_epi32(_mm256_set1_epi32(lo as i32), iota);
+            let below = _mm256_cmpgt_epi32(_mm256_set1_epi32(hi as i32), iota);
+            _mm256_andnot_si256(above, below)
+        }
     }
 
     /// AVX-512F: 16 lanes.
@@ -219,7 +294,110 @@ mod x86 {
         }
         #[inline(always)]
         unsafe fn reduce(v: __m512) -> f32 {
-            unsafe { _mm512_reduce_add_ps(v) }
+            unsafe {
+                let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
+                Avx2::reduce(_mm256_add_ps(_mm512_castps512_ps256(v), hi))
+            }
+        }
+        const ALIGN: bool = true;
+        #[inline(always)]
+        unsafe fn load_lanes(p: *const f32, lo: usize, hi: usize) -> __m512 {
+            // A masked load reads only the lanes of its mask and suppresses faults on
+            // the others.
+            unsafe { _mm512_maskz_loadu_ps(lanes16(lo, hi), p) }
+        }
+        #[inline(always)]
+        unsafe fn store_lanes(p: *mut f32, v: __m512, lo: usize, hi: usize) {
+            unsafe { _mm512_mask_storeu_ps(p, lanes16(lo, hi), v) }
+        }
+        #[inline(always)]
+        unsafe fn fma_lanes(a: __m512, b: __m512, c: __m512, lo: usize, hi: usize) -> __m512 {
+            unsafe { _mm512_mask3_fmadd_ps(a, b, c, lanes16(lo, hi)) }
+        }
+    }
+
+    /// The mask of lanes `lo..hi` of 16.
+    #[inline(always)]
+    fn lanes16(lo: usize, hi: usize) -> __mmask16 {
+        let bits = |n: usize| if n >= 16 { u32::MAX } else { (1u32 << n) - 1 };
+        (bits(hi) & !bits(lo)) as __mmask16
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Lanes of very different magnitudes, so that the order of the adds shows in the
+    /// bits.
+    fn lanes(n: usize, seed: u32) -> Vec<f32> {
+        let mut x = seed.wrapping_mul(2_654_435_761) | 1;
+        (0..n)
+            .map(|i| {
+                x ^= x << 13;
+                x ^= x >> 17;
+                x ^= x << 5;
+                let mant = (x % 10_000) as f32 / 997.0 - 5.0;
+                mant * [1.0, 1e-4, 3e3, 1e-7][i % 4]
+            })
+            .collect()
+    }
+
+    /// `Simd::reduce` of every rotation of `v` (and `v` itself first).
+    ///
+    /// # Safety
+    /// The CPU has `S`'s instruction set (the caller is compiled with it).
+    #[inline(always)]
+    unsafe fn rotations<S: Simd>(v: &[f32]) -> Vec<u32> {
+        (0..S::LANES)
+            .map(|by| {
+                let r: Vec<f32> = (0..S::LANES)
+                    .map(|l| v[(l + S::LANES - by) % S::LANES])
+                    .collect();
+                // SAFETY: `r` holds LANES floats; the instruction set is the caller's.
+                unsafe { S::reduce(S::load(r.as_ptr())) }.to_bits()
+            })
+            .collect()
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn rotations_avx2(v: &[f32]) -> Vec<u32> {
+        // SAFETY: compiled with AVX2, called after detection.
+        unsafe { rotations::<Avx2>(v) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    unsafe fn rotations_avx512(v: &[f32]) -> Vec<u32> {
+        // SAFETY: compiled with AVX-512F, called after detection.
+        unsafe { rotations::<Avx512>(v) }
+    }
+
+    /// The `mq` kernel's aligned vectors leave each accumulator's lanes rotated and rely
+    /// on `reduce` not seeing it; a tree that does not pair lanes a fixed distance apart
+    /// would change the bits with where `M` lies.
+    #[test]
+    fn reduce_does_not_see_a_rotation() {
+        for seed in 1..200 {
+            let v = lanes(16, seed);
+            // SAFETY: the portable vectors need no instruction set.
+            let p = unsafe { rotations::<Portable>(&v[..8]) };
+            assert!(p.iter().all(|&b| b == p[0]), "portable: {p:?}");
+            #[cfg(target_arch = "x86_64")]
+            {
+                if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+                    // SAFETY: AVX2 and FMA detected.
+                    let a = unsafe { rotations_avx2(&v[..8]) };
+                    assert!(a.iter().all(|&b| b == a[0]), "avx2: {a:?}");
+                    assert_eq!(a[0], p[0], "avx2 and portable trees differ");
+                }
+                if std::is_x86_feature_detected!("avx512f") {
+                    // SAFETY: AVX-512F detected.
+                    let a = unsafe { rotations_avx512(&v) };
+                    assert!(a.iter().all(|&b| b == a[0]), "avx512: {a:?}");
+                }
+            }
         }
     }
 }

@@ -114,6 +114,15 @@ macro_rules! with_tile {
     };
 }
 
+// At most two accumulators a column: [`Edges`] relies on it.
+const _: () = {
+    let mut kt = 1;
+    while kt <= 8 {
+        assert!(tile(16, kt).1 <= 2 && tile(8, kt).1 <= 2);
+        kt *= 2;
+    }
+};
+
 /// The widest column tile (8, 4, 2, 1; at most 4 with 8 lanes) that fits the `rem`
 /// columns left.
 const fn tile_width(lanes: usize, rem: usize) -> usize {
@@ -128,41 +137,64 @@ const fn tile_width(lanes: usize, rem: usize) -> usize {
     }
 }
 
+/// Where a tile's rows are: row `ii` of `M` at `m + ii * stride` (of `E` at `e + ii *
+/// stride` when fused), and the prefetch for its column `jj` at
+/// `pf + ii * pf_stride + jj` (then `pf_e` floats further on for `E`). One base and a
+/// stride, not a pointer a row: with a pointer a row (and one a row for the prefetches)
+/// a 4-row tile ran out of general registers and reloaded them from the stack in its
+/// loop.
+#[derive(Clone, Copy)]
+struct TileRows {
+    m: *mut f32,
+    e: *const f32,
+    stride: usize,
+    pf: *const f32,
+    pf_stride: usize,
+    pf_e: isize,
+}
+
 /// One vector of every row of a tile, at column `jj`, into accumulator `u` (see
-/// [`mq_span`], whose guarantees it takes).
-#[allow(clippy::needless_range_loop, clippy::too_many_arguments)]
+/// [`mq_span`], whose guarantees it takes). `t` says where the rows are, `qv` points at
+/// the packed `Q` vector of column `k0` for this vector of columns; with `sweep` the
+/// rows' image is prefetched. With `EDGE`, only lanes `valid` of the rows are read,
+/// written and accumulated.
+#[allow(clippy::needless_range_loop)]
 #[inline(always)]
-unsafe fn mq_step<S: Simd, const RB: usize, const KT: usize, const U: usize, const FUSE: bool>(
-    a: &Mat,
-    i0: usize,
-    k0: usize,
+unsafe fn mq_step<
+    S: Simd,
+    const RB: usize,
+    const KT: usize,
+    const U: usize,
+    const FUSE: bool,
+    const EDGE: bool,
+>(
+    sweep: bool,
+    t: &TileRows,
     regs: &mut [[[S::V; U]; KT]; RB],
     jj: usize,
     u: usize,
-    q: *const f32,
-    ahead: Ahead,
-    span_start: usize,
+    qv: *const f32,
+    valid: (usize, usize),
 ) {
-    let (cols, lanes) = (a.cols, S::LANES);
-    // SAFETY: as in `mq_span`: rows i0..i0+RB, the vector at jj inside the span, Q packed
-    // over it; prefetch addresses are formed with `wrapping_add` and never fault.
+    let lanes = S::LANES;
+    // SAFETY: as in `mq_span`: rows of the tile, the vector at jj inside the span (with
+    // `EDGE`, only its lanes `valid` inside the row, the only ones read or written),
+    // `qv` KT packed vectors; prefetch addresses are formed with `wrapping_*` and never
+    // fault.
     unsafe {
-        let row = |ii: usize| a.m.add((i0 + ii) * cols);
         let mut x = [S::zero(); RB];
         for ii in 0..RB {
-            if let Ahead::Sweep(base, span_len) = ahead {
-                let off = jj - span_start;
-                if off.is_multiple_of(SWEEP_STRIDE) {
-                    let at = base + ii * span_len + off;
-                    S::prefetch_l2(a.m.wrapping_add(at));
-                    if FUSE {
-                        S::prefetch_l2(a.e.wrapping_add(at));
-                    }
+            if sweep && (jj % SWEEP_STRIDE) < lanes {
+                let at = t.pf.wrapping_add(ii * t.pf_stride + jj);
+                S::prefetch_l2(at);
+                if FUSE {
+                    S::prefetch_l2(at.wrapping_offset(t.pf_e));
                 }
             }
-            let mut v = S::load(row(ii).add(jj));
+            let at = ii * t.stride + jj;
+            let mut v = load_edge::<S, EDGE>(t.m.wrapping_add(at), valid);
             if FUSE {
-                v = S::add(v, S::load(a.e.add((i0 + ii) * cols + jj)));
+                v = S::add(v, load_edge::<S, EDGE>(t.e.wrapping_add(at), valid));
             }
             x[ii] = v;
         }
@@ -171,14 +203,83 @@ unsafe fn mq_step<S: Simd, const RB: usize, const KT: usize, const U: usize, con
         // after a store to the same address bits 0..11 waits for it.
         if FUSE {
             for ii in 0..RB {
-                S::store(row(ii).add(jj), x[ii]);
+                let at = t.m.wrapping_add(ii * t.stride + jj);
+                if EDGE {
+                    S::store_lanes(at, x[ii], valid.0, valid.1);
+                } else {
+                    S::store(at, x[ii]);
+                }
             }
         }
         for k in 0..KT {
-            let qk = S::load(q.add((jj / lanes * a.r + k0 + k) * lanes));
+            let qk = S::load(qv.add(k * lanes));
             for ii in 0..RB {
-                regs[ii][k][u] = S::fma(x[ii], qk, regs[ii][k][u]);
+                regs[ii][k][u] = if EDGE {
+                    S::fma_lanes(x[ii], qk, regs[ii][k][u], valid.0, valid.1)
+                } else {
+                    S::fma(x[ii], qk, regs[ii][k][u])
+                };
             }
+        }
+    }
+}
+
+/// A vector at `p`, or with `EDGE` only its lanes `valid` (the others zero).
+///
+/// # Safety
+/// The lanes read lie inside one buffer; the instruction set is the caller's. (A
+/// function, not a closure: closures do not take the caller's `target_feature`s, and
+/// the intrinsics in one that is not inlined become calls.)
+#[inline(always)]
+unsafe fn load_edge<S: Simd, const EDGE: bool>(p: *const f32, valid: (usize, usize)) -> S::V {
+    // SAFETY: forwarded caller guarantees.
+    unsafe {
+        if EDGE {
+            S::load_lanes(p, valid.0, valid.1)
+        } else {
+            S::load(p)
+        }
+    }
+}
+
+/// Where a call's vectors of `M` lie against its rows. Rows whose first element is not
+/// on a vector boundary (`LANES * 4` bytes) are read in whole aligned vectors ("physical"
+/// vectors; an unaligned vector load costs two, in L2 on Intel up to 1.4x the time of a
+/// whole kernel) when every row has the same alignment: the span loops then walk `M`
+/// (and `E`) from `lanes - lead` floats before each row, the first vector's lanes before
+/// the row and the last one's past it neither read, written nor accumulated, and `Q` is
+/// packed to match (with zeros there). Lane `p` of vector `w` holds column
+/// `w * lanes + p - (lanes - lead)`, so each lane gets the same columns in the same
+/// order as lane `(p + lead) % lanes` of the vectors from the row's start (an edge
+/// vector's other lanes are not accumulated, [`Simd::fma_lanes`]), in the
+/// accumulator of vector `w` for `p >= lanes - lead` and of `w - 1` below. With one
+/// accumulator a column that is the same accumulator; with two ([`tile`] has no more)
+/// the lanes below `lanes - lead` of the two are swapped, which their sum does not see.
+/// What is left is a rotation of the lanes, which [`Simd::reduce`] does not see either,
+/// so [`mq_finish`] takes the accumulators as they are and the bits do not depend on
+/// where `M` lies.
+#[derive(Clone, Copy)]
+struct Edges {
+    /// Floats from a row's start to its first vector boundary, 0 when rows start on
+    /// one (no edges: the vectors are the rows' own).
+    lead: usize,
+    /// The offset (from the shifted row start) of the last vector, which holds the
+    /// row's last `lanes - lead` floats; unused when `lead` is 0.
+    last: usize,
+}
+
+impl Edges {
+    /// The lanes of the vector at offset `jj` inside the row, when it is an edge.
+    #[inline(always)]
+    fn at(self, jj: usize, lanes: usize) -> Option<(usize, usize)> {
+        if self.lead == 0 {
+            None
+        } else if jj == 0 {
+            Some((lanes - self.lead, lanes))
+        } else if jj == self.last {
+            Some((0, lanes - self.lead))
+        } else {
+            None
         }
     }
 }
@@ -186,7 +287,9 @@ unsafe fn mq_step<S: Simd, const RB: usize, const KT: usize, const U: usize, con
 /// The vector part of one tile over the whole vectors `span` of `RB` rows at `i0` and the
 /// columns `k0..k0+KT` of `P`: `acc` (`RB x KT x U` vectors) is loaded, advanced and
 /// stored. `q` points at `Q`'s vectors, packed (`q[(v * r + k) * lanes]`, from
-/// [`pack_q`], 64-byte aligned). With `FUSE`, `M += E` is written back on the way.
+/// [`pack_q`], 64-byte aligned). With `FUSE`, `M += E` is written back on the way. With
+/// [`Ahead::Sweep`], the span's image at element `base` of `M` (and `E`), rows
+/// `span_len` apart, is prefetched into L2.
 // Register tiles read best with explicit indices.
 #[allow(clippy::needless_range_loop, clippy::too_many_arguments)]
 #[inline(always)]
@@ -198,13 +301,83 @@ unsafe fn mq_span<S: Simd, const RB: usize, const KT: usize, const U: usize, con
     acc: *mut S::V,
     q: *const f32,
     ahead: Ahead,
+    edges: Edges,
 ) {
     let lanes = S::LANES;
+    let (sweep, base, span_len) = match ahead {
+        Ahead::No => (false, 0, 0),
+        Ahead::Sweep(base, len) => (true, base, len),
+    };
     // SAFETY: the caller guarantees rows i0..i0+RB < n, columns k0..k0+KT <= r, `span`
-    // whole vectors inside 0..cols starting at a multiple of U vectors, `acc` valid for
-    // RB * KT * U vectors and `q` laid out as described over the span. Prefetch
-    // addresses are formed with `wrapping_add` (they may lie past the buffers) and a
-    // prefetch never faults.
+    // whole vectors inside the rows (with `edges`, of the shifted rows: only the edge
+    // vectors' lanes inside the row are touched, through `Edges::at`) starting at a
+    // multiple of U vectors, `acc` valid for RB * KT * U vectors and `q` laid out as
+    // described over the span. Row pointers and prefetch addresses are formed with
+    // `wrapping_*` (a shifted row starts before its row, prefetches may lie past the
+    // buffers) and a prefetch never faults.
+    unsafe {
+        let t = TileRows {
+            m: a.m.wrapping_add(i0 * a.cols),
+            e: if FUSE {
+                a.e.wrapping_add(i0 * a.cols).cast_const()
+            } else {
+                std::ptr::null()
+            },
+            stride: a.cols,
+            // Row ii's prefetch for column jj of the span goes to `pf + ii * span_len + jj`.
+            pf: a.m.cast_const().wrapping_add(base).wrapping_sub(span.start),
+            pf_stride: span_len,
+            pf_e: (a.e as isize).wrapping_sub(a.m as isize) / 4,
+        };
+        let group = U * lanes;
+        // The first group of a row with edges goes one vector at a time.
+        let mut j = span.start;
+        if edges.lead > 0 && j == 0 {
+            j = group.min(span.end);
+            mq_slow::<S, RB, KT, U, FUSE>(sweep, &t, acc, k0, a.r, span.start, 0..j, q, edges);
+        }
+        // Whole groups short of the last edge vector, in registers.
+        let hot_end = if edges.lead > 0 {
+            span.end.min(edges.last)
+        } else {
+            span.end
+        };
+        let hot = j..j + (hot_end.saturating_sub(j)) / group * group;
+        if !hot.is_empty() {
+            if sweep {
+                mq_hot::<S, RB, KT, U, FUSE, true>(&t, acc, k0, a.r, hot.clone(), q);
+            } else {
+                mq_hot::<S, RB, KT, U, FUSE, false>(&t, acc, k0, a.r, hot.clone(), q);
+            }
+            j = hot.end;
+        }
+        // The rest (the last edge, vectors that do not fill a group) one at a time.
+        mq_slow::<S, RB, KT, U, FUSE>(sweep, &t, acc, k0, a.r, span.start, j..span.end, q, edges);
+    }
+}
+
+/// The hot loop of [`mq_span`]: whole groups of `U` vectors `range` (none an edge), the
+/// accumulators in registers.
+#[allow(clippy::needless_range_loop)]
+#[inline(always)]
+unsafe fn mq_hot<
+    S: Simd,
+    const RB: usize,
+    const KT: usize,
+    const U: usize,
+    const FUSE: bool,
+    const SWEEP: bool,
+>(
+    t: &TileRows,
+    acc: *mut S::V,
+    k0: usize,
+    r: usize,
+    range: Range<usize>,
+    q: *const f32,
+) {
+    let lanes = S::LANES;
+    // SAFETY: as in `mq_span`, whose guarantees the caller forwards; `range` is whole
+    // groups of whole vectors inside the rows.
     unsafe {
         let slot = |ii: usize, k: usize, u: usize| acc.add((ii * KT + k) * U + u);
         let mut regs = [[[S::zero(); U]; KT]; RB];
@@ -215,30 +388,24 @@ unsafe fn mq_span<S: Simd, const RB: usize, const KT: usize, const U: usize, con
                 }
             }
         }
-        let mut j = span.start;
-        while j + U * lanes <= span.end {
+        // `Q`'s vectors for columns k0.. of each vector of columns, `r` vectors apart.
+        let qstep = r * lanes;
+        let mut qv = q.add((range.start / lanes * r + k0) * lanes);
+        let mut j = range.start;
+        while j < range.end {
             for u in 0..U {
-                mq_step::<S, RB, KT, U, FUSE>(
-                    a,
-                    i0,
-                    k0,
+                mq_step::<S, RB, KT, U, FUSE, false>(
+                    SWEEP,
+                    t,
                     &mut regs,
                     j + u * lanes,
                     u,
-                    q,
-                    ahead,
-                    span.start,
+                    qv.add(u * qstep),
+                    (0, lanes),
                 );
             }
             j += U * lanes;
-        }
-        // The last vectors of the matrix when they do not fill U: accumulator u still
-        // takes vector v = u (mod U).
-        let mut u = 0;
-        while j + lanes <= span.end {
-            mq_step::<S, RB, KT, U, FUSE>(a, i0, k0, &mut regs, j, u, q, ahead, span.start);
-            j += lanes;
-            u += 1;
+            qv = qv.add(U * qstep);
         }
         for ii in 0..RB {
             for k in 0..KT {
@@ -246,6 +413,49 @@ unsafe fn mq_span<S: Simd, const RB: usize, const KT: usize, const U: usize, con
                     *slot(ii, k, u) = regs[ii][k][u];
                 }
             }
+        }
+    }
+}
+
+/// Vectors `range` of a span one at a time on the accumulators in memory (`acc`, as
+/// [`mq_span`] lays them out), edges or not: the first group of a row with edges, and
+/// whatever the whole groups leave. Vector `v` still goes to accumulator `v mod U`
+/// (spans start at multiples of 8 vectors). The rest as [`mq_step`].
+#[allow(clippy::needless_range_loop, clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn mq_slow<S: Simd, const RB: usize, const KT: usize, const U: usize, const FUSE: bool>(
+    sweep: bool,
+    t: &TileRows,
+    acc: *mut S::V,
+    k0: usize,
+    r: usize,
+    span_start: usize,
+    range: Range<usize>,
+    q: *const f32,
+    edges: Edges,
+) {
+    let lanes = S::LANES;
+    // SAFETY: as in `mq_span`, whose guarantees the caller forwards.
+    unsafe {
+        let slot = |ii: usize, k: usize, u: usize| acc.add((ii * KT + k) * U + u);
+        let mut jj = range.start;
+        while jj < range.end {
+            let u = (jj - span_start) / lanes % U;
+            let mut one = [[[S::zero(); 1]; KT]; RB];
+            for ii in 0..RB {
+                for k in 0..KT {
+                    one[ii][k][0] = *slot(ii, k, u);
+                }
+            }
+            let valid = edges.at(jj, lanes).unwrap_or((0, lanes));
+            let qv = q.add((jj / lanes * r + k0) * lanes);
+            mq_step::<S, RB, KT, 1, FUSE, true>(sweep, t, &mut one, jj, 0, qv, valid);
+            for ii in 0..RB {
+                for k in 0..KT {
+                    *slot(ii, k, u) = one[ii][k][0];
+                }
+            }
+            jj += lanes;
         }
     }
 }
@@ -378,6 +588,7 @@ unsafe fn mq_group<S: Simd, const RB: usize, const FUSE: bool>(
     acc: *mut S::V,
     q: *const f32,
     ahead: Ahead,
+    edges: Edges,
 ) {
     let mut k0 = 0;
     let mut slot = acc;
@@ -392,9 +603,27 @@ unsafe fn mq_group<S: Simd, const RB: usize, const FUSE: bool>(
                 ($kt:literal, $u:literal) => {{
                     debug_assert_eq!(tile(S::LANES, $kt).1, $u);
                     if fuse {
-                        mq_span::<S, RB, $kt, $u, true>(a, i0, k0, span.clone(), slot, q, ahead)
+                        mq_span::<S, RB, $kt, $u, true>(
+                            a,
+                            i0,
+                            k0,
+                            span.clone(),
+                            slot,
+                            q,
+                            ahead,
+                            edges,
+                        )
                     } else {
-                        mq_span::<S, RB, $kt, $u, false>(a, i0, k0, span.clone(), slot, q, ahead)
+                        mq_span::<S, RB, $kt, $u, false>(
+                            a,
+                            i0,
+                            k0,
+                            span.clone(),
+                            slot,
+                            q,
+                            ahead,
+                            edges,
+                        )
                     }
                     slot = slot.add(RB * $kt * $u);
                 }};
@@ -458,15 +687,35 @@ fn group_vectors(lanes: usize, r: usize, rb: usize) -> usize {
 unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(a: &Mat, rows: Range<usize>) {
     let lanes = S::LANES;
     let vec_end = a.cols / lanes * lanes;
+    // Whole aligned vectors when the rows are not on a vector boundary but all lie alike
+    // ([`Edges`]): `ap` is `M` (and `E`) shifted back to the boundary before each row,
+    // one vector a row more, the first and the last vectors edges.
+    let lead = vector_lead::<S>(a);
+    let (ap, vec_end_p, edges) = if lead > 0 {
+        let back = lanes - lead;
+        let shifted = Mat {
+            m: a.m.wrapping_sub(back),
+            e: if a.e.is_null() {
+                a.e
+            } else {
+                a.e.wrapping_sub(back)
+            },
+            ..*a
+        };
+        let last = vec_end;
+        (shifted, vec_end + lanes, Edges { lead, last })
+    } else {
+        (*a, vec_end, Edges { lead: 0, last: 0 })
+    };
     // Whole vectors per chunk: a multiple of 8 vectors (of every U), so that every chunk
     // boundary keeps vector v in accumulator v mod U.
     let step = 8 * lanes;
     let chunk = if a.r * a.cols * 4 <= MQ_WHOLE_ROW_BYTES {
-        vec_end.max(step)
+        vec_end_p.max(step)
     } else {
         (MQ_CHUNK_BYTES / 4 / a.r / step * step).max(step)
     };
-    let chunked = chunk < vec_end;
+    let chunked = chunk < vec_end_p;
     let per_group = group_vectors(lanes, a.r, RB);
     let per_row = group_vectors(lanes, a.r, 1);
     let block = if chunked { MQ_BLOCK_ROWS } else { RB };
@@ -477,16 +726,23 @@ unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(a: &Mat, rows: 
     let mut acc = vec![zero; (block / RB).max(1) * per_group.max(per_row)];
     // Q packed even at rank 1, where it is one contiguous column: the pack is 64-byte
     // aligned, and an unaligned vector load costs two.
-    let mut pack = QPack::take(a.r * vec_end + 16);
+    let mut pack = QPack::take(a.r * vec_end_p + 16);
     let q = {
         let dst = pack.aligned();
-        // SAFETY: the pack holds r * vec_end floats from its aligned start.
-        unsafe { pack_q::<S>(a, vec_end, dst) };
+        // SAFETY: the pack holds r * vec_end_p floats from its aligned start.
+        unsafe {
+            if lead > 0 {
+                pack_q_edges::<S>(a, lead, vec_end_p / lanes, dst)
+            } else {
+                pack_q::<S>(a, vec_end, dst)
+            }
+        };
         dst.cast_const()
     };
     // SAFETY: every group lies inside `rows` (inside 0..n, the caller); spans are whole
-    // vectors inside 0..cols starting at multiples of 8 vectors; accumulator slices lie
-    // inside `acc`; `q` is the packed Q.
+    // vectors inside 0..cols (of the shifted rows with edges, whose edge vectors touch
+    // only their lanes inside the row) starting at multiples of 8 vectors; accumulator
+    // slices lie inside `acc`; `q` is the packed Q.
     unsafe {
         let mut i0 = rows.start;
         while i0 < rows.end {
@@ -501,8 +757,8 @@ unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(a: &Mat, rows: 
             acc[..groups * per].fill(zero);
             let base = acc.as_mut_ptr();
             let mut j0 = 0;
-            while j0 < vec_end {
-                let span = j0..(j0 + chunk).min(vec_end);
+            while j0 < vec_end_p {
+                let span = j0..(j0 + chunk).min(vec_end_p);
                 for g in 0..groups {
                     let (i, slot) = (i0 + g * rb, base.add(g * per));
                     // This tile's image in the block MQ_AHEAD_BLOCKS ahead: the block's
@@ -520,9 +776,9 @@ unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(a: &Mat, rows: 
                         Ahead::No
                     };
                     if rb == RB {
-                        mq_group::<S, RB, FUSE>(a, i, span.clone(), slot, q, ahead)
+                        mq_group::<S, RB, FUSE>(&ap, i, span.clone(), slot, q, ahead, edges)
                     } else {
-                        mq_group::<S, 1, FUSE>(a, i, span.clone(), slot, q, ahead)
+                        mq_group::<S, 1, FUSE>(&ap, i, span.clone(), slot, q, ahead, edges)
                     }
                 }
                 j0 = span.end;
@@ -536,6 +792,47 @@ unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(a: &Mat, rows: 
                 }
             }
             i0 += groups * rb;
+        }
+    }
+}
+
+/// Floats from the start of `M`'s rows to their first vector boundary (`LANES * 4`
+/// bytes), when the instruction set wants aligned vectors ([`Simd::ALIGN`]) and every
+/// row lies alike (`cols` whole vectors); 0 otherwise or on a boundary ([`Edges`]).
+fn vector_lead<S: Simd>(a: &Mat) -> usize {
+    let bytes = S::LANES * 4;
+    let at = a.m as usize;
+    if S::ALIGN && a.cols.is_multiple_of(S::LANES) && at.is_multiple_of(4) {
+        (bytes - at % bytes) % bytes / 4
+    } else {
+        0
+    }
+}
+
+/// [`pack_q`] for vectors that start `lanes - lead` columns before each row ([`Edges`]):
+/// `nvec` vectors, the first one's `back` lanes before column 0 and the last one's `lead`
+/// lanes past the last column zero.
+#[inline(always)]
+unsafe fn pack_q_edges<S: Simd>(a: &Mat, lead: usize, nvec: usize, dst: *mut f32) {
+    let lanes = S::LANES;
+    let back = lanes - lead;
+    // SAFETY: Q holds r columns of `cols` floats; vector v covers columns
+    // v * lanes - back .. (v + 1) * lanes - back, of which only those inside 0..cols
+    // are read (the first and the last vectors through `load_lanes`); `dst` holds
+    // r * nvec vectors.
+    unsafe {
+        for v in 0..nvec {
+            for k in 0..a.r {
+                let src = a.q.wrapping_add(k * a.cols + v * lanes).wrapping_sub(back);
+                let x = if v == 0 {
+                    S::load_lanes(src, back, lanes)
+                } else if v + 1 == nvec {
+                    S::load_lanes(src, 0, back)
+                } else {
+                    S::load(src)
+                };
+                S::store(dst.add((v * a.r + k) * lanes), x);
+            }
         }
     }
 }
@@ -561,6 +858,19 @@ unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(a: &Mat, rows: 
 /// span into L1 (and none for whole rows): r = 1 0.69-0.98 → 0.86-0.92 of the read
 /// bandwidth, r = 2 0.49-0.58 → 0.77-0.88, r = 4 0.50-0.56 → 0.63-0.84, r = 8 (where the
 /// FMA units, not memory, set the pace) 0.48-0.51 → 0.49-0.66.
+///
+/// Rows that do not start on a vector boundary are read in aligned vectors ([`Edges`];
+/// the same bits). On an Intel Xeon (Emerald Rapids class, KVM, two 512-bit FMA
+/// pipes, 2 MiB L2), with `M` in L2 16 bytes past a line (glibc's placement of a large
+/// block), against the aligned read stream (`bench lowrank --roofline`, three runs each
+/// of the kernels before and after, alternated), `of limit` r = 1 / 2 / 4 / 8: AVX-512
+/// `mq` 0.40-0.48 / 0.40-0.43 / 0.42 / 0.37-0.49 → 0.58 / 0.47-0.49 / 0.43-0.44 /
+/// 0.41-0.46, `mq+e` 0.60-0.72 / 0.51-0.58 / 0.39-0.45 / 0.34-0.35 → 0.67-0.70 /
+/// 0.64-0.80 / 0.62-0.77 / 0.35-0.39; AVX2 `mq` 0.39-0.42 / 0.32 / 0.45-0.54 /
+/// 0.55-0.56 → 0.58-0.63 / 0.34-0.40 / 0.61 / 0.56-0.63, `mq+e` 0.45-0.46 / 0.43-0.49 /
+/// 0.30-0.32 / 0.36-0.39 → 0.52-0.67 / 0.46-0.50 / 0.36-0.42 / 0.43-0.59. The kernel now
+/// reads the same with `M` on a line (the `aligned` column), where before it lost up to
+/// 40% (r = 1) to the placement.
 #[inline(always)]
 pub(crate) unsafe fn mq_rows<S: Simd, const FUSE: bool>(a: &Mat, rows: Range<usize>) {
     let rb = group_rows(S::LANES, a.r, FUSE);

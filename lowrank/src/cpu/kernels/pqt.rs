@@ -10,7 +10,7 @@ use std::ops::Range;
 /// `M` [`PREFETCH`] ahead. `E` is written whole, and each of its stores waited for the
 /// line's read for ownership: sweeping `M` alone did not help (cold, AVX-512, r = 4:
 /// 14.6-19.1 GB/s against 15.1-16.6). Cold, n = m = 4096, one thread, AMD Zen 4,
-/// alternated runs, fraction of the same traffic's stream loop (`e = m; m /= 2`) from
+/// alternated runs, fraction of the same traffic's stream loop (`e = m; m = -m`) from
 /// memory: AVX-512 r = 2 0.65-0.92 -> 0.83-0.99, r = 4 0.56-0.75 -> 0.79-0.80, r = 8
 /// 0.56-0.71 -> 0.69-0.87; AVX2 r = 4 0.58-0.62 -> 0.63-0.67, r = 8 0.52-0.59 ->
 /// 0.63-0.71; r = 1 unchanged (0.71-0.94).
