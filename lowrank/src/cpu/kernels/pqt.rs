@@ -36,7 +36,6 @@ unsafe fn pqt_block<S: Simd, const RB: usize, const U: usize, const RC: usize, c
         let row = |ii: usize| a.m.add((i0 + ii) * cols);
         let erow = |ii: usize| a.e.add((i0 + ii) * cols);
         let pval = |k: usize, ii: usize| *a.p.add(k * a.n + i0 + ii);
-        let qcol = |k: usize| a.q.add(k * cols);
         // Q's vectors packed (`pack_q`): at power-of-two widths Q's r columns, the RB rows
         // of M and of E all map to the same L1 sets, more lines than it has ways.
         let qvec = |k: usize, j: usize| qpack.add(((j - lead) / lanes * a.r + k) * lanes);
@@ -107,35 +106,75 @@ unsafe fn pqt_block<S: Simd, const RB: usize, const U: usize, const RC: usize, c
             j += lanes;
         }
         // The columns before the first line boundary and the ragged ones past the last
-        // whole vector, one at a time with the vectors' operations (the same bits).
-        for j in (0..lead).chain(j..cols) {
-            for ii in 0..RB {
-                let mut s = 0.0f32;
-                for k in 0..r {
-                    s = S::fma1(pval(k, ii), *qcol(k).add(j), s);
-                }
-                let dst = row(ii).add(j);
-                if FUSE {
-                    *erow(ii).add(j) = *dst - s;
-                }
-                *dst = s;
-            }
+        // whole vector: masked vectors, the same operations lane by lane (the same bits).
+        let mut end = lead as isize;
+        while end > 0 {
+            let c0 = end - lanes as isize;
+            let lo = if c0 < 0 { c0.unsigned_abs() } else { 0 };
+            pqt_edge::<S, RB, RC, FUSE>(a, i0, c0, lo, lanes, &local);
+            end = c0;
+        }
+        if j < cols {
+            pqt_edge::<S, RB, RC, FUSE>(a, i0, j as isize, 0, cols - j, &local);
         }
     }
 }
 
-/// Where each row's vectors start: at [`line_lead`] with 8 lanes when a vector fits
-/// after it, at 0 otherwise. The columns before it are computed one at a time with the
-/// vectors' rounding ([`Simd::fma1`]).
+/// Lanes `lo..hi` of the vector at column `c0` (negative for a vector that starts before
+/// the row) of [`pqt_block`]'s rows, through masked loads and stores: only those lanes'
+/// memory is touched. `local` holds the block's `P` values when `RC` is not 0.
+#[allow(clippy::needless_range_loop)]
+#[inline(always)]
+unsafe fn pqt_edge<S: Simd, const RB: usize, const RC: usize, const FUSE: bool>(
+    a: &Mat,
+    i0: usize,
+    c0: isize,
+    lo: usize,
+    hi: usize,
+    local: &[[f32; 8]; RB],
+) {
+    let r = if RC == 0 { a.r } else { RC };
+    // SAFETY: lanes lo..hi lie at columns 0..cols of rows i0..i0+RB (the caller), of `Q`'s
+    // r columns and of `E`'s rows; only they are read and written (`load_lanes`,
+    // `store_lanes`), and the pointers to the vectors' starts are formed with
+    // `wrapping_offset`.
+    unsafe {
+        let mut acc = [S::zero(); RB];
+        for k in 0..r {
+            let qv = S::load_lanes(a.q.wrapping_add(k * a.cols).wrapping_offset(c0), lo, hi);
+            for ii in 0..RB {
+                let pk = if RC != 0 {
+                    local[ii][k]
+                } else {
+                    *a.p.add(k * a.n + i0 + ii)
+                };
+                acc[ii] = S::fma(S::splat(pk), qv, acc[ii]);
+            }
+        }
+        for ii in 0..RB {
+            let at = |buf: *mut f32| buf.wrapping_add((i0 + ii) * a.cols).wrapping_offset(c0);
+            let dst = at(a.m);
+            if FUSE {
+                let x = S::load_lanes(dst, lo, hi);
+                S::store_lanes(at(a.e), S::sub(x, acc[ii]), lo, hi);
+            }
+            S::store_lanes(dst, acc[ii], lo, hi);
+        }
+    }
+}
+
+/// Where each row's vectors start: at [`line_lead`] when a vector fits after it, at 0
+/// otherwise. The columns before it are masked vectors ([`pqt_edge`]).
 ///
-/// Eight lanes only. With `M` in L2 (AMD Zen 4, 128 x 1024, three alternated runs),
-/// `pqt_error` AVX2 r = 1 0.74-0.78 -> 1.09-1.18 of the in-core limit, r = 2 0.73-0.78
-/// -> 0.77-1.10, r = 4 0.57-0.67 -> 0.65-0.76, r = 8 0.37-0.51 -> 0.37-0.56; with
-/// AVX-512 the 12-16 scalar columns a row cost more than the split lines (r = 1
-/// 0.90-0.96 -> 0.69-0.81, r = 8 0.45-0.56 -> 0.38-0.42), so it keeps them.
+/// With `M` in L2 (AMD Zen 4, 128 x 1024, three alternated runs), `pqt_error` AVX2 r = 1
+/// 0.74-0.78 -> 1.09-1.18 of the in-core limit, r = 2 0.73-0.78 -> 0.77-1.10, r = 4
+/// 0.57-0.67 -> 0.65-0.76, r = 8 0.37-0.51 -> 0.37-0.56, with those columns one at a
+/// time; with AVX-512 its 12-16 scalar columns a row cost more than the split lines
+/// (r = 1 0.90-0.96 -> 0.69-0.81, r = 8 0.45-0.56 -> 0.38-0.42), which the masked
+/// vectors do not.
 fn vector_start<S: Simd>(a: &Mat) -> usize {
     match line_lead(a, 0) {
-        lead if S::LANES == 8 && lead + SWEEP_STRIDE <= a.cols => lead,
+        lead if lead + S::LANES <= a.cols => lead,
         _ => 0,
     }
 }
