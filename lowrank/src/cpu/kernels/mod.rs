@@ -46,9 +46,9 @@ const SWEEP_MIN_BYTES: usize = 1 << 20;
 /// Floats from column `c` of `M`'s rows to the next 64-byte boundary, when every row has
 /// the same alignment (`cols` a multiple of [`SWEEP_STRIDE`] floats); 0 otherwise or on
 /// a boundary. A large `Vec<f32>` from the system allocator starts 16 bytes past one
-/// (glibc's chunk header), so loads and stores of whole lines straddle two; the 8-lane
-/// `mtp` and `pqt` start their vectors at the boundary and take the columns before it
-/// apart, with the same operations, so the bits do not depend on where `M` lies.
+/// (glibc's chunk header), so loads and stores of whole lines straddle two; `mtp` and
+/// `pqt` start their vectors at the boundary and take the columns before it apart, with
+/// the same operations, so the bits do not depend on where `M` lies.
 fn line_lead(a: &Mat, c: usize) -> usize {
     let at = a.m.wrapping_add(c) as usize;
     if a.cols.is_multiple_of(SWEEP_STRIDE) && at.is_multiple_of(4) {

@@ -143,8 +143,8 @@ unsafe fn mtp_strip_part<S: Simd, const KT: usize>(
     }
 }
 
-/// One row block of one panel for the columns `k0..k0+KT` of `Q`: with 8 lanes and a
-/// row start off a line boundary, edge vectors for the columns before it; strips of `VW`
+/// One row block of one panel for the columns `k0..k0+KT` of `Q`: with a row start off
+/// a line boundary, edge vectors for the columns before it; strips of `VW`
 /// vectors from there, the vectors left over in strips of 8, 4, 2 and 1, an edge vector
 /// for what those leave of the whole vectors, then the ragged columns (one at a time).
 #[inline(always)]
@@ -159,12 +159,17 @@ unsafe fn mtp_block<S: Simd, const VW: usize, const KT: usize>(
     let vec_end = panel.start + panel.len() / lanes * lanes;
     let mut j = panel.start;
     let lead = line_lead(a, panel.start);
-    // Eight lanes only: a strip of VW x 8 floats is one line or two at r >= 4, and the
-    // split lines cost it: peeled, 0.35-0.40 -> 0.49-0.57 of the in-core limit at r = 4
-    // and 0.40-0.44 -> 0.46-0.55 at r = 8 (M in L2, AMD Zen 4, AVX2, alternated runs).
-    // AVX-512's strips are 2-16 lines a row; peeling them read 0.63-0.85 against
-    // 0.74-0.97 unpeeled.
-    let peel = lanes == 8 && lead != 0 && vec_end - panel.start >= lead + 2 * lanes;
+    // A strip of VW x 8 floats is one line or two at r >= 4, and the split lines cost
+    // it: peeled, 0.35-0.40 -> 0.49-0.57 of the in-core limit at r = 4 and 0.40-0.44 ->
+    // 0.46-0.55 at r = 8 (M in L2, AMD Zen 4, AVX2, alternated runs). AVX-512's strips
+    // are 2-16 lines a row, and on Zen 4 (whose 512-bit loads are two 256-bit halves, one
+    // of which a split line costs) peeling them read 0.63-0.85 against 0.74-0.97; on an
+    // Intel Xeon (Emerald Rapids class, full-width loads, where every vector of an
+    // unaligned strip splits a line), against the aligned read stream, 16 bytes past a
+    // line, three alternated runs, r = 1 / 2 / 4 / 8: 0.49-0.52 / 0.41-0.46 / 0.39-0.53 /
+    // 0.42-0.69 -> 0.61-0.62 / 0.66-0.67 / 0.48-0.74 / 0.51-0.79, from memory unchanged.
+    // Full-width cores (Intel, Zen 5) are where AVX-512 goes, so both widths peel.
+    let peel = lead != 0 && vec_end - panel.start >= lead + 2 * lanes;
     // SAFETY: strips lie inside the panel's whole vectors, inside 0..cols; rows and
     // columns of Q as the caller guarantees.
     unsafe {
