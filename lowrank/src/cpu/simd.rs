@@ -30,6 +30,16 @@ pub(crate) trait Simd: Copy {
     /// distance apart around the vector, so the result does not change when the lanes
     /// are rotated: the `mq` kernel's aligned vectors rely on it (`mq::Edges`).
     unsafe fn reduce(v: Self::V) -> f32;
+    /// [`Simd::reduce`] of each of `v` into `out` (the same bits), where the instruction
+    /// set can with the shuffles of up to `LANES` vectors shared: their lanes are
+    /// transposed level by level (the tree's pairs of lanes of two vectors added in one
+    /// vector), 2 shuffles and an add for each pair of vectors at each level.
+    unsafe fn reduce_into(v: &[Self::V], out: &mut [f32]) {
+        for (x, o) in v.iter().zip(out) {
+            // SAFETY: the caller's instruction set.
+            *o = unsafe { Self::reduce(*x) };
+        }
+    }
     /// Whether the kernels should start their vectors of `M` at a vector boundary
     /// (`LANES * 4` bytes) where its rows do not: true where an unaligned vector load
     /// costs more than an aligned one (x86), false for the portable fallback.
@@ -212,6 +222,50 @@ mod x86 {
                 _mm_cvtss_f32(s)
             }
         }
+        #[inline(always)]
+        unsafe fn reduce_into(v: &[__m256], out: &mut [f32]) {
+            // (No closures below: they would not take the caller's target features.)
+            unsafe {
+                for (vs, os) in v.chunks(8).zip(out.chunks_mut(8)) {
+                    if vs.len() < 3 {
+                        for (x, o) in vs.iter().zip(os.iter_mut()) {
+                            *o = Self::reduce(*x);
+                        }
+                        continue;
+                    }
+                    let mut a = [_mm256_setzero_ps(); 8];
+                    a[..vs.len()].copy_from_slice(vs);
+                    // Lanes i and i + 4 of two vectors into one, the first's sums in the
+                    // low half; then i and i + 2, i and i + 1 (within 128-bit lanes).
+                    let mut b = [_mm256_setzero_ps(); 4];
+                    for k in 0..4 {
+                        let (x, y) = (a[2 * k], a[2 * k + 1]);
+                        b[k] = _mm256_add_ps(
+                            _mm256_permute2f128_ps::<0x20>(x, y),
+                            _mm256_permute2f128_ps::<0x31>(x, y),
+                        );
+                    }
+                    let mut c = [_mm256_setzero_ps(); 2];
+                    for k in 0..2 {
+                        let (x, y) = (b[2 * k], b[2 * k + 1]);
+                        c[k] = _mm256_add_ps(
+                            _mm256_shuffle_ps::<0b01_00_01_00>(x, y),
+                            _mm256_shuffle_ps::<0b11_10_11_10>(x, y),
+                        );
+                    }
+                    let d = _mm256_add_ps(
+                        _mm256_shuffle_ps::<0b10_00_10_00>(c[0], c[1]),
+                        _mm256_shuffle_ps::<0b11_01_11_01>(c[0], c[1]),
+                    );
+                    // Lane 4h + m holds the sum of vector 2m + h.
+                    let mut lanes = [0.0f32; 8];
+                    _mm256_storeu_ps(lanes.as_mut_ptr(), d);
+                    for (t, o) in os.iter_mut().enumerate().take(vs.len()) {
+                        *o = lanes[4 * (t % 2) + t / 2];
+                    }
+                }
+            }
+        }
         const ALIGN: bool = true;
         #[inline(always)]
         unsafe fn load_lanes(p: *const f32, lo: usize, hi: usize) -> __m256 {
@@ -299,6 +353,59 @@ mod x86 {
                 Avx2::reduce(_mm256_add_ps(_mm512_castps512_ps256(v), hi))
             }
         }
+        #[inline(always)]
+        unsafe fn reduce_into(v: &[__m512], out: &mut [f32]) {
+            // (No closures below: they would not take the caller's target features.)
+            unsafe {
+                for (vs, os) in v.chunks(16).zip(out.chunks_mut(16)) {
+                    if vs.len() < 4 {
+                        for (x, o) in vs.iter().zip(os.iter_mut()) {
+                            *o = Self::reduce(*x);
+                        }
+                        continue;
+                    }
+                    let mut a = [_mm512_setzero_ps(); 16];
+                    a[..vs.len()].copy_from_slice(vs);
+                    // Lanes i and i + 8 of two vectors into one vector, the first's sums
+                    // in the low half; then i and i + 4 of each half (128-bit lanes
+                    // regrouped), i and i + 2, i and i + 1 (within 128-bit lanes).
+                    let mut b = [_mm512_setzero_ps(); 8];
+                    for k in 0..8 {
+                        let (x, y) = (a[2 * k], a[2 * k + 1]);
+                        b[k] = _mm512_add_ps(
+                            _mm512_shuffle_f32x4::<0b01_00_01_00>(x, y),
+                            _mm512_shuffle_f32x4::<0b11_10_11_10>(x, y),
+                        );
+                    }
+                    let mut c = [_mm512_setzero_ps(); 4];
+                    for k in 0..4 {
+                        let (x, y) = (b[2 * k], b[2 * k + 1]);
+                        c[k] = _mm512_add_ps(
+                            _mm512_shuffle_f32x4::<0b10_00_10_00>(x, y),
+                            _mm512_shuffle_f32x4::<0b11_01_11_01>(x, y),
+                        );
+                    }
+                    let mut d = [_mm512_setzero_ps(); 2];
+                    for k in 0..2 {
+                        let (x, y) = (c[2 * k], c[2 * k + 1]);
+                        d[k] = _mm512_add_ps(
+                            _mm512_shuffle_ps::<0b01_00_01_00>(x, y),
+                            _mm512_shuffle_ps::<0b11_10_11_10>(x, y),
+                        );
+                    }
+                    let e = _mm512_add_ps(
+                        _mm512_shuffle_ps::<0b10_00_10_00>(d[0], d[1]),
+                        _mm512_shuffle_ps::<0b11_01_11_01>(d[0], d[1]),
+                    );
+                    // Lane 4j + m holds the sum of vector 4m + j.
+                    let mut lanes = [0.0f32; 16];
+                    _mm512_storeu_ps(lanes.as_mut_ptr(), e);
+                    for (t, o) in os.iter_mut().enumerate().take(vs.len()) {
+                        *o = lanes[4 * (t % 4) + t / 4];
+                    }
+                }
+            }
+        }
         const ALIGN: bool = true;
         #[inline(always)]
         unsafe fn load_lanes(p: *const f32, lo: usize, hi: usize) -> __m512 {
@@ -349,15 +456,17 @@ mod tests {
     /// The CPU has `S`'s instruction set (the caller is compiled with it).
     #[inline(always)]
     unsafe fn rotations<S: Simd>(v: &[f32]) -> Vec<u32> {
-        (0..S::LANES)
-            .map(|by| {
-                let r: Vec<f32> = (0..S::LANES)
-                    .map(|l| v[(l + S::LANES - by) % S::LANES])
-                    .collect();
-                // SAFETY: `r` holds LANES floats; the instruction set is the caller's.
-                unsafe { S::reduce(S::load(r.as_ptr())) }.to_bits()
-            })
-            .collect()
+        // Loops, not closures: a closure would not take the caller's target features.
+        let mut sums = Vec::new();
+        for by in 0..S::LANES {
+            let mut r = vec![0.0f32; S::LANES];
+            for (l, x) in r.iter_mut().enumerate() {
+                *x = v[(l + S::LANES - by) % S::LANES];
+            }
+            // SAFETY: `r` holds LANES floats; the instruction set is the caller's.
+            sums.push(unsafe { S::reduce(S::load(r.as_ptr())) }.to_bits());
+        }
+        sums
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -372,6 +481,66 @@ mod tests {
     unsafe fn rotations_avx512(v: &[f32]) -> Vec<u32> {
         // SAFETY: compiled with AVX-512F, called after detection.
         unsafe { rotations::<Avx512>(v) }
+    }
+
+    /// `Simd::reduce_into` of `n` vectors against `Simd::reduce` of each, as bits.
+    ///
+    /// # Safety
+    /// As [`rotations`].
+    #[inline(always)]
+    unsafe fn reduce_into_matches<S: Simd>(x: &[f32], n: usize) -> bool {
+        // SAFETY: `x` holds n * LANES floats; the instruction set is the caller's.
+        unsafe {
+            let mut v = Vec::with_capacity(n);
+            for i in 0..n {
+                v.push(S::load(x.as_ptr().add(i * S::LANES)));
+            }
+            let mut out = vec![f32::NAN; n];
+            S::reduce_into(&v, &mut out);
+            let mut same = true;
+            for (vi, o) in v.iter().zip(&out) {
+                same &= S::reduce(*vi).to_bits() == o.to_bits();
+            }
+            same
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn reduce_into_avx2(x: &[f32], n: usize) -> bool {
+        // SAFETY: compiled with AVX2, called after detection.
+        unsafe { reduce_into_matches::<Avx2>(x, n) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    unsafe fn reduce_into_avx512(x: &[f32], n: usize) -> bool {
+        // SAFETY: compiled with AVX-512F, called after detection.
+        unsafe { reduce_into_matches::<Avx512>(x, n) }
+    }
+
+    /// The `mq` kernel's finish reduces a tile's accumulators together; every count (the
+    /// tiles have 1 to 16, the transposition pads to whole groups) gives each vector's
+    /// own sum, bit for bit.
+    #[test]
+    fn reduce_into_is_reduce_of_each() {
+        for n in 1..=40 {
+            let x = lanes(16 * n, n as u32);
+            // SAFETY: the portable vectors need no instruction set.
+            let portable = unsafe { reduce_into_matches::<Portable>(&x, n) };
+            assert!(portable, "portable, {n}");
+            #[cfg(target_arch = "x86_64")]
+            {
+                if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+                    // SAFETY: AVX2 and FMA detected.
+                    assert!(unsafe { reduce_into_avx2(&x, n) }, "avx2, {n} vectors");
+                }
+                if std::is_x86_feature_detected!("avx512f") {
+                    // SAFETY: AVX-512F detected.
+                    assert!(unsafe { reduce_into_avx512(&x, n) }, "avx512, {n} vectors");
+                }
+            }
+        }
     }
 
     /// The `mq` kernel's aligned vectors leave each accumulator's lanes rotated and rely

@@ -478,9 +478,11 @@ unsafe fn mq_finish<S: Simd, const RB: usize, const KT: usize, const U: usize, c
         let row = |ii: usize| a.m.add((i0 + ii) * cols);
         let erow = |ii: usize| a.e.add((i0 + ii) * cols);
         let qcol = |k: usize| a.q.add((k0 + k) * cols);
-        let mut out = [[0.0f32; KT]; RB];
-        for (ii, o) in out.iter_mut().enumerate() {
-            for (k, ok) in o.iter_mut().enumerate() {
+        // The accumulators of each (row, column) added (a fixed tree), then all of the
+        // tile's reduced together (`Simd::reduce_into`: the same bits as one by one).
+        let mut comb = [[S::zero(); KT]; RB];
+        for (ii, c) in comb.iter_mut().enumerate() {
+            for (k, ck) in c.iter_mut().enumerate() {
                 let mut v = [S::zero(); U];
                 for (u, vu) in v.iter_mut().enumerate() {
                     *vu = *acc.add((ii * KT + k) * U + u);
@@ -494,9 +496,11 @@ unsafe fn mq_finish<S: Simd, const RB: usize, const KT: usize, const U: usize, c
                     }
                     width = half;
                 }
-                *ok = S::reduce(v[0]);
+                *ck = v[0];
             }
         }
+        let mut out = [[0.0f32; KT]; RB];
+        S::reduce_into(comb.as_flattened(), out.as_flattened_mut());
         for j in vec_end..cols {
             for (ii, o) in out.iter_mut().enumerate() {
                 let mut v = *row(ii).add(j);
