@@ -760,6 +760,13 @@ unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(a: &Mat, rows: 
             let per = if rb == RB { per_group } else { per_row };
             acc[..groups * per].fill(zero);
             let base = acc.as_mut_ptr();
+            // The sweep's distance in blocks (a division: once a block, not a span).
+            let block_rows = groups * rb;
+            let blocks = if sweep {
+                MQ_AHEAD_BLOCKS.max(MQ_AHEAD_MIN_BYTES.div_ceil(block_rows * a.cols * 4))
+            } else {
+                0
+            };
             let mut j0 = 0;
             while j0 < vec_end_p {
                 let span = j0..(j0 + chunk).min(vec_end_p);
@@ -767,10 +774,7 @@ unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(a: &Mat, rows: 
                     let (i, slot) = (i0 + g * rb, base.add(g * per));
                     // This tile's image in the block MQ_AHEAD_BLOCKS ahead: the block's
                     // spans before this one, then its groups before this one.
-                    let block_rows = groups * rb;
                     let span_len = span.end - span.start;
-                    let blocks =
-                        MQ_AHEAD_BLOCKS.max(MQ_AHEAD_MIN_BYTES.div_ceil(block_rows * a.cols * 4));
                     let image = (i0 + blocks * block_rows) * a.cols
                         + span.start * block_rows
                         + g * rb * span_len;
