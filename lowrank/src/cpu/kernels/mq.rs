@@ -114,6 +114,46 @@ macro_rules! with_tile {
     };
 }
 
+/// Whether `mq_rows::<_, FUSE>` on `lanes` lanes ever runs a group of `rb` rows over a
+/// column tile `kt` wide (with `fuse_span`, as the tile that fuses `M += E`, the first):
+/// the groups and tiles that cannot meet are not compiled. (Every combination was, and
+/// the kernels, each inlined whole into its instruction set's entry point, doubled the
+/// crate's build time.) Groups of one row meet every tile (the rows a group leaves); the
+/// tile sequence repeats from `r = 8` on (widest tiles, then what is left of `r mod 8`),
+/// so ranks up to 32 cover them all.
+const fn tile_occurs(lanes: usize, rb: usize, kt: usize, fuse: bool, fuse_span: bool) -> bool {
+    if fuse_span && !fuse {
+        return false;
+    }
+    let mut r = 1;
+    while r <= 32 {
+        if rb == 1 || rb == group_rows(lanes, r, fuse) {
+            let mut k0 = 0;
+            while k0 < r {
+                let w = tile_width(lanes, r - k0);
+                if w == kt && (k0 == 0 || !fuse_span) {
+                    return true;
+                }
+                k0 += w;
+            }
+        }
+        r += 1;
+    }
+    false
+}
+
+/// Whether `mq_rows::<_, FUSE>` on `lanes` lanes ever takes groups of `rb` rows.
+const fn group_occurs(lanes: usize, rb: usize, fuse: bool) -> bool {
+    let mut r = 1;
+    while r <= 32 {
+        if rb == 1 || rb == group_rows(lanes, r, fuse) {
+            return true;
+        }
+        r += 1;
+    }
+    rb == 1
+}
+
 // At most two accumulators a column: [`Edges`] relies on it.
 const _: () = {
     let mut kt = 1;
@@ -606,18 +646,23 @@ unsafe fn mq_group<S: Simd, const RB: usize, const FUSE: bool>(
             macro_rules! go {
                 ($kt:literal, $u:literal) => {{
                     debug_assert_eq!(tile(S::LANES, $kt).1, $u);
+                    // Only the tiles that occur are compiled ([`tile_occurs`]).
                     if fuse {
-                        mq_span::<S, RB, $kt, $u, true>(
-                            a,
-                            i0,
-                            k0,
-                            span.clone(),
-                            slot,
-                            q,
-                            ahead,
-                            edges,
-                        )
-                    } else {
+                        if const { tile_occurs(S::LANES, RB, $kt, FUSE, true) } {
+                            mq_span::<S, RB, $kt, $u, true>(
+                                a,
+                                i0,
+                                k0,
+                                span.clone(),
+                                slot,
+                                q,
+                                ahead,
+                                edges,
+                            )
+                        } else {
+                            unreachable!("mq: no fused {}-row tile {} wide", RB, $kt)
+                        }
+                    } else if const { tile_occurs(S::LANES, RB, $kt, FUSE, false) } {
                         mq_span::<S, RB, $kt, $u, false>(
                             a,
                             i0,
@@ -628,6 +673,8 @@ unsafe fn mq_group<S: Simd, const RB: usize, const FUSE: bool>(
                             ahead,
                             edges,
                         )
+                    } else {
+                        unreachable!("mq: no {}-row tile {} wide", RB, $kt)
                     }
                     slot = slot.add(RB * $kt * $u);
                 }};
@@ -659,9 +706,15 @@ unsafe fn mq_group_finish<S: Simd, const RB: usize, const FUSE: bool>(
                 ($kt:literal, $u:literal) => {{
                     debug_assert_eq!(tile(S::LANES, $kt).1, $u);
                     if fuse {
-                        mq_finish::<S, RB, $kt, $u, true>(a, i0, k0, vec_end, slot)
-                    } else {
+                        if const { tile_occurs(S::LANES, RB, $kt, FUSE, true) } {
+                            mq_finish::<S, RB, $kt, $u, true>(a, i0, k0, vec_end, slot)
+                        } else {
+                            unreachable!("mq: no fused {}-row tile {} wide", RB, $kt)
+                        }
+                    } else if const { tile_occurs(S::LANES, RB, $kt, FUSE, false) } {
                         mq_finish::<S, RB, $kt, $u, false>(a, i0, k0, vec_end, slot)
+                    } else {
+                        unreachable!("mq: no {}-row tile {} wide", RB, $kt)
                     }
                     slot = slot.add(RB * $kt * $u);
                 }};
@@ -884,11 +937,13 @@ pub(crate) unsafe fn mq_rows<S: Simd, const FUSE: bool>(a: &Mat, rows: Range<usi
     let rb = group_rows(S::LANES, a.r, FUSE);
     // SAFETY: forwarded caller guarantees.
     unsafe {
+        // Only the groups that occur are compiled ([`group_occurs`]).
         match rb {
-            4 => mq_rows_rb::<S, 4, FUSE>(a, rows),
-            3 => mq_rows_rb::<S, 3, FUSE>(a, rows),
-            2 => mq_rows_rb::<S, 2, FUSE>(a, rows),
-            _ => mq_rows_rb::<S, 1, FUSE>(a, rows),
+            4 if const { group_occurs(S::LANES, 4, FUSE) } => mq_rows_rb::<S, 4, FUSE>(a, rows),
+            3 if const { group_occurs(S::LANES, 3, FUSE) } => mq_rows_rb::<S, 3, FUSE>(a, rows),
+            2 if const { group_occurs(S::LANES, 2, FUSE) } => mq_rows_rb::<S, 2, FUSE>(a, rows),
+            1 => mq_rows_rb::<S, 1, FUSE>(a, rows),
+            _ => unreachable!("mq: no groups of {rb} rows"),
         }
     }
 }
