@@ -643,27 +643,12 @@ unsafe fn mq_group<S: Simd, const RB: usize, const FUSE: bool>(
             let kt = tile_width(S::LANES, a.r - k0);
             let fuse = FUSE && k0 == 0;
             let ahead = if k0 == 0 { ahead } else { Ahead::No };
-            macro_rules! go {
-                ($kt:literal, $u:literal) => {{
-                    debug_assert_eq!(tile(S::LANES, $kt).1, $u);
-                    // Only the tiles that occur are compiled ([`tile_occurs`]).
-                    if fuse {
-                        if const { tile_occurs(S::LANES, RB, $kt, FUSE, true) } {
-                            mq_span::<S, RB, $kt, $u, true>(
-                                a,
-                                i0,
-                                k0,
-                                span.clone(),
-                                slot,
-                                q,
-                                ahead,
-                                edges,
-                            )
-                        } else {
-                            unreachable!("mq: no fused {}-row tile {} wide", RB, $kt)
-                        }
-                    } else if const { tile_occurs(S::LANES, RB, $kt, FUSE, false) } {
-                        mq_span::<S, RB, $kt, $u, false>(
+            // One span of tile ($kt, $u), fusing or not; only the tiles that occur are
+            // compiled ([`tile_occurs`]).
+            macro_rules! span {
+                ($kt:literal, $u:literal, $fuse:literal) => {
+                    if const { tile_occurs(S::LANES, RB, $kt, FUSE, $fuse) } {
+                        mq_span::<S, RB, $kt, $u, $fuse>(
                             a,
                             i0,
                             k0,
@@ -674,7 +659,17 @@ unsafe fn mq_group<S: Simd, const RB: usize, const FUSE: bool>(
                             edges,
                         )
                     } else {
-                        unreachable!("mq: no {}-row tile {} wide", RB, $kt)
+                        unreachable!("mq: no {}-row tile {} wide (fused {})", RB, $kt, $fuse)
+                    }
+                };
+            }
+            macro_rules! go {
+                ($kt:literal, $u:literal) => {{
+                    debug_assert_eq!(tile(S::LANES, $kt).1, $u);
+                    if fuse {
+                        span!($kt, $u, true)
+                    } else {
+                        span!($kt, $u, false)
                     }
                     slot = slot.add(RB * $kt * $u);
                 }};
@@ -702,19 +697,22 @@ unsafe fn mq_group_finish<S: Simd, const RB: usize, const FUSE: bool>(
             let kt = tile_width(S::LANES, a.r - k0);
             // Only the first tile fuses the ragged columns' error add, as in the spans.
             let fuse = FUSE && k0 == 0;
+            macro_rules! finish {
+                ($kt:literal, $u:literal, $fuse:literal) => {
+                    if const { tile_occurs(S::LANES, RB, $kt, FUSE, $fuse) } {
+                        mq_finish::<S, RB, $kt, $u, $fuse>(a, i0, k0, vec_end, slot)
+                    } else {
+                        unreachable!("mq: no {}-row tile {} wide (fused {})", RB, $kt, $fuse)
+                    }
+                };
+            }
             macro_rules! go {
                 ($kt:literal, $u:literal) => {{
                     debug_assert_eq!(tile(S::LANES, $kt).1, $u);
                     if fuse {
-                        if const { tile_occurs(S::LANES, RB, $kt, FUSE, true) } {
-                            mq_finish::<S, RB, $kt, $u, true>(a, i0, k0, vec_end, slot)
-                        } else {
-                            unreachable!("mq: no fused {}-row tile {} wide", RB, $kt)
-                        }
-                    } else if const { tile_occurs(S::LANES, RB, $kt, FUSE, false) } {
-                        mq_finish::<S, RB, $kt, $u, false>(a, i0, k0, vec_end, slot)
+                        finish!($kt, $u, true)
                     } else {
-                        unreachable!("mq: no {}-row tile {} wide", RB, $kt)
+                        finish!($kt, $u, false)
                     }
                     slot = slot.add(RB * $kt * $u);
                 }};
