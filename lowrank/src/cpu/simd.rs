@@ -133,7 +133,9 @@ impl Simd for Portable {
         std::array::from_fn(|i| {
             if (lo..hi).contains(&i) {
                 // SAFETY: the caller guarantees lanes lo..hi readable; only those are read.
-                unsafe { *p.add(i) }
+                // (`wrapping_add`: `p` itself may lie before the buffer, as for a vector
+                // that starts before a row, and `add` from there would be undefined.)
+                unsafe { *p.wrapping_add(i) }
             } else {
                 0.0
             }
@@ -142,8 +144,9 @@ impl Simd for Portable {
     #[inline(always)]
     unsafe fn store_lanes(p: *mut f32, v: Self::V, lo: usize, hi: usize) {
         for (i, x) in v.iter().enumerate().take(hi).skip(lo) {
-            // SAFETY: the caller guarantees lanes lo..hi writable.
-            unsafe { *p.add(i) = *x };
+            // SAFETY: the caller guarantees lanes lo..hi writable (`wrapping_add` as in
+            // `load_lanes`).
+            unsafe { *p.wrapping_add(i) = *x };
         }
     }
     #[inline(always)]
@@ -275,6 +278,8 @@ mod x86 {
         }
         #[inline(always)]
         unsafe fn store_lanes(p: *mut f32, v: __m256, lo: usize, hi: usize) {
+            // SAFETY: `vmaskmovps` writes only the lanes of its mask (lo..hi, writable by
+            // the caller's guarantee) and suppresses faults on the others.
             unsafe { _mm256_maskstore_ps(p, lane_mask(lo, hi), v) }
         }
         #[inline(always)]
@@ -288,9 +293,12 @@ mod x86 {
 
     /// All ones in lanes `lo..hi` of 8, zero elsewhere (a `vmaskmovps` or `vblendvps`
     /// mask).
+    ///
+    /// # Safety
+    /// The CPU has AVX2 (the callers are the AVX2 impl's functions).
     #[inline(always)]
-    #[allow(clippy::undocumented_unsafe_blocks)]
     unsafe fn lane_mask(lo: usize, hi: usize) -> __m256i {
+        // SAFETY: register-only AVX2 operations, AVX2 present (the caller).
         unsafe {
             let iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
             let above = _mm256_cmpgt_epi32(_mm256_set1_epi32(lo as i32), iota);
@@ -415,6 +423,8 @@ mod x86 {
         }
         #[inline(always)]
         unsafe fn store_lanes(p: *mut f32, v: __m512, lo: usize, hi: usize) {
+            // SAFETY: a masked store writes only the lanes of its mask (lo..hi, writable
+            // by the caller's guarantee) and suppresses faults on the others.
             unsafe { _mm512_mask_storeu_ps(p, lanes16(lo, hi), v) }
         }
         #[inline(always)]
