@@ -11,11 +11,13 @@
 //! points below, after runtime detection of the instruction set.
 //!
 //! One module per kernel family: [`mq`] (`P = M Q`), [`mtp`] (`Q = Mᵀ P`), [`pqt`]
-//! (`M = P Qᵀ`), [`gram_schmidt`] (with its [`vector`] helpers).
+//! (`M = P Qᵀ`), [`gram_schmidt`] (with its [`vector`] helpers); [`pack`] packs `Q` for
+//! the first three.
 
 mod gram_schmidt;
 mod mq;
 mod mtp;
+mod pack;
 mod pqt;
 mod vector;
 

@@ -6,7 +6,7 @@
 //! a time, the same through [`Simd::fma1`]), whatever the blocking, the column panels,
 //! the thread count and where `M` lies.
 
-use super::mq::QPack;
+use super::pack::QPack;
 use super::{line_lead, Mat, SWEEP_MIN_BYTES, SWEEP_STRIDE};
 use crate::cpu::simd::Simd;
 use std::ops::Range;

@@ -1,6 +1,6 @@
 //! `M = P Qᵀ`, optionally fused with `E = X - M` (`X` read from `M`).
 
-use super::mq::{pack_q_from, QPack};
+use super::pack::{pack_q_from, QPack};
 use super::{line_lead, Mat, PREFETCH, SWEEP_MIN_BYTES, SWEEP_STRIDE};
 use crate::cpu::simd::Simd;
 use std::ops::Range;
