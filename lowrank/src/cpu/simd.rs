@@ -272,8 +272,8 @@ mod x86 {
         const ALIGN: bool = true;
         #[inline(always)]
         unsafe fn load_lanes(p: *const f32, lo: usize, hi: usize) -> __m256 {
-            // `vmaskmovps` reads only the lanes whose mask sign bit is set and
-            // suppresses faults on the others.
+            // SAFETY: `vmaskmovps` reads only the lanes whose mask sign bit is set (lo..hi,
+            // readable by the caller's guarantee) and suppresses faults on the others.
             unsafe { _mm256_maskload_ps(p, lane_mask(lo, hi)) }
         }
         #[inline(always)]
@@ -417,8 +417,8 @@ mod x86 {
         const ALIGN: bool = true;
         #[inline(always)]
         unsafe fn load_lanes(p: *const f32, lo: usize, hi: usize) -> __m512 {
-            // A masked load reads only the lanes of its mask and suppresses faults on
-            // the others.
+            // SAFETY: a masked load reads only the lanes of its mask (lo..hi, readable by
+            // the caller's guarantee) and suppresses faults on the others.
             unsafe { _mm512_maskz_loadu_ps(lanes16(lo, hi), p) }
         }
         #[inline(always)]
