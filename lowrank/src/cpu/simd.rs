@@ -34,6 +34,7 @@ pub(crate) trait Simd: Copy {
     /// set can with the shuffles of up to `LANES` vectors shared: their lanes are
     /// transposed level by level (the tree's pairs of lanes of two vectors added in one
     /// vector), 2 shuffles and an add for each pair of vectors at each level.
+    #[inline(always)]
     unsafe fn reduce_into(v: &[Self::V], out: &mut [f32]) {
         for (x, o) in v.iter().zip(out) {
             // SAFETY: the caller's instruction set.
@@ -51,6 +52,9 @@ pub(crate) trait Simd: Copy {
     unsafe fn store_lanes(p: *mut f32, v: Self::V, lo: usize, hi: usize);
     /// [`Simd::fma`] in lanes `lo..hi`; the other lanes keep `c`.
     unsafe fn fma_lanes(a: Self::V, b: Self::V, c: Self::V, lo: usize, hi: usize) -> Self::V;
+    /// Runs `work` in a function of its own, compiled for this instruction set and not
+    /// inlined into the caller, so that a hot loop gets the registers to itself.
+    unsafe fn outlined<W: Outlined>(work: W) -> W::Output;
     /// A hint to fetch the cache line at `p` into all levels; never faults.
     #[inline(always)]
     unsafe fn prefetch(p: *const f32) {
@@ -77,6 +81,21 @@ pub(crate) trait Simd: Copy {
     }
 }
 
+/// Work for [`Simd::outlined`]: its arguments as fields, and `run`, which must be
+/// `#[inline(always)]` so that it is compiled into the instruction set's function (a
+/// closure is a function of its own, which without LTO may land in another codegen unit,
+/// where the intrinsics in it are calls: 40x slower).
+pub(crate) trait Outlined {
+    /// What `run` returns.
+    type Output;
+    /// The work.
+    ///
+    /// # Safety
+    /// The implementation's own guarantees, and the instruction set of the
+    /// [`Simd::outlined`] that runs it.
+    unsafe fn run(self) -> Self::Output;
+}
+
 /// Eight lanes in plain Rust; LLVM vectorises it with whatever the target has (SSE2 on
 /// baseline x86-64). No fused multiply-add: `a * b + c` rounds twice.
 #[derive(Clone, Copy)]
@@ -85,6 +104,11 @@ pub(crate) struct Portable;
 impl Simd for Portable {
     type V = [f32; 8];
     const LANES: usize = 8;
+    #[inline(never)]
+    unsafe fn outlined<W: Outlined>(work: W) -> W::Output {
+        // SAFETY: forwarded caller guarantees.
+        unsafe { work.run() }
+    }
     #[inline(always)]
     unsafe fn zero() -> Self::V {
         [0.0; 8]
@@ -166,8 +190,30 @@ pub(crate) use x86::{Avx2, Avx512};
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::Simd;
+    use super::{Outlined, Simd};
     use core::arch::x86_64::*;
+
+    /// [`Simd::outlined`] for AVX2.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA; `work`'s own guarantees.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline(never)]
+    unsafe fn outlined_avx2<W: Outlined>(work: W) -> W::Output {
+        // SAFETY: forwarded caller guarantees.
+        unsafe { work.run() }
+    }
+
+    /// [`Simd::outlined`] for AVX-512.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F, AVX2 and FMA; `work`'s own guarantees.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    #[inline(never)]
+    unsafe fn outlined_avx512<W: Outlined>(work: W) -> W::Output {
+        // SAFETY: forwarded caller guarantees.
+        unsafe { work.run() }
+    }
 
     /// AVX2 with FMA: 8 lanes.
     #[derive(Clone, Copy)]
@@ -179,6 +225,10 @@ mod x86 {
     impl Simd for Avx2 {
         type V = __m256;
         const LANES: usize = 8;
+        #[inline(always)]
+        unsafe fn outlined<W: Outlined>(work: W) -> W::Output {
+            unsafe { outlined_avx2(work) }
+        }
         #[inline(always)]
         unsafe fn zero() -> __m256 {
             unsafe { _mm256_setzero_ps() }
@@ -317,6 +367,10 @@ mod x86 {
     impl Simd for Avx512 {
         type V = __m512;
         const LANES: usize = 16;
+        #[inline(always)]
+        unsafe fn outlined<W: Outlined>(work: W) -> W::Output {
+            unsafe { outlined_avx512(work) }
+        }
         #[inline(always)]
         unsafe fn zero() -> __m512 {
             unsafe { _mm512_setzero_ps() }

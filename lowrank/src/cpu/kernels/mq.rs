@@ -10,7 +10,8 @@
 
 use super::pack::{pack_q, pack_q_edges, QPack};
 use super::{Mat, SWEEP_MIN_BYTES, SWEEP_STRIDE};
-use crate::cpu::simd::Simd;
+use crate::cpu::simd::{Outlined, Simd};
+use std::marker::PhantomData;
 use std::ops::Range;
 
 /// Bytes of `Q` up to which rows are read whole (no column chunks): `Q` stays in L1
@@ -501,9 +502,8 @@ unsafe fn mq_slow<S: Simd, const RB: usize, const KT: usize, const U: usize, con
     }
 }
 
-/// The end of one tile after its spans: the accumulators added (a fixed tree) and
-/// reduced, the ragged columns past `vec_end` added one by one (fusing `M += E`), and `P`
-/// written.
+/// The end of one tile after its spans, from the accumulators in memory (`acc`, as
+/// [`mq_span`] lays them out): [`mq_finish_regs`].
 #[inline(always)]
 unsafe fn mq_finish<S: Simd, const RB: usize, const KT: usize, const U: usize, const FUSE: bool>(
     a: &Mat,
@@ -511,6 +511,37 @@ unsafe fn mq_finish<S: Simd, const RB: usize, const KT: usize, const U: usize, c
     k0: usize,
     vec_end: usize,
     acc: *const S::V,
+) {
+    // SAFETY: `acc` holds the tile's RB x KT x U accumulators (the caller); the rest as
+    // `mq_finish_regs`.
+    unsafe {
+        let mut regs = [[[S::zero(); U]; KT]; RB];
+        for (ii, row) in regs.iter_mut().enumerate() {
+            for (k, col) in row.iter_mut().enumerate() {
+                for (u, v) in col.iter_mut().enumerate() {
+                    *v = *acc.add((ii * KT + k) * U + u);
+                }
+            }
+        }
+        mq_finish_regs::<S, RB, KT, U, FUSE>(a, i0, k0, vec_end, &regs)
+    }
+}
+
+/// The end of one tile: its accumulators `regs` added (a fixed tree) and reduced, the
+/// ragged columns past `vec_end` added one by one (fusing `M += E`), and `P` written.
+#[inline(always)]
+unsafe fn mq_finish_regs<
+    S: Simd,
+    const RB: usize,
+    const KT: usize,
+    const U: usize,
+    const FUSE: bool,
+>(
+    a: &Mat,
+    i0: usize,
+    k0: usize,
+    vec_end: usize,
+    regs: &[[[S::V; U]; KT]; RB],
 ) {
     let cols = a.cols;
     // SAFETY: as in `mq_span`; columns vec_end..cols are inside every row, and Q holds r
@@ -524,10 +555,7 @@ unsafe fn mq_finish<S: Simd, const RB: usize, const KT: usize, const U: usize, c
         let mut comb = [[S::zero(); KT]; RB];
         for (ii, c) in comb.iter_mut().enumerate() {
             for (k, ck) in c.iter_mut().enumerate() {
-                let mut v = [S::zero(); U];
-                for (u, vu) in v.iter_mut().enumerate() {
-                    *vu = *acc.add((ii * KT + k) * U + u);
-                }
+                let mut v = regs[ii][k];
                 // Pairwise: (0 + U/2) (1 + U/2 + 1) ..., halving until one is left.
                 let mut width = U;
                 while width > 1 {
@@ -559,6 +587,88 @@ unsafe fn mq_finish<S: Simd, const RB: usize, const KT: usize, const U: usize, c
                 *a.p.add((k0 + k) * a.n + i0 + ii) = ok;
             }
         }
+    }
+}
+
+/// One tile over whole rows (a call whose rows are not chunked): [`mq_span`] over every
+/// vector of the rows of `ap` (`M` shifted back with `edges`, as in [`mq_rows_rb`]) and
+/// [`mq_finish_regs`] (on `a`, the rows as they are) in one, with the accumulators in
+/// registers from the first vector to the reduction. The same operations on each
+/// accumulator in the same order as the span and the finish, so the same bits; what it
+/// saves is a group's round trip through memory, its calls and its spilled row pointers.
+/// With `M` in L2 (Intel Xeon, Emerald Rapids class, r = 1, one thread) the span and
+/// finish path read 0.60 / 0.71 / 0.83 of the speed of a plain loop of the same tile
+/// (accumulators in registers) at 512 / 1024 / 4096 columns: a fixed cost a group, of
+/// about 100-200 cycles (`rdtsc` around the parts) against a loop of a few hundred.
+/// `bench lowrank --roofline`, M in L2 16 bytes past a line, 8 alternated runs: `mq`
+/// r = 1 / 2 / 4 0.56-0.65 / 0.46-0.56 / 0.42-0.67 -> 0.69-0.80 / 0.58-0.71 / 0.49-0.81
+/// of the in-core limit (median ratio of pairs 1.22-1.31 on AVX-512, 1.17-1.37 on AVX2),
+/// `mq+e` 1.04-1.22; from memory unchanged (memory-bound).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn mq_whole<S: Simd, const RB: usize, const KT: usize, const U: usize, const FUSE: bool>(
+    a: &Mat,
+    ap: &Mat,
+    i0: usize,
+    k0: usize,
+    vec_end_p: usize,
+    vec_end: usize,
+    q: *const f32,
+    ahead: Ahead,
+    edges: Edges,
+) {
+    let lanes = S::LANES;
+    let (sweep, base) = match ahead {
+        Ahead::No => (false, 0),
+        Ahead::Sweep(base, _) => (true, base),
+    };
+    // SAFETY: as in `mq_span` for the span 0..vec_end_p of the shifted rows (the caller's
+    // guarantees for the group), then as in `mq_finish_regs`.
+    unsafe {
+        let t = TileRows {
+            m: ap.m.wrapping_add(i0 * ap.cols),
+            e: if FUSE {
+                ap.e.wrapping_add(i0 * ap.cols).cast_const()
+            } else {
+                std::ptr::null()
+            },
+            stride: ap.cols,
+            pf: ap.m.cast_const().wrapping_add(base),
+            pf_stride: vec_end_p,
+            pf_e: (ap.e as isize).wrapping_sub(ap.m as isize) / 4,
+        };
+        let mut regs = [[[S::zero(); U]; KT]; RB];
+        let qstep = ap.r * lanes;
+        let group = U * lanes;
+        let mut j = 0;
+        if edges.lead > 0 {
+            j = group.min(vec_end_p);
+            mq_each::<S, RB, KT, U, FUSE>(sweep, &t, &mut regs, 0..j, q, ap.r, k0, edges);
+        }
+        let hot_end = if edges.lead > 0 {
+            vec_end_p.min(edges.last)
+        } else {
+            vec_end_p
+        };
+        let hot_stop = j + hot_end.saturating_sub(j) / group * group;
+        let mut qp = q.add((j / lanes * ap.r + k0) * lanes);
+        while j < hot_stop {
+            for u in 0..U {
+                mq_step::<S, RB, KT, U, FUSE, false>(
+                    sweep,
+                    &t,
+                    &mut regs,
+                    j + u * lanes,
+                    u,
+                    qp.add(u * qstep),
+                    (0, lanes),
+                );
+            }
+            j += group;
+            qp = qp.add(U * qstep);
+        }
+        mq_each::<S, RB, KT, U, FUSE>(sweep, &t, &mut regs, j..vec_end_p, q, ap.r, k0, edges);
+        mq_finish_regs::<S, RB, KT, U, FUSE>(a, i0, k0, vec_end, &regs);
     }
 }
 
@@ -665,6 +775,136 @@ unsafe fn mq_group_finish<S: Simd, const RB: usize, const FUSE: bool>(
     }
 }
 
+/// Vectors `range` of [`mq_whole`]'s rows one at a time (`range` starts at a multiple of
+/// `U` vectors), each only in its lanes inside the row ([`Edges`]), on the accumulators
+/// in registers: the first group of a row with edges, and what the whole groups leave.
+/// (A function, not a closure: see [`load_edge`].)
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn mq_each<S: Simd, const RB: usize, const KT: usize, const U: usize, const FUSE: bool>(
+    sweep: bool,
+    t: &TileRows,
+    regs: &mut [[[S::V; U]; KT]; RB],
+    range: Range<usize>,
+    q: *const f32,
+    r: usize,
+    k0: usize,
+    edges: Edges,
+) {
+    let lanes = S::LANES;
+    let mut j = range.start;
+    // SAFETY: as in `mq_whole`, whose guarantees the caller forwards.
+    unsafe {
+        while j < range.end {
+            // `u` a constant in each unrolled step: the accumulators stay in registers.
+            for u in 0..U {
+                let jj = j + u * lanes;
+                if jj < range.end {
+                    let valid = edges.at(jj, lanes).unwrap_or((0, lanes));
+                    let qv = q.add((jj / lanes * r + k0) * lanes);
+                    mq_step::<S, RB, KT, U, FUSE, true>(sweep, t, regs, jj, u, qv, valid);
+                }
+            }
+            j += U * lanes;
+        }
+    }
+}
+
+/// The arguments of [`mq_whole`], to run it in a function of its own.
+struct Whole<'a, S, const RB: usize, const KT: usize, const U: usize, const FUSE: bool> {
+    a: &'a Mat,
+    ap: &'a Mat,
+    i0: usize,
+    k0: usize,
+    vec_end_p: usize,
+    vec_end: usize,
+    q: *const f32,
+    ahead: Ahead,
+    edges: Edges,
+    isa: PhantomData<S>,
+}
+
+impl<S: Simd, const RB: usize, const KT: usize, const U: usize, const FUSE: bool> Outlined
+    for Whole<'_, S, RB, KT, U, FUSE>
+{
+    type Output = ();
+    #[inline(always)]
+    unsafe fn run(self) {
+        // SAFETY: the guarantees of `mq_whole`, which the creator of the work gives.
+        unsafe {
+            mq_whole::<S, RB, KT, U, FUSE>(
+                self.a,
+                self.ap,
+                self.i0,
+                self.k0,
+                self.vec_end_p,
+                self.vec_end,
+                self.q,
+                self.ahead,
+                self.edges,
+            )
+        }
+    }
+}
+
+/// [`mq_group`] and [`mq_group_finish`] in one for whole rows: [`mq_whole`] for every
+/// column tile of the group, each in a function of its own ([`Simd::outlined`]: inlined
+/// into the driver, the loop's row pointers were spilled and reloaded from the stack).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn mq_group_whole<S: Simd, const RB: usize, const FUSE: bool>(
+    a: &Mat,
+    ap: &Mat,
+    i0: usize,
+    vec_end_p: usize,
+    vec_end: usize,
+    q: *const f32,
+    ahead: Ahead,
+    edges: Edges,
+) {
+    let mut k0 = 0;
+    // SAFETY: forwarded caller guarantees.
+    unsafe {
+        while k0 < a.r {
+            let kt = tile_width(S::LANES, a.r - k0);
+            let fuse = FUSE && k0 == 0;
+            let ahead = if k0 == 0 { ahead } else { Ahead::No };
+            macro_rules! whole {
+                ($kt:literal, $u:literal, $fuse:literal) => {
+                    if const { tile_occurs(S::LANES, RB, $kt, FUSE, $fuse) } {
+                        S::outlined(Whole::<S, RB, $kt, $u, $fuse> {
+                            a,
+                            ap,
+                            i0,
+                            k0,
+                            vec_end_p,
+                            vec_end,
+                            q,
+                            ahead,
+                            edges,
+                            isa: PhantomData,
+                        })
+                    } else {
+                        unreachable!("mq: no {}-row tile {} wide (fused {})", RB, $kt, $fuse)
+                    }
+                };
+            }
+            macro_rules! go {
+                ($kt:literal, $u:literal) => {{
+                    debug_assert_eq!(tile(S::LANES, $kt).1, $u);
+                    if fuse {
+                        whole!($kt, $u, true)
+                    } else {
+                        whole!($kt, $u, false)
+                    }
+                }};
+            }
+            with_tile!(kt, go);
+            k0 += kt;
+        }
+    }
+}
+
 /// Accumulator vectors one group of `rb` rows needs across all its column tiles.
 fn group_vectors(lanes: usize, r: usize, rb: usize) -> usize {
     let mut k0 = 0;
@@ -720,7 +960,12 @@ unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(a: &Mat, rows: 
     // SAFETY: S::zero has no preconditions beyond the instruction set, which the entry
     // point guarantees.
     let zero = unsafe { S::zero() };
-    let mut acc = vec![zero; (block / RB).max(1) * per_group.max(per_row)];
+    // Accumulators of a block between its chunks (whole rows keep theirs in registers).
+    let mut acc = if chunked {
+        vec![zero; (block / RB).max(1) * per_group.max(per_row)]
+    } else {
+        Vec::new()
+    };
     // Q packed even at rank 1, where it is one contiguous column: the pack is 64-byte
     // aligned, and an unaligned vector load costs two.
     let mut pack = QPack::take(a.r * vec_end_p + 16);
@@ -750,9 +995,6 @@ unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(a: &Mat, rows: 
             } else {
                 (1, left.min(block))
             };
-            let per = if rb == RB { per_group } else { per_row };
-            acc[..groups * per].fill(zero);
-            let base = acc.as_mut_ptr();
             // The sweep's distance in blocks (a division: once a block, not a span).
             let block_rows = groups * rb;
             let blocks = if sweep {
@@ -760,6 +1002,30 @@ unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(a: &Mat, rows: 
             } else {
                 0
             };
+            if !chunked {
+                // Whole rows: each group from its first vector to `P` in registers.
+                for g in 0..groups {
+                    let i = i0 + g * rb;
+                    let image = (i0 + blocks * block_rows) * a.cols + g * rb * vec_end_p;
+                    let ahead = if sweep {
+                        Ahead::Sweep(image, vec_end_p)
+                    } else {
+                        Ahead::No
+                    };
+                    if rb == RB {
+                        mq_group_whole::<S, RB, FUSE>(
+                            a, &ap, i, vec_end_p, vec_end, q, ahead, edges,
+                        )
+                    } else {
+                        mq_group_whole::<S, 1, FUSE>(a, &ap, i, vec_end_p, vec_end, q, ahead, edges)
+                    }
+                }
+                i0 += groups * rb;
+                continue;
+            }
+            let per = if rb == RB { per_group } else { per_row };
+            acc[..groups * per].fill(zero);
+            let base = acc.as_mut_ptr();
             let mut j0 = 0;
             while j0 < vec_end_p {
                 let span = j0..(j0 + chunk).min(vec_end_p);
