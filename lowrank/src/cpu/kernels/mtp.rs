@@ -7,7 +7,7 @@
 //! the thread count and where `M` lies.
 
 use super::pack::QPack;
-use super::{line_lead, Mat, SWEEP_MIN_BYTES, SWEEP_STRIDE};
+use super::{line_lead, strips_prefetch_next_row, Mat, SWEEP_MIN_BYTES, SWEEP_STRIDE};
 use crate::cpu::simd::Simd;
 use std::ops::Range;
 
@@ -31,12 +31,13 @@ const MTP_PANEL_COLS: usize = MTP_BLOCK_FLOATS / MTP_BLOCK_ROWS_MIN;
 /// block and from `Q` otherwise.
 ///
 /// `ahead` (elements, nonzero when the call sweeps) prefetches that far ahead into L2.
-/// Without a sweep, a tile of one column of `Q` prefetches the strip of the next row into
-/// L1: it takes one vector a fused multiply-add, the hardware prefetchers do not see the
-/// strip's next run (a row stride away) in time, and a load slot is there to spare. With
-/// `M` in L2 (AMD Zen 4, AVX-512, alternated runs), r = 1 read 0.74-0.75 of the in-core
-/// limit without it and 0.81-0.82 with it; at r = 2 the same prefetch changed nothing and
-/// at r >= 4 it cost up to 0.02, and two rows ahead cost at every rank.
+/// Without a sweep and with `next_row` ([`strips_prefetch_next_row`]: AMD), a tile of
+/// one column of `Q` prefetches the strip of the next row into L1: it takes one vector a
+/// fused multiply-add, the hardware prefetchers do not see the strip's next run (a row
+/// stride away) in time, and a load slot is there to spare. With `M` in L2 (AMD Zen 4,
+/// AVX-512, alternated runs), r = 1 read 0.74-0.75 of the in-core limit without it and
+/// 0.81-0.82 with it; at r = 2 the same prefetch changed nothing and at r >= 4 it cost up
+/// to 0.02, and two rows ahead cost at every rank. On Intel it costs (see there).
 // Register tiles read best with explicit indices.
 #[allow(clippy::needless_range_loop)]
 #[inline(always)]
@@ -46,6 +47,7 @@ unsafe fn mtp_strip<S: Simd, const VW: usize, const KT: usize>(
     j0: usize,
     k0: usize,
     ahead: usize,
+    next_row: bool,
 ) {
     let lanes = S::LANES;
     let cols = a.cols;
@@ -70,7 +72,7 @@ unsafe fn mtp_strip<S: Simd, const VW: usize, const KT: usize>(
                 if ahead != 0 && (v * lanes).is_multiple_of(SWEEP_STRIDE) {
                     S::prefetch_l2(row.wrapping_add(ahead + v * lanes));
                 }
-                if ahead == 0 && KT == 1 && (v * lanes).is_multiple_of(SWEEP_STRIDE) {
+                if next_row && ahead == 0 && KT == 1 && (v * lanes).is_multiple_of(SWEEP_STRIDE) {
                     S::prefetch(row.wrapping_add(cols + v * lanes));
                 }
                 x[v] = S::load(row.add(v * lanes));
@@ -147,6 +149,7 @@ unsafe fn mtp_strip_part<S: Simd, const KT: usize>(
 /// a line boundary, edge vectors for the columns before it; strips of `VW`
 /// vectors from there, the vectors left over in strips of 8, 4, 2 and 1, an edge vector
 /// for what those leave of the whole vectors, then the ragged columns (one at a time).
+/// `ahead` and `next_row` as in [`mtp_strip`].
 #[inline(always)]
 unsafe fn mtp_block<S: Simd, const VW: usize, const KT: usize>(
     a: &Mat,
@@ -154,6 +157,7 @@ unsafe fn mtp_block<S: Simd, const VW: usize, const KT: usize>(
     panel: &Range<usize>,
     k0: usize,
     ahead: usize,
+    next_row: bool,
 ) {
     let lanes = S::LANES;
     let vec_end = panel.start + panel.len() / lanes * lanes;
@@ -188,26 +192,26 @@ unsafe fn mtp_block<S: Simd, const VW: usize, const KT: usize>(
         }
         let vec_end = last;
         while j + VW * lanes <= vec_end {
-            mtp_strip::<S, VW, KT>(a, rows.clone(), j, k0, ahead);
+            mtp_strip::<S, VW, KT>(a, rows.clone(), j, k0, ahead, next_row);
             j += VW * lanes;
         }
         // The vectors left over, fewer than VW: strips of 8, 4, 2 and 1 (a binary
         // decomposition), so that they keep several accumulators in flight: one vector
         // at a time is one dependent chain of multiply-adds down the rows.
         if VW > 8 && j + 8 * lanes <= vec_end {
-            mtp_strip::<S, 8, KT>(a, rows.clone(), j, k0, ahead);
+            mtp_strip::<S, 8, KT>(a, rows.clone(), j, k0, ahead, next_row);
             j += 8 * lanes;
         }
         if VW > 4 && j + 4 * lanes <= vec_end {
-            mtp_strip::<S, 4, KT>(a, rows.clone(), j, k0, ahead);
+            mtp_strip::<S, 4, KT>(a, rows.clone(), j, k0, ahead, next_row);
             j += 4 * lanes;
         }
         if VW > 2 && j + 2 * lanes <= vec_end {
-            mtp_strip::<S, 2, KT>(a, rows.clone(), j, k0, ahead);
+            mtp_strip::<S, 2, KT>(a, rows.clone(), j, k0, ahead, next_row);
             j += 2 * lanes;
         }
         if VW > 1 && j < vec_end {
-            mtp_strip::<S, 1, KT>(a, rows.clone(), j, k0, ahead);
+            mtp_strip::<S, 1, KT>(a, rows.clone(), j, k0, ahead, next_row);
             j += lanes;
         }
         debug_assert_eq!(j, vec_end);
@@ -492,6 +496,7 @@ pub(crate) unsafe fn mtp_cols<S: Simd>(a: &Mat, cols: Range<usize>) {
         return unsafe { mtp_stream::<S>(a, cols) };
     }
     let accs = tile_accumulators(lanes);
+    let next_row = strips_prefetch_next_row();
     let width = MTP_PANEL_COLS.max(lanes);
     let mut c0 = cols.start;
     while c0 < cols.end {
@@ -527,13 +532,25 @@ pub(crate) unsafe fn mtp_cols<S: Simd>(a: &Mat, cols: Range<usize>) {
                 // caller), tile columns inside 0..r.
                 unsafe {
                     match (kt, accs) {
-                        (8, 16) => mtp_block::<S, 2, 8>(a, rows.clone(), &panel, k0, ahead),
-                        (4, 16) => mtp_block::<S, 4, 4>(a, rows.clone(), &panel, k0, ahead),
-                        (2, 16) => mtp_block::<S, 8, 2>(a, rows.clone(), &panel, k0, ahead),
-                        (1, 16) => mtp_block::<S, 16, 1>(a, rows.clone(), &panel, k0, ahead),
-                        (4, _) => mtp_block::<S, 2, 4>(a, rows.clone(), &panel, k0, ahead),
-                        (2, _) => mtp_block::<S, 4, 2>(a, rows.clone(), &panel, k0, ahead),
-                        _ => mtp_block::<S, 8, 1>(a, rows.clone(), &panel, k0, ahead),
+                        (8, 16) => {
+                            mtp_block::<S, 2, 8>(a, rows.clone(), &panel, k0, ahead, next_row)
+                        }
+                        (4, 16) => {
+                            mtp_block::<S, 4, 4>(a, rows.clone(), &panel, k0, ahead, next_row)
+                        }
+                        (2, 16) => {
+                            mtp_block::<S, 8, 2>(a, rows.clone(), &panel, k0, ahead, next_row)
+                        }
+                        (1, 16) => {
+                            mtp_block::<S, 16, 1>(a, rows.clone(), &panel, k0, ahead, next_row)
+                        }
+                        (4, _) => {
+                            mtp_block::<S, 2, 4>(a, rows.clone(), &panel, k0, ahead, next_row)
+                        }
+                        (2, _) => {
+                            mtp_block::<S, 4, 2>(a, rows.clone(), &panel, k0, ahead, next_row)
+                        }
+                        _ => mtp_block::<S, 8, 1>(a, rows.clone(), &panel, k0, ahead, next_row),
                     }
                 }
                 k0 += kt;
