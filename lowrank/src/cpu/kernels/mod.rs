@@ -70,6 +70,54 @@ fn strips_prefetch_next_row() -> bool {
     })
 }
 
+/// Whether the L1 data cache has 12 ways or more (Intel since Ice Lake, AMD Zen 5) rather
+/// than 8 (AMD Zen 4 and older, Intel Skylake): at power-of-two row widths a group's rows
+/// of `M` and `E` fall in one L1 set, and how many of them fit beside `Q` sets how many
+/// rows `mq`'s fused pass reads side by side. Read once from `cpuid`'s cache leaves
+/// (leaf 4, AMD's 0x8000001D); false when they say nothing.
+fn l1_is_wide() -> bool {
+    static WIDE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *WIDE.get_or_init(|| l1d_ways().is_some_and(|w| w >= 12))
+}
+
+/// The L1 data cache's ways, from `cpuid`'s deterministic cache parameters.
+fn l1d_ways() -> Option<u32> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use core::arch::x86_64::{__cpuid, __cpuid_count};
+        #[allow(unused_unsafe)]
+        // SAFETY: `cpuid` exists on every x86-64 processor; a leaf above the maximum the
+        // processor reports (checked first) is not asked for.
+        unsafe {
+            let leaf = if strips_prefetch_next_row() {
+                if __cpuid(0x8000_0000).eax < 0x8000_001D {
+                    return None;
+                }
+                0x8000_001D
+            } else {
+                if __cpuid(0).eax < 4 {
+                    return None;
+                }
+                4
+            };
+            for sub in 0..16 {
+                let c = __cpuid_count(leaf, sub);
+                let (kind, level) = (c.eax & 0x1f, (c.eax >> 5) & 0x7);
+                if kind == 0 {
+                    break;
+                }
+                // Type 1 is a data cache.
+                if kind == 1 && level == 1 {
+                    return Some((c.ebx >> 22) + 1);
+                }
+            }
+            None
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    None
+}
+
 /// Floats from column `c` of `M`'s rows to the next 64-byte boundary, when every row has
 /// the same alignment (`cols` a multiple of [`SWEEP_STRIDE`] floats); 0 otherwise or on
 /// a boundary. A large `Vec<f32>` from the system allocator starts 16 bytes past one
@@ -222,5 +270,34 @@ mod tests {
             vendor == "AuthenticAMD",
             "{vendor}"
         );
+    }
+
+    /// The L1 data cache's ways read from `cpuid` agree with the kernel's (sysfs), where
+    /// the kernel says.
+    #[test]
+    #[cfg(all(target_os = "linux", target_arch = "x86_64"))]
+    fn l1d_ways_are_read_from_cpuid() {
+        let dir = std::path::Path::new("/sys/devices/system/cpu/cpu0/cache");
+        let read = |p: std::path::PathBuf| std::fs::read_to_string(p).ok();
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            println!("skipped: no {}", dir.display());
+            return;
+        };
+        for e in entries.flatten() {
+            let p = e.path();
+            let level = read(p.join("level"));
+            let kind = read(p.join("type"));
+            if level.as_deref().map(str::trim) == Some("1")
+                && kind.as_deref().map(str::trim) == Some("Data")
+            {
+                let ways: u32 = read(p.join("ways_of_associativity"))
+                    .and_then(|w| w.trim().parse().ok())
+                    .expect("ways_of_associativity");
+                assert_eq!(super::l1d_ways(), Some(ways));
+                assert_eq!(super::l1_is_wide(), ways >= 12);
+                return;
+            }
+        }
+        println!("skipped: sysfs lists no L1 data cache");
     }
 }

@@ -9,7 +9,7 @@
 //! the width of the tile of columns `k` falls in, which depends only on `r`.
 
 use super::pack::{pack_q, pack_q_edges, QPack};
-use super::{Mat, SWEEP_MIN_BYTES, SWEEP_STRIDE};
+use super::{l1_is_wide, Mat, SWEEP_MIN_BYTES, SWEEP_STRIDE};
 use crate::cpu::simd::{Outlined, Simd};
 use std::marker::PhantomData;
 use std::ops::Range;
@@ -73,12 +73,21 @@ const fn tile(lanes: usize, kt: usize) -> (usize, usize) {
 ///   0.60-0.70 → 0.56-0.77 of the in-core limit for `mq`, 0.29-0.49 → 0.49-0.51 fused,
 ///   cold 0.50-0.65 → 0.64-0.68 of the read bandwidth.
 ///
+/// - but two for that 4-column fused pass with 8 lanes where L1 has 12 ways or more
+///   (`wide`, [`l1_is_wide`]): one row is four dependent chains of multiply-adds, and
+///   two rows of `M` and two of `E` fit such a set beside `Q`. With `M` in L2, Intel Xeon
+///   (Emerald Rapids class, 48 KiB 12-way L1), AVX2, r = 4, 10 alternated runs: 0.40-0.43
+///   → 0.53-0.71 of the in-core limit, cold the same (median ratio 0.89 and 1.05 in two
+///   sets of runs).
+///
 /// Rows do not change how any `P[i, k]` is summed, so this choice keeps results
 /// bit-identical.
-const fn group_rows(lanes: usize, r: usize, fuse: bool) -> usize {
+const fn group_rows(lanes: usize, r: usize, fuse: bool, wide: bool) -> usize {
     let kt = tile_width(lanes, r);
     if lanes == 8 && r >= 8 {
         3
+    } else if fuse && wide && lanes == 8 && kt == 4 {
+        2
     } else if fuse && (kt <= 2 || (lanes == 8 && kt == 4)) {
         1
     } else if fuse && kt == 4 {
@@ -122,14 +131,18 @@ macro_rules! with_tile {
 /// the kernels, each inlined whole into its instruction set's entry point, doubled the
 /// crate's build time.) Groups of one row meet every tile (the rows a group leaves); the
 /// tile sequence repeats from `r = 8` on (widest tiles, then what is left of `r mod 8`),
-/// so ranks up to 32 cover them all.
+/// so ranks up to 32 cover them all; the groups of either L1 ([`group_rows`]' `wide`)
+/// are compiled.
 const fn tile_occurs(lanes: usize, rb: usize, kt: usize, fuse: bool, fuse_span: bool) -> bool {
     if fuse_span && !fuse {
         return false;
     }
     let mut r = 1;
     while r <= 32 {
-        if rb == 1 || rb == group_rows(lanes, r, fuse) {
+        if rb == 1
+            || rb == group_rows(lanes, r, fuse, false)
+            || rb == group_rows(lanes, r, fuse, true)
+        {
             let mut k0 = 0;
             while k0 < r {
                 let w = tile_width(lanes, r - k0);
@@ -148,7 +161,10 @@ const fn tile_occurs(lanes: usize, rb: usize, kt: usize, fuse: bool, fuse_span: 
 const fn group_occurs(lanes: usize, rb: usize, fuse: bool) -> bool {
     let mut r = 1;
     while r <= 32 {
-        if rb == 1 || rb == group_rows(lanes, r, fuse) {
+        if rb == 1
+            || rb == group_rows(lanes, r, fuse, false)
+            || rb == group_rows(lanes, r, fuse, true)
+        {
             return true;
         }
         r += 1;
@@ -1112,7 +1128,7 @@ fn vector_lead<S: Simd>(a: &Mat) -> usize {
 /// 40% (r = 1) to the placement.
 #[inline(always)]
 pub(crate) unsafe fn mq_rows<S: Simd, const FUSE: bool>(a: &Mat, rows: Range<usize>) {
-    let rb = group_rows(S::LANES, a.r, FUSE);
+    let rb = group_rows(S::LANES, a.r, FUSE, l1_is_wide());
     // SAFETY: forwarded caller guarantees.
     unsafe {
         // Only the groups that occur are compiled ([`group_occurs`]).
