@@ -1166,6 +1166,8 @@ fn chunked_mq_matches_the_reference_the_fused_path_and_every_thread_count() {
         // 5 with AVX-512 and a row left over.
         (2, 13, 1024, 4),
         (1, 7, 1000, 5),
+        // Q of 32 KiB: whole rows where L1 has 48 KiB, column chunks where it has 32.
+        (1, 11, 1024, 8),
     ]
     .into_iter()
     // Every rank from 1 to 17: each sequence of column tiles, in groups of every row

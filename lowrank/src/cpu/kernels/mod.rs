@@ -70,18 +70,19 @@ fn strips_prefetch_next_row() -> bool {
     })
 }
 
-/// Whether the L1 data cache has 12 ways or more (Intel since Ice Lake, AMD Zen 5) rather
-/// than 8 (AMD Zen 4 and older, Intel Skylake): at power-of-two row widths a group's rows
-/// of `M` and `E` fall in one L1 set, and how many of them fit beside `Q` sets how many
-/// rows `mq`'s fused pass reads side by side. Read once from `cpuid`'s cache leaves
-/// (leaf 4, AMD's 0x8000001D); false when they say nothing.
+/// Whether the L1 data cache has 12 ways or more and 48 KiB or more (Intel since Ice
+/// Lake, AMD Zen 5) rather than 8 ways and 32 KiB (AMD Zen 4 and older, Intel Skylake).
+/// At power-of-two row widths a group's rows of `M` and `E` fall in one L1 set, and how
+/// many of them fit beside `Q` sets how many rows `mq`'s fused pass reads side by side;
+/// how much of `Q` fits beside the rows sets how wide `mq` reads rows whole. Read once
+/// from `cpuid`'s cache leaves (leaf 4, AMD's 0x8000001D); false when they say nothing.
 fn l1_is_wide() -> bool {
     static WIDE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *WIDE.get_or_init(|| l1d_ways().is_some_and(|w| w >= 12))
+    *WIDE.get_or_init(|| l1d().is_some_and(|(ways, bytes)| ways >= 12 && bytes >= 48 << 10))
 }
 
-/// The L1 data cache's ways, from `cpuid`'s deterministic cache parameters.
-fn l1d_ways() -> Option<u32> {
+/// The L1 data cache's ways and bytes, from `cpuid`'s deterministic cache parameters.
+fn l1d() -> Option<(u32, u32)> {
     #[cfg(target_arch = "x86_64")]
     {
         use core::arch::x86_64::{__cpuid, __cpuid_count};
@@ -106,9 +107,14 @@ fn l1d_ways() -> Option<u32> {
                 if kind == 0 {
                     break;
                 }
-                // Type 1 is a data cache.
+                // Type 1 is a data cache: ways, partitions, line bytes and sets, each
+                // stored less one.
                 if kind == 1 && level == 1 {
-                    return Some((c.ebx >> 22) + 1);
+                    let ways = (c.ebx >> 22) + 1;
+                    let parts = ((c.ebx >> 12) & 0x3ff) + 1;
+                    let line = (c.ebx & 0xfff) + 1;
+                    let sets = c.ecx.wrapping_add(1);
+                    return Some((ways, ways * parts * line * sets));
                 }
             }
             None
@@ -272,11 +278,11 @@ mod tests {
         );
     }
 
-    /// The L1 data cache's ways read from `cpuid` agree with the kernel's (sysfs), where
-    /// the kernel says.
+    /// The L1 data cache's ways and size read from `cpuid` agree with the kernel's
+    /// (sysfs), where the kernel says.
     #[test]
     #[cfg(all(target_os = "linux", target_arch = "x86_64"))]
-    fn l1d_ways_are_read_from_cpuid() {
+    fn l1d_is_read_from_cpuid() {
         let dir = std::path::Path::new("/sys/devices/system/cpu/cpu0/cache");
         let read = |p: std::path::PathBuf| std::fs::read_to_string(p).ok();
         let Ok(entries) = std::fs::read_dir(dir) else {
@@ -293,8 +299,12 @@ mod tests {
                 let ways: u32 = read(p.join("ways_of_associativity"))
                     .and_then(|w| w.trim().parse().ok())
                     .expect("ways_of_associativity");
-                assert_eq!(super::l1d_ways(), Some(ways));
-                assert_eq!(super::l1_is_wide(), ways >= 12);
+                // "48K"
+                let kib: u32 = read(p.join("size"))
+                    .and_then(|w| w.trim().strip_suffix('K')?.parse().ok())
+                    .expect("size in KiB");
+                assert_eq!(super::l1d(), Some((ways, kib << 10)));
+                assert_eq!(super::l1_is_wide(), ways >= 12 && kib >= 48);
                 return;
             }
         }

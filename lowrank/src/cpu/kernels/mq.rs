@@ -18,6 +18,14 @@ use std::ops::Range;
 /// (32 KiB on AMD Zen 4, 48 KiB on Intel and Zen 5) beside one stream of rows: 4096
 /// columns at `r = 1`, 2048 at `r = 2`.
 const MQ_WHOLE_ROW_BYTES: usize = 16 * 1024;
+/// [`MQ_WHOLE_ROW_BYTES`] where L1 has 48 KiB and 12 ways ([`l1_is_wide`]): `Q` of
+/// 8 columns by 1024 stays in L1 beside the rows. Intel Xeon (Emerald Rapids class),
+/// r = 8, 1024 columns, three alternated runs: cold (16384 x 1024) `mq` 0.67-0.74 →
+/// 0.75-0.87 of the read bandwidth with AVX-512, 0.60-0.62 → 0.64-0.66 with AVX2,
+/// `add_mq` 0.77-0.88 → 0.81-0.86; with `M` in L2 `mq` 0.45-0.52 → 0.49-0.53 of the
+/// in-core limit (AVX-512), 0.60-0.64 → 0.64-0.68 (AVX2); r = 4 at 2048 columns the
+/// same within noise.
+const MQ_WHOLE_ROW_BYTES_WIDE: usize = 32 * 1024;
 /// Bytes of `Q` per column chunk past that: the chunk's `r` columns stay in L1 while a
 /// block of rows passes over them. Cold, n = m = 4096, r = 8, Zen 4, AVX-512: 12 KiB
 /// chunks read 0.42-0.47 of the read bandwidth, 16 KiB 0.37-0.41.
@@ -963,7 +971,12 @@ unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(a: &Mat, rows: 
     // Whole vectors per chunk: a multiple of 8 vectors (of every U), so that every chunk
     // boundary keeps vector v in accumulator v mod U.
     let step = 8 * lanes;
-    let chunk = if a.r * a.cols * 4 <= MQ_WHOLE_ROW_BYTES {
+    let whole_max = if l1_is_wide() {
+        MQ_WHOLE_ROW_BYTES_WIDE
+    } else {
+        MQ_WHOLE_ROW_BYTES
+    };
+    let chunk = if a.r * a.cols * 4 <= whole_max {
         vec_end_p.max(step)
     } else {
         (MQ_CHUNK_BYTES / 4 / a.r / step * step).max(step)
