@@ -119,16 +119,41 @@ enum Ahead {
     Sweep(usize, usize),
 }
 
-/// Runs the local macro `$go!(KT, U)` for a column tile `kt` wide, with the accumulators
-/// a column [`tile`] gives it: the one table of constant tile shapes, shared by the spans
-/// and the finish (they walk the accumulators in the same order).
-macro_rules! with_tile {
-    ($kt:expr, $go:ident) => {
-        match $kt {
-            8 => $go!(8, 1),
-            4 => $go!(4, 1),
-            2 => $go!(2, 2),
-            _ => $go!(1, 2),
+/// Walks the column tiles of a group of `$rb` rows on `$lanes` lanes through rank `$r`
+/// (`$fuse`: the call's `FUSE`): for each, with `$k0` (the caller's, from 0; declared
+/// before its local macro, which reads it) its first column, runs the caller's
+/// local macro `$tile!(KT, U, FUSE_TILE)` with the tile's constant width, the
+/// accumulators a column [`tile`] gives it (the one table of tile shapes, so the spans,
+/// the finish and the whole rows walk the accumulators in the same order) and whether
+/// it fuses `M += E` (only the first tile does; the later ones read the updated rows
+/// from L1). Only the tiles that occur are compiled ([`tile_occurs`]).
+macro_rules! each_tile {
+    ($lanes:expr, $rb:expr, $fuse:expr, $r:expr, $k0:ident, $tile:ident) => {
+        while $k0 < $r {
+            let kt = tile_width($lanes, $r - $k0);
+            let fuse_tile = $fuse && $k0 == 0;
+            match kt {
+                8 => each_tile!(@fuse 8, 1, fuse_tile, $lanes, $rb, $fuse, $tile),
+                4 => each_tile!(@fuse 4, 1, fuse_tile, $lanes, $rb, $fuse, $tile),
+                2 => each_tile!(@fuse 2, 2, fuse_tile, $lanes, $rb, $fuse, $tile),
+                _ => each_tile!(@fuse 1, 2, fuse_tile, $lanes, $rb, $fuse, $tile),
+            }
+            $k0 += kt;
+        }
+    };
+    (@fuse $kt:literal, $u:literal, $f:ident, $lanes:expr, $rb:expr, $fuse:expr, $tile:ident) => {{
+        debug_assert_eq!(tile($lanes, $kt).1, $u);
+        if $f {
+            each_tile!(@one $kt, $u, true, $lanes, $rb, $fuse, $tile)
+        } else {
+            each_tile!(@one $kt, $u, false, $lanes, $rb, $fuse, $tile)
+        }
+    }};
+    (@one $kt:literal, $u:literal, $f:literal, $lanes:expr, $rb:expr, $fuse:expr, $tile:ident) => {
+        if const { tile_occurs($lanes, $rb, $kt, $fuse, $f) } {
+            $tile!($kt, $u, $f)
+        } else {
+            unreachable!("mq: no {}-row tile {} wide (fused {})", $rb, $kt, $f)
         }
     };
 }
@@ -217,6 +242,29 @@ struct TileRows {
     pf: *const f32,
     pf_stride: usize,
     pf_e: isize,
+}
+
+impl TileRows {
+    /// Rows `i0..` of `a` (and of `E` with `fuse`), for a span from column `start`, `len`
+    /// long, whose image to prefetch starts at element `base` of `M` (row `ii`'s
+    /// prefetch for column `jj` of the span goes to `pf + ii * len + jj`). Formed with
+    /// `wrapping_*`: a shifted row starts before its row, and prefetches may lie past the
+    /// buffers.
+    #[inline(always)]
+    fn new(a: &Mat, i0: usize, fuse: bool, base: usize, start: usize, len: usize) -> TileRows {
+        TileRows {
+            m: a.m.wrapping_add(i0 * a.cols),
+            e: if fuse {
+                a.e.wrapping_add(i0 * a.cols).cast_const()
+            } else {
+                std::ptr::null()
+            },
+            stride: a.cols,
+            pf: a.m.cast_const().wrapping_add(base).wrapping_sub(start),
+            pf_stride: len,
+            pf_e: (a.e as isize).wrapping_sub(a.m as isize) / 4,
+        }
+    }
 }
 
 /// One vector of every row of a tile, at column `jj`, into accumulator `u` (see
@@ -382,19 +430,7 @@ unsafe fn mq_span<S: Simd, const RB: usize, const KT: usize, const U: usize, con
     // `wrapping_*` (a shifted row starts before its row, prefetches may lie past the
     // buffers) and a prefetch never faults.
     unsafe {
-        let t = TileRows {
-            m: a.m.wrapping_add(i0 * a.cols),
-            e: if FUSE {
-                a.e.wrapping_add(i0 * a.cols).cast_const()
-            } else {
-                std::ptr::null()
-            },
-            stride: a.cols,
-            // Row ii's prefetch for column jj of the span goes to `pf + ii * span_len + jj`.
-            pf: a.m.cast_const().wrapping_add(base).wrapping_sub(span.start),
-            pf_stride: span_len,
-            pf_e: (a.e as isize).wrapping_sub(a.m as isize) / 4,
-        };
+        let t = TileRows::new(a, i0, FUSE, base, span.start, span_len);
         let group = U * lanes;
         // The first group of a row with edges goes one vector at a time.
         let mut j = span.start;
@@ -628,19 +664,22 @@ unsafe fn mq_finish_regs<
 /// r = 1 / 2 / 4 0.56-0.65 / 0.46-0.56 / 0.42-0.67 -> 0.69-0.80 / 0.58-0.71 / 0.49-0.81
 /// of the in-core limit (median ratio of pairs 1.22-1.31 on AVX-512, 1.17-1.37 on AVX2),
 /// `mq+e` 1.04-1.22; from memory unchanged (memory-bound).
-#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn mq_whole<S: Simd, const RB: usize, const KT: usize, const U: usize, const FUSE: bool>(
-    a: &Mat,
-    ap: &Mat,
-    i0: usize,
-    k0: usize,
-    vec_end_p: usize,
-    vec_end: usize,
-    q: *const f32,
-    ahead: Ahead,
-    edges: Edges,
+    w: Whole<'_, S, RB, KT, U, FUSE>,
 ) {
+    let Whole {
+        a,
+        ap,
+        i0,
+        k0,
+        vec_end_p,
+        vec_end,
+        q,
+        ahead,
+        edges,
+        isa: _,
+    } = w;
     let lanes = S::LANES;
     let (sweep, base) = match ahead {
         Ahead::No => (false, 0),
@@ -649,18 +688,7 @@ unsafe fn mq_whole<S: Simd, const RB: usize, const KT: usize, const U: usize, co
     // SAFETY: as in `mq_span` for the span 0..vec_end_p of the shifted rows (the caller's
     // guarantees for the group), then as in `mq_finish_regs`.
     unsafe {
-        let t = TileRows {
-            m: ap.m.wrapping_add(i0 * ap.cols),
-            e: if FUSE {
-                ap.e.wrapping_add(i0 * ap.cols).cast_const()
-            } else {
-                std::ptr::null()
-            },
-            stride: ap.cols,
-            pf: ap.m.cast_const().wrapping_add(base),
-            pf_stride: vec_end_p,
-            pf_e: (ap.e as isize).wrapping_sub(ap.m as isize) / 4,
-        };
+        let t = TileRows::new(ap, i0, FUSE, base, 0, vec_end_p);
         let mut regs = [[[S::zero(); U]; KT]; RB];
         let qstep = ap.r * lanes;
         let group = U * lanes;
@@ -710,50 +738,19 @@ unsafe fn mq_group<S: Simd, const RB: usize, const FUSE: bool>(
     ahead: Ahead,
     edges: Edges,
 ) {
-    let mut k0 = 0;
-    let mut slot = acc;
+    let (mut k0, mut slot) = (0, acc);
     // SAFETY: forwarded caller guarantees; each tile's accumulators follow the previous
     // tile's inside `acc` (`group_vectors`).
     unsafe {
-        while k0 < a.r {
-            let kt = tile_width(S::LANES, a.r - k0);
-            let fuse = FUSE && k0 == 0;
-            let ahead = if k0 == 0 { ahead } else { Ahead::No };
-            // One span of tile ($kt, $u), fusing or not; only the tiles that occur are
-            // compiled ([`tile_occurs`]).
-            macro_rules! span {
-                ($kt:literal, $u:literal, $fuse:literal) => {
-                    if const { tile_occurs(S::LANES, RB, $kt, FUSE, $fuse) } {
-                        mq_span::<S, RB, $kt, $u, $fuse>(
-                            a,
-                            i0,
-                            k0,
-                            span.clone(),
-                            slot,
-                            q,
-                            ahead,
-                            edges,
-                        )
-                    } else {
-                        unreachable!("mq: no {}-row tile {} wide (fused {})", RB, $kt, $fuse)
-                    }
-                };
-            }
-            macro_rules! go {
-                ($kt:literal, $u:literal) => {{
-                    debug_assert_eq!(tile(S::LANES, $kt).1, $u);
-                    if fuse {
-                        span!($kt, $u, true)
-                    } else {
-                        span!($kt, $u, false)
-                    }
-                    slot = slot.add(RB * $kt * $u);
-                }};
-            }
-            // The accumulators a column, as `tile` gives them.
-            with_tile!(kt, go);
-            k0 += kt;
+        // One span of tile ($kt, $u), fusing or not; only the first tile prefetches.
+        macro_rules! span {
+            ($kt:literal, $u:literal, $fuse:literal) => {{
+                let ahead = if k0 == 0 { ahead } else { Ahead::No };
+                mq_span::<S, RB, $kt, $u, $fuse>(a, i0, k0, span.clone(), slot, q, ahead, edges);
+                slot = slot.add(RB * $kt * $u);
+            }};
         }
+        each_tile!(S::LANES, RB, FUSE, a.r, k0, span);
     }
 }
 
@@ -765,37 +762,17 @@ unsafe fn mq_group_finish<S: Simd, const RB: usize, const FUSE: bool>(
     vec_end: usize,
     acc: *mut S::V,
 ) {
-    let mut k0 = 0;
-    let mut slot = acc;
+    let (mut k0, mut slot) = (0, acc);
     // SAFETY: as in `mq_group`.
     unsafe {
-        while k0 < a.r {
-            let kt = tile_width(S::LANES, a.r - k0);
-            // Only the first tile fuses the ragged columns' error add, as in the spans.
-            let fuse = FUSE && k0 == 0;
-            macro_rules! finish {
-                ($kt:literal, $u:literal, $fuse:literal) => {
-                    if const { tile_occurs(S::LANES, RB, $kt, FUSE, $fuse) } {
-                        mq_finish::<S, RB, $kt, $u, $fuse>(a, i0, k0, vec_end, slot)
-                    } else {
-                        unreachable!("mq: no {}-row tile {} wide (fused {})", RB, $kt, $fuse)
-                    }
-                };
-            }
-            macro_rules! go {
-                ($kt:literal, $u:literal) => {{
-                    debug_assert_eq!(tile(S::LANES, $kt).1, $u);
-                    if fuse {
-                        finish!($kt, $u, true)
-                    } else {
-                        finish!($kt, $u, false)
-                    }
-                    slot = slot.add(RB * $kt * $u);
-                }};
-            }
-            with_tile!(kt, go);
-            k0 += kt;
+        // Only the first tile fuses the ragged columns' error add, as in the spans.
+        macro_rules! finish {
+            ($kt:literal, $u:literal, $fuse:literal) => {{
+                mq_finish::<S, RB, $kt, $u, $fuse>(a, i0, k0, vec_end, slot);
+                slot = slot.add(RB * $kt * $u);
+            }};
         }
+        each_tile!(S::LANES, RB, FUSE, a.r, k0, finish);
     }
 }
 
@@ -834,7 +811,10 @@ unsafe fn mq_each<S: Simd, const RB: usize, const KT: usize, const U: usize, con
     }
 }
 
-/// The arguments of [`mq_whole`], to run it in a function of its own.
+/// The arguments of [`mq_whole`] (see there), to run it in a function of its own: rows
+/// `i0..` of `a` (and of `ap`, `M` shifted back with `edges`), the tile from column `k0`
+/// of `P`, the whole vectors `0..vec_end_p` of the shifted rows (`0..vec_end` of the
+/// rows), `Q` packed at `q`, the sweep `ahead`.
 struct Whole<'a, S, const RB: usize, const KT: usize, const U: usize, const FUSE: bool> {
     a: &'a Mat,
     ap: &'a Mat,
@@ -855,19 +835,7 @@ impl<S: Simd, const RB: usize, const KT: usize, const U: usize, const FUSE: bool
     #[inline(always)]
     unsafe fn run(self) {
         // SAFETY: the guarantees of `mq_whole`, which the creator of the work gives.
-        unsafe {
-            mq_whole::<S, RB, KT, U, FUSE>(
-                self.a,
-                self.ap,
-                self.i0,
-                self.k0,
-                self.vec_end_p,
-                self.vec_end,
-                self.q,
-                self.ahead,
-                self.edges,
-            )
-        }
+        unsafe { mq_whole(self) }
     }
 }
 
@@ -889,43 +857,23 @@ unsafe fn mq_group_whole<S: Simd, const RB: usize, const FUSE: bool>(
     let mut k0 = 0;
     // SAFETY: forwarded caller guarantees.
     unsafe {
-        while k0 < a.r {
-            let kt = tile_width(S::LANES, a.r - k0);
-            let fuse = FUSE && k0 == 0;
-            let ahead = if k0 == 0 { ahead } else { Ahead::No };
-            macro_rules! whole {
-                ($kt:literal, $u:literal, $fuse:literal) => {
-                    if const { tile_occurs(S::LANES, RB, $kt, FUSE, $fuse) } {
-                        S::outlined(Whole::<S, RB, $kt, $u, $fuse> {
-                            a,
-                            ap,
-                            i0,
-                            k0,
-                            vec_end_p,
-                            vec_end,
-                            q,
-                            ahead,
-                            edges,
-                            isa: PhantomData,
-                        })
-                    } else {
-                        unreachable!("mq: no {}-row tile {} wide (fused {})", RB, $kt, $fuse)
-                    }
-                };
-            }
-            macro_rules! go {
-                ($kt:literal, $u:literal) => {{
-                    debug_assert_eq!(tile(S::LANES, $kt).1, $u);
-                    if fuse {
-                        whole!($kt, $u, true)
-                    } else {
-                        whole!($kt, $u, false)
-                    }
-                }};
-            }
-            with_tile!(kt, go);
-            k0 += kt;
+        macro_rules! whole {
+            ($kt:literal, $u:literal, $fuse:literal) => {
+                S::outlined(Whole::<S, RB, $kt, $u, $fuse> {
+                    a,
+                    ap,
+                    i0,
+                    k0,
+                    vec_end_p,
+                    vec_end,
+                    q,
+                    ahead: if k0 == 0 { ahead } else { Ahead::No },
+                    edges,
+                    isa: PhantomData,
+                })
+            };
         }
+        each_tile!(S::LANES, RB, FUSE, a.r, k0, whole);
     }
 }
 
