@@ -50,9 +50,13 @@ const SWEEP_MIN_BYTES: usize = 1 << 20;
 /// With `M` in L2 (128 x 1024, r = 1, one thread, alternated runs), on AMD Zen 4
 /// (AVX-512) the prefetch took the kernel from 0.74-0.75 to 0.81-0.82 of its in-core
 /// limit; on an Intel Xeon (Emerald Rapids class, AVX-512) it cost it a sixth: 0.74-0.76
-/// without against 0.62-0.63 (a plain strip loop: 105 GB/s without, 87 with). Read once
-/// (`cpuid`'s vendor string).
+/// without against 0.62-0.63 (a plain strip loop: 105 GB/s without, 87 with).
 fn strips_prefetch_next_row() -> bool {
+    cpu_is_amd()
+}
+
+/// Whether the processor is AMD's ("AuthenticAMD"), read once from `cpuid` leaf 0.
+fn cpu_is_amd() -> bool {
     static AMD: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *AMD.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
@@ -90,7 +94,7 @@ fn l1d() -> Option<(u32, u32)> {
         // SAFETY: `cpuid` exists on every x86-64 processor; a leaf above the maximum the
         // processor reports (checked first) is not asked for.
         unsafe {
-            let leaf = if strips_prefetch_next_row() {
+            let leaf = if cpu_is_amd() {
                 if __cpuid(0x8000_0000).eax < 0x8000_001D {
                     return None;
                 }
@@ -271,11 +275,7 @@ mod tests {
             .and_then(|l| l.split(':').nth(1))
             .map(str::trim)
             .expect("a vendor_id line");
-        assert_eq!(
-            super::strips_prefetch_next_row(),
-            vendor == "AuthenticAMD",
-            "{vendor}"
-        );
+        assert_eq!(super::cpu_is_amd(), vendor == "AuthenticAMD", "{vendor}");
     }
 
     /// The L1 data cache's ways and size read from `cpuid` agree with the kernel's

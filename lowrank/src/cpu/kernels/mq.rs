@@ -158,6 +158,9 @@ macro_rules! each_tile {
     };
 }
 
+mod whole;
+use whole::mq_group_whole;
+
 /// Whether `mq_rows::<_, FUSE>` on `lanes` lanes ever runs a group of `rb` rows over a
 /// column tile `kt` wide (with `fuse_span`, as the tile that fuses `M += E`, the first):
 /// the groups and tiles that cannot meet are not compiled. (Every combination was, and
@@ -650,80 +653,6 @@ unsafe fn mq_finish_regs<
     }
 }
 
-/// One tile over whole rows (a call whose rows are not chunked): [`mq_span`] over every
-/// vector of the rows of `ap` (`M` shifted back with `edges`, as in [`mq_rows_rb`]) and
-/// [`mq_finish_regs`] (on `a`, the rows as they are) in one, with the accumulators in
-/// registers from the first vector to the reduction. The same operations on each
-/// accumulator in the same order as the span and the finish, so the same bits; what it
-/// saves is a group's round trip through memory, its calls and its spilled row pointers.
-/// With `M` in L2 (Intel Xeon, Emerald Rapids class, r = 1, one thread) the span and
-/// finish path read 0.60 / 0.71 / 0.83 of the speed of a plain loop of the same tile
-/// (accumulators in registers) at 512 / 1024 / 4096 columns: a fixed cost a group, of
-/// about 100-200 cycles (`rdtsc` around the parts) against a loop of a few hundred.
-/// `bench lowrank --roofline`, M in L2 16 bytes past a line, 8 alternated runs: `mq`
-/// r = 1 / 2 / 4 0.56-0.65 / 0.46-0.56 / 0.42-0.67 -> 0.69-0.80 / 0.58-0.71 / 0.49-0.81
-/// of the in-core limit (median ratio of pairs 1.22-1.31 on AVX-512, 1.17-1.37 on AVX2),
-/// `mq+e` 1.04-1.22; from memory unchanged (memory-bound).
-#[inline(always)]
-unsafe fn mq_whole<S: Simd, const RB: usize, const KT: usize, const U: usize, const FUSE: bool>(
-    w: Whole<'_, S, RB, KT, U, FUSE>,
-) {
-    let Whole {
-        a,
-        ap,
-        i0,
-        k0,
-        vec_end_p,
-        vec_end,
-        q,
-        ahead,
-        edges,
-        isa: _,
-    } = w;
-    let lanes = S::LANES;
-    let (sweep, base) = match ahead {
-        Ahead::No => (false, 0),
-        Ahead::Sweep(base, _) => (true, base),
-    };
-    // SAFETY: as in `mq_span` for the span 0..vec_end_p of the shifted rows (the caller's
-    // guarantees for the group), then as in `mq_finish_regs`.
-    unsafe {
-        let t = TileRows::new(ap, i0, FUSE, base, 0, vec_end_p);
-        let mut regs = [[[S::zero(); U]; KT]; RB];
-        let qstep = ap.r * lanes;
-        let group = U * lanes;
-        let mut j = 0;
-        if edges.lead > 0 {
-            j = group.min(vec_end_p);
-            mq_each::<S, RB, KT, U, FUSE>(sweep, &t, &mut regs, 0..j, q, ap.r, k0, edges);
-        }
-        let hot_end = if edges.lead > 0 {
-            vec_end_p.min(edges.last)
-        } else {
-            vec_end_p
-        };
-        let hot_stop = j + hot_end.saturating_sub(j) / group * group;
-        let mut qp = q.add((j / lanes * ap.r + k0) * lanes);
-        while j < hot_stop {
-            for u in 0..U {
-                mq_step::<S, RB, KT, U, FUSE, false>(
-                    sweep,
-                    &t,
-                    &mut regs,
-                    j + u * lanes,
-                    u,
-                    qp.add(u * qstep),
-                    (0, lanes),
-                );
-            }
-            j += group;
-            qp = qp.add(U * qstep);
-        }
-        mq_each::<S, RB, KT, U, FUSE>(sweep, &t, &mut regs, j..vec_end_p, q, ap.r, k0, edges);
-        mq_finish_regs::<S, RB, KT, U, FUSE>(a, i0, k0, vec_end, &regs);
-    }
-}
-
 /// One group of `RB` rows at `i0` through every column tile of `P`, over the vector
 /// columns `span`, with its accumulators at `acc` (per tile, `RB x KT x U` vectors, in
 /// tile order). Only the first tile fuses the error add; the later ones read the updated
@@ -773,107 +702,6 @@ unsafe fn mq_group_finish<S: Simd, const RB: usize, const FUSE: bool>(
             }};
         }
         each_tile!(S::LANES, RB, FUSE, a.r, k0, finish);
-    }
-}
-
-/// Vectors `range` of [`mq_whole`]'s rows one at a time (`range` starts at a multiple of
-/// `U` vectors), each only in its lanes inside the row ([`Edges`]), on the accumulators
-/// in registers: the first group of a row with edges, and what the whole groups leave.
-/// (A function, not a closure: see [`load_edge`].)
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-unsafe fn mq_each<S: Simd, const RB: usize, const KT: usize, const U: usize, const FUSE: bool>(
-    sweep: bool,
-    t: &TileRows,
-    regs: &mut [[[S::V; U]; KT]; RB],
-    range: Range<usize>,
-    q: *const f32,
-    r: usize,
-    k0: usize,
-    edges: Edges,
-) {
-    let lanes = S::LANES;
-    let mut j = range.start;
-    // SAFETY: as in `mq_whole`, whose guarantees the caller forwards.
-    unsafe {
-        while j < range.end {
-            // `u` a constant in each unrolled step: the accumulators stay in registers.
-            for u in 0..U {
-                let jj = j + u * lanes;
-                if jj < range.end {
-                    let valid = edges.at(jj, lanes).unwrap_or((0, lanes));
-                    let qv = q.add((jj / lanes * r + k0) * lanes);
-                    mq_step::<S, RB, KT, U, FUSE, true>(sweep, t, regs, jj, u, qv, valid);
-                }
-            }
-            j += U * lanes;
-        }
-    }
-}
-
-/// The arguments of [`mq_whole`] (see there), to run it in a function of its own: rows
-/// `i0..` of `a` (and of `ap`, `M` shifted back with `edges`), the tile from column `k0`
-/// of `P`, the whole vectors `0..vec_end_p` of the shifted rows (`0..vec_end` of the
-/// rows), `Q` packed at `q`, the sweep `ahead`.
-struct Whole<'a, S, const RB: usize, const KT: usize, const U: usize, const FUSE: bool> {
-    a: &'a Mat,
-    ap: &'a Mat,
-    i0: usize,
-    k0: usize,
-    vec_end_p: usize,
-    vec_end: usize,
-    q: *const f32,
-    ahead: Ahead,
-    edges: Edges,
-    isa: PhantomData<S>,
-}
-
-impl<S: Simd, const RB: usize, const KT: usize, const U: usize, const FUSE: bool> Outlined
-    for Whole<'_, S, RB, KT, U, FUSE>
-{
-    type Output = ();
-    #[inline(always)]
-    unsafe fn run(self) {
-        // SAFETY: the guarantees of `mq_whole`, which the creator of the work gives.
-        unsafe { mq_whole(self) }
-    }
-}
-
-/// [`mq_group`] and [`mq_group_finish`] in one for whole rows: [`mq_whole`] for every
-/// column tile of the group, each in a function of its own ([`Simd::outlined`]: inlined
-/// into the driver, the loop's row pointers were spilled and reloaded from the stack).
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-unsafe fn mq_group_whole<S: Simd, const RB: usize, const FUSE: bool>(
-    a: &Mat,
-    ap: &Mat,
-    i0: usize,
-    vec_end_p: usize,
-    vec_end: usize,
-    q: *const f32,
-    ahead: Ahead,
-    edges: Edges,
-) {
-    let mut k0 = 0;
-    // SAFETY: forwarded caller guarantees.
-    unsafe {
-        macro_rules! whole {
-            ($kt:literal, $u:literal, $fuse:literal) => {
-                S::outlined(Whole::<S, RB, $kt, $u, $fuse> {
-                    a,
-                    ap,
-                    i0,
-                    k0,
-                    vec_end_p,
-                    vec_end,
-                    q,
-                    ahead: if k0 == 0 { ahead } else { Ahead::No },
-                    edges,
-                    isa: PhantomData,
-                })
-            };
-        }
-        each_tile!(S::LANES, RB, FUSE, a.r, k0, whole);
     }
 }
 
