@@ -40,6 +40,53 @@ const OPTIONAL: &[Optional] = &[Optional {
     then: Some(mpi_suite),
 }];
 
+/// The packages and features that every feature-gated test and example of `xtask test`
+/// is built with: each crate compiles once, with the union of the suites' features
+/// (CUDA, candle, burn, pipeline × data parallel, stages on a group's ranks), where a
+/// `cargo test -p CRATE --features F` a suite rebuilt the crates under it each time.
+/// (`cargo clippy --all-features` compiles the same union.) The arguments go after the
+/// subcommand ([`featured`]).
+const FEATURED_ARGS: &[&str] = &[
+    "-p",
+    "lowrank",
+    "-p",
+    "collectives",
+    "-p",
+    "ddp-hooks",
+    "-p",
+    "pipe",
+    "--features",
+    "lowrank/cuda,collectives/cuda,ddp-hooks/cuda,ddp-hooks/candle,ddp-hooks/burn,\
+     ddp-hooks/pipe,pipe/cuda,pipe/candle,pipe/burn,pipe/collectives",
+];
+
+/// The feature-gated integration tests (each name in the packages that have it).
+const FEATURED_TESTS: &[&str] = &[
+    "cuda",
+    "nccl",
+    "threads_cuda",
+    "cuda_pipe",
+    "candle",
+    "pipeline",
+    "pipeline_mesh",
+    "burn",
+    "group_transport",
+];
+
+/// The feature-gated examples that `xtask test` runs (each checks itself and exits
+/// non-zero on a mismatch).
+const FEATURED_EXAMPLES: &[&str] = &[
+    "cuda_two_streams",
+    "burn_ddp",
+    "burn_pipe",
+    "stages_on_ranks",
+];
+
+/// `cargo SUBCOMMAND` with [`FEATURED_ARGS`], then `rest`.
+fn featured(subcommand: &str, rest: &[&str]) -> Command {
+    cargo(&[&[subcommand], FEATURED_ARGS, rest].concat())
+}
+
 /// Compiles the MPI backend's doc example, builds `collectives/tests/mpi.rs` (one process
 /// per rank, `harness = false`) and runs it under `mpirun` on two processes, then on four
 /// (oversubscribed: its bit-for-bit checks against the thread backend's order need three
@@ -116,124 +163,42 @@ pub fn run(args: &[String]) -> Result<(), Failure> {
     run_status(cargo(&["test", "--workspace"]))?;
     // The reason of each GPU test that printed `skipped:` in the CUDA runs below.
     let mut gpu_skips = Vec::new();
-    // The CUDA backend's tests, compiled with the `cuda` feature. Without a GPU they
-    // prove that a missing driver is a clean error, and print `skipped: no CUDA driver`.
-    gpu_skips.extend(run_counting_skips(cargo(&[
+    // Every feature-gated suite below is built with one feature set ([`FEATURED`]), so
+    // each crate compiles once for all of them (one build per suite's own features cost
+    // a clean 2-core machine about two minutes each for the CUDA ones alone).
+    //
+    // The CUDA backends' tests: without a GPU they prove that a missing driver is a
+    // clean error, and print `skipped: no CUDA driver`. First `lowrank`'s (its unit tests
+    // and `primitives`, filtered to the CUDA ones, with `pipe::cuda`'s unit tests, which
+    // NVRTC compiles the kernels in where libnvrtc is found, and the other crates' CUDA
+    // unit tests).
+    gpu_skips.extend(run_counting_skips(featured(
         "test",
-        "-p",
-        "lowrank",
-        "--features",
-        "cuda",
-        "--test",
-        "primitives",
-        "--lib",
-        "--",
-        "cuda",
-        "--nocapture",
-    ]))?);
-    // The same for PowerSGD on CUDA buckets and for the NCCL backend.
-    gpu_skips.extend(run_counting_skips(cargo(&[
-        "test",
-        "-p",
-        "ddp-hooks",
-        "--features",
-        "cuda",
-        "--test",
-        "cuda",
-        "--",
-        "--nocapture",
-    ]))?);
-    gpu_skips.extend(run_counting_skips(cargo(&[
-        "test",
-        "-p",
-        "collectives",
-        "--features",
-        "cuda",
-        "--test",
-        "nccl",
-        "--test",
-        "threads_cuda",
-        "--",
-        "--nocapture",
-    ]))?);
-    // Partitions on a GPU (`pipe::cuda`): its unit tests (NVRTC compiles the kernels
-    // where libnvrtc is found) and the device suite.
-    gpu_skips.extend(run_counting_skips(cargo(&[
-        "test",
-        "-p",
-        "pipe",
-        "--features",
-        "cuda",
-        "--lib",
-        "--test",
-        "cuda_pipe",
-        "--",
-        "--nocapture",
-    ]))?);
-    gpu_skips.extend(run_counting_skips(Command::new(pipe_example(
-        "cuda_two_streams",
-        "cuda",
-    )?))?);
-    // The embedding features: the candle adapters (ddp-hooks, pipe) and pipeline × data
-    // parallel (ddp-hooks' `pipe` feature).
-    run_status(cargo(&[
-        "test",
-        "-p",
-        "ddp-hooks",
-        "--features",
-        "candle,pipe",
-        "--test",
-        "candle",
-        "--test",
-        "pipeline",
-    ]))?;
-    run_status(cargo(&[
-        "test",
-        "-p",
-        "pipe",
-        "--features",
-        "candle",
-        "--test",
-        "candle",
-    ]))?;
-    // burn, the second framework: `BurnDdp` and `BurnLayer`'s tests, then both examples
-    // (their own checks against burn alone; test builds, so they cost seconds).
-    for (package, example) in [("ddp-hooks", "burn_ddp"), ("pipe", "burn_pipe")] {
-        run_status(cargo(&[
-            "test",
-            "-p",
-            package,
-            "--features",
-            "burn",
-            "--test",
-            "burn",
-        ]))?;
-        run_status(cargo(&[
-            "run",
-            "-p",
-            package,
-            "--features",
-            "burn",
-            "--example",
-            example,
-        ]))?;
+        &["--lib", "--test", "primitives", "--", "cuda", "--nocapture"],
+    ))?);
+    // Then PowerSGD on CUDA buckets, the NCCL backend, partitions on a GPU; the embedding
+    // features: the candle adapters (ddp-hooks, pipe), pipeline × data parallel
+    // (ddp-hooks' `pipe` feature, both partitions on every rank and stages on ranks),
+    // burn's `BurnDdp` and `BurnLayer`; and stages on the ranks of a `collectives` group
+    // (the transport's tests; the `ranks` tests need no feature and ran above).
+    let mut suites = vec![];
+    for test in FEATURED_TESTS {
+        suites.extend(["--test", test]);
     }
-    // Stages on the ranks of a `collectives` group: the transport's tests (the `ranks`
-    // tests need no feature and ran above), then two stages on two thread ranks, bit for
-    // bit against the same pipe in one process.
-    run_status(cargo(&[
-        "test",
-        "-p",
-        "pipe",
-        "--features",
-        "collectives",
-        "--test",
-        "group_transport",
-    ]))?;
-    run_status(Command::new(pipe_example(
-        "stages_on_ranks",
-        "collectives",
-    )?))?;
+    suites.extend(["--", "--nocapture"]);
+    gpu_skips.extend(run_counting_skips(featured("test", &suites))?);
+    // The examples, from the same build: two CUDA streams (skips without a GPU), burn's
+    // two (their own checks against burn alone), and two pipe stages on two thread ranks,
+    // bit for bit against the same pipe in one process.
+    for example in FEATURED_EXAMPLES {
+        let exe = crate::built_target(
+            &[&["build"], FEATURED_ARGS, &["--example", example]].concat(),
+            example,
+        )?;
+        let mut cmd = Command::new(exe);
+        cmd.current_dir(crate::workspace_root());
+        gpu_skips.extend(run_counting_skips(cmd)?);
+    }
     // Processes over TCP: the training example under `launch` (bit for bit against thread
     // ranks), then under real `torchrun` where PyTorch is importable, with an elastic
     // restart after a worker is killed.
