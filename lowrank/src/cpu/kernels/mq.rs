@@ -28,7 +28,9 @@ const MQ_WHOLE_ROW_BYTES: usize = 16 * 1024;
 const MQ_WHOLE_ROW_BYTES_WIDE: usize = 32 * 1024;
 /// Bytes of `Q` per column chunk past that: the chunk's `r` columns stay in L1 while a
 /// block of rows passes over them. Cold, n = m = 4096, r = 8, Zen 4, AVX-512: 12 KiB
-/// chunks read 0.42-0.47 of the read bandwidth, 16 KiB 0.37-0.41.
+/// chunks read 0.42-0.47 of the read bandwidth, 16 KiB 0.37-0.41. On a 48 KiB 12-way L1
+/// (Intel Xeon, Emerald Rapids class, AVX-512, four alternated runs) 24 KiB chunks read
+/// the same (median ratio of pairs 0.99 with one thread, 1.05 with two).
 const MQ_CHUNK_BYTES: usize = 12 * 1024;
 /// Rows per block when the columns are chunked: each chunk serves a block of rows, whose
 /// accumulators wait in L1 between chunks. Cold, n = m = 4096, one thread, AMD Zen 4
@@ -51,6 +53,15 @@ const MQ_AHEAD_MIN_BYTES: usize = 128 * 1024;
 /// the row vectors and the `Q` vectors fit the register file (32 vectors with AVX-512,
 /// 16 otherwise), and `rows x kt x u >= 8` chains hide the FMA latency on cores that
 /// issue two FMAs a cycle.
+///
+/// Tried and left (Intel Xeon, Emerald Rapids class, AVX-512, `M` in L2 16 bytes past a
+/// line, alternated runs): 3 x 8 at r = 8 (11 loads for 24 multiply-adds where 2 x 8 has
+/// 10 for 16). LLVM spilled a row's accumulators in the hot loop until the masked edge
+/// passes ran in functions of their own; then 0.53-0.69 of the in-core limit against
+/// 0.59-0.81 (median ratio of six pairs 0.89), from memory 1.07, and fused 0.47-0.52
+/// against 0.58-0.61 (the call and the accumulators' round trip cost a 1024-float row a
+/// tenth). Nor did a prefetch into L1 eight lines ahead in every row of a tile help
+/// (r = 1 and 2 lost a tenth in L2; r = 4 and 8 the same within noise, in L2 and cold).
 const fn tile(lanes: usize, kt: usize) -> (usize, usize) {
     match (lanes, kt) {
         (16, 8) => (2, 1),

@@ -391,7 +391,12 @@ unsafe fn mtp_stream_block<S: Simd, const RB: usize>(
 /// one at a time), so the two give the same bits. Its vectors start at the range's
 /// start, not at a line boundary: the columns before one, taken one at a time with each
 /// block of rows, cost more than the split lines (M in L2, Zen 4, AVX2, three
-/// alternated runs: r = 2 0.56-0.57 -> 0.38-0.50 of the in-core limit).
+/// alternated runs: r = 2 0.56-0.57 -> 0.38-0.50 of the in-core limit). Nor does the
+/// split line explain what `M` 16 bytes past a line costs it on an Intel Xeon (Emerald
+/// Rapids class, AVX2, in L2 0.40 of the in-core limit at r = 1 against 0.64 on a line):
+/// each row vector built from the two aligned ones it straddles (one aligned load and one
+/// `vperm2f128` a vector, no split line) read 1.06 / 1.04 / 0.91 / 0.81 of this kernel's
+/// rate at r = 1 / 2 / 4 / 8 (median ratio of four alternated pairs).
 #[inline(always)]
 unsafe fn mtp_stream<S: Simd>(a: &Mat, cols: Range<usize>) {
     let lanes = S::LANES;
