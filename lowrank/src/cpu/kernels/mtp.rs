@@ -99,47 +99,55 @@ unsafe fn mtp_strip<S: Simd, const VW: usize, const KT: usize>(
 // Register tiles read best with explicit indices.
 #[allow(clippy::needless_range_loop)]
 #[inline(always)]
-unsafe fn mtp_strip_part<S: Simd, const KT: usize>(
+unsafe fn mtp_strip_part<S: Simd, const KT: usize, const N: usize>(
     a: &Mat,
     rows: Range<usize>,
-    j0: usize,
+    parts: [(usize, Range<usize>); N],
     k0: usize,
-    keep: Range<usize>,
     ahead: usize,
 ) {
     let lanes = S::LANES;
     let cols = a.cols;
-    debug_assert!(j0 <= keep.start && keep.end <= j0 + lanes);
     let mut tile = [0.0f32; 16];
     // SAFETY: the caller guarantees `rows` inside 0..n, columns k0..k0+KT inside 0..r and
-    // the vector's columns j0..j0 + lanes inside 0..cols; the scratch tile holds 16
+    // each vector's columns j0..j0 + lanes inside 0..cols; the scratch tile holds 16
     // floats, `lanes` at most.
     unsafe {
-        let qv = |k: usize| a.q.add((k0 + k) * cols + j0);
-        let mut acc = [S::zero(); KT];
-        if rows.start > 0 {
-            for k in 0..KT {
-                acc[k] = S::load(qv(k));
+        let qv = |k: usize, j0: usize| a.q.add((k0 + k) * cols + j0);
+        let mut acc = [[S::zero(); KT]; N];
+        for (t, (j0, keep)) in parts.iter().enumerate() {
+            debug_assert!(*j0 <= keep.start && keep.end <= j0 + lanes);
+            if rows.start > 0 {
+                for k in 0..KT {
+                    acc[t][k] = S::load(qv(k, *j0));
+                }
             }
         }
         for i in rows {
-            let at = a.m.add(i * cols + j0);
-            if ahead != 0 {
-                // Both lines the vector touches: the strips' prefetches start at the
-                // line boundary.
-                S::prefetch_l2(at.wrapping_add(ahead));
-                S::prefetch_l2(at.wrapping_add(ahead + lanes - 1));
+            let mut x = [S::zero(); N];
+            for t in 0..N {
+                let at = a.m.add(i * cols + parts[t].0);
+                if ahead != 0 {
+                    // Both lines the vector touches: the strips' prefetches start at the
+                    // line boundary.
+                    S::prefetch_l2(at.wrapping_add(ahead));
+                    S::prefetch_l2(at.wrapping_add(ahead + lanes - 1));
+                }
+                x[t] = S::load(at);
             }
-            let x = S::load(at);
             for k in 0..KT {
                 let pk = S::splat(*a.p.add((k0 + k) * a.n + i));
-                acc[k] = S::fma(pk, x, acc[k]);
+                for t in 0..N {
+                    acc[t][k] = S::fma(pk, x[t], acc[t][k]);
+                }
             }
         }
-        for k in 0..KT {
-            S::store(tile.as_mut_ptr(), acc[k]);
-            for c in keep.clone() {
-                *qv(k).add(c - j0) = tile[c - j0];
+        for (t, (j0, keep)) in parts.iter().enumerate() {
+            for k in 0..KT {
+                S::store(tile.as_mut_ptr(), acc[t][k]);
+                for c in keep.clone() {
+                    *qv(k, *j0).add(c - j0) = tile[c - j0];
+                }
             }
         }
     }
@@ -178,13 +186,20 @@ unsafe fn mtp_block<S: Simd, const VW: usize, const KT: usize>(
     // columns of Q as the caller guarantees.
     unsafe {
         let mut last = vec_end;
+        // The part of the lead vector that waits for the tail's (one walk down the rows
+        // for both).
+        let mut lead_part = None;
         if peel {
             // The columns before the first line boundary, then the strips from it, and
             // the vector ending at `vec_end` for what they leave (see [`line_lead`]).
             let mut c = panel.start;
             while c < panel.start + lead {
                 let keep = c..(c + lanes).min(panel.start + lead);
-                mtp_strip_part::<S, KT>(a, rows.clone(), c, k0, keep, ahead);
+                if c + lanes >= panel.start + lead {
+                    lead_part = Some((c, keep));
+                } else {
+                    mtp_strip_part::<S, KT, 1>(a, rows.clone(), [(c, keep)], k0, ahead);
+                }
                 c += lanes;
             }
             j = panel.start + lead;
@@ -215,9 +230,23 @@ unsafe fn mtp_block<S: Simd, const VW: usize, const KT: usize>(
             j += lanes;
         }
         debug_assert_eq!(j, vec_end);
-        if vec_end < panel.start + panel.len() / lanes * lanes {
+        // Each of these parts is one dependent chain of multiply-adds down the rows: the
+        // lead's and the tail's in one walk overlap their latencies. With `M` in L2 16
+        // bytes past a line (Intel Xeon, Emerald Rapids class, AVX-512), one walk each
+        // cost 10-16% at r = 1 and 2 against `M` on a line; one walk for both, median
+        // ratio of pairs in two sets of 3 and 5 alternated runs: r = 1 1.01-1.04, r = 2
+        // 1.02-1.10, r = 8 1.01-1.06 (r = 4 0.92-1.43, noise), from memory the same. (A
+        // part still waits on its chain: r = 1 reads 0.76 of the limit, 0.86 on a line.)
+        let tail = (vec_end < panel.start + panel.len() / lanes * lanes).then(|| {
             let end = panel.start + panel.len() / lanes * lanes;
-            mtp_strip_part::<S, KT>(a, rows.clone(), end - lanes, k0, vec_end..end, ahead);
+            (end - lanes, vec_end..end)
+        });
+        match (lead_part, tail) {
+            (Some(l), Some(t)) => mtp_strip_part::<S, KT, 2>(a, rows.clone(), [l, t], k0, ahead),
+            (Some(p), None) | (None, Some(p)) => {
+                mtp_strip_part::<S, KT, 1>(a, rows.clone(), [p], k0, ahead)
+            }
+            (None, None) => {}
         }
         let vec_end = panel.start + panel.len() / lanes * lanes;
         let j = vec_end;
