@@ -143,6 +143,21 @@ fn line_lead(a: &Mat, c: usize) -> usize {
     }
 }
 
+/// Floats from column `c` of `M`'s rows to the next vector boundary (`LANES * 4` bytes),
+/// when the instruction set wants aligned vectors ([`crate::cpu::simd::Simd::ALIGN`]) and every row lies
+/// alike (`cols` whole vectors); 0 otherwise or on a boundary. `mq` reads its rows in
+/// aligned vectors from the boundary before them (its `Edges`), and the 8-lane streaming
+/// `mtp` its columns (`stream_shift`).
+fn vector_lead<S: crate::cpu::simd::Simd>(a: &Mat, c: usize) -> usize {
+    let bytes = S::LANES * 4;
+    let at = a.m.wrapping_add(c) as usize;
+    if S::ALIGN && a.cols.is_multiple_of(S::LANES) && at.is_multiple_of(4) {
+        (bytes - at % bytes) % bytes / 4
+    } else {
+        0
+    }
+}
+
 /// One matrix of a batch and its factors, as raw pointers checked by the caller.
 ///
 /// `m` is `n x cols` row-major; `e` (optional, may be null) has the same shape; `p` is

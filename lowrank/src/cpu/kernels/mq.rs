@@ -9,7 +9,7 @@
 //! the width of the tile of columns `k` falls in, which depends only on `r`.
 
 use super::pack::{pack_q, pack_q_edges, QPack};
-use super::{l1_is_wide, Mat, SWEEP_MIN_BYTES, SWEEP_STRIDE};
+use super::{l1_is_wide, vector_lead, Mat, SWEEP_MIN_BYTES, SWEEP_STRIDE};
 use crate::cpu::simd::{Outlined, Simd};
 use std::marker::PhantomData;
 use std::ops::Range;
@@ -738,7 +738,7 @@ unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(a: &Mat, rows: 
     // Whole aligned vectors when the rows are not on a vector boundary but all lie alike
     // ([`Edges`]): `ap` is `M` (and `E`) shifted back to the boundary before each row,
     // one vector a row more, the first and the last vectors edges.
-    let lead = vector_lead::<S>(a);
+    let lead = vector_lead::<S>(a, 0);
     let (ap, vec_end_p, edges) = if lead > 0 {
         let back = lanes - lead;
         let shifted = Mat {
@@ -876,19 +876,6 @@ unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(a: &Mat, rows: 
             }
             i0 += groups * rb;
         }
-    }
-}
-
-/// Floats from the start of `M`'s rows to their first vector boundary (`LANES * 4`
-/// bytes), when the instruction set wants aligned vectors ([`Simd::ALIGN`]) and every
-/// row lies alike (`cols` whole vectors); 0 otherwise or on a boundary ([`Edges`]).
-fn vector_lead<S: Simd>(a: &Mat) -> usize {
-    let bytes = S::LANES * 4;
-    let at = a.m as usize;
-    if S::ALIGN && a.cols.is_multiple_of(S::LANES) && at.is_multiple_of(4) {
-        (bytes - at % bytes) % bytes / 4
-    } else {
-        0
     }
 }
 

@@ -7,7 +7,7 @@
 //! the thread count and where `M` lies.
 
 use super::pack::QPack;
-use super::{line_lead, strips_prefetch_next_row, Mat, SWEEP_MIN_BYTES, SWEEP_STRIDE};
+use super::{line_lead, strips_prefetch_next_row, vector_lead, Mat, SWEEP_MIN_BYTES, SWEEP_STRIDE};
 use crate::cpu::simd::Simd;
 use std::ops::Range;
 
@@ -430,12 +430,9 @@ unsafe fn mtp_stream_block<S: Simd, const RB: usize>(
 /// read 86-102 GB/s at offsets of whole vectors and 54-63 GB/s at every other offset.
 /// 0 where they already lie on one (or the rows do not all lie alike).
 fn stream_shift<S: Simd>(a: &Mat, c0: usize) -> usize {
-    let bytes = S::LANES * 4;
-    let at = a.m.wrapping_add(c0) as usize;
-    if S::LANES == 8 && S::ALIGN && a.cols.is_multiple_of(S::LANES) && at.is_multiple_of(4) {
-        at % bytes / 4
-    } else {
-        0
+    match vector_lead::<S>(a, c0) {
+        lead if S::LANES == 8 && lead > 0 => S::LANES - lead,
+        _ => 0,
     }
 }
 
@@ -487,9 +484,9 @@ fn stream_shift<S: Simd>(a: &Mat, c0: usize) -> usize {
 /// 0.67-0.70 / 0.65-0.68 of the in-core limit; over three sets of alternated runs the
 /// median ratio of pairs was 1.39-1.51 / 1.18-1.20 / 0.91-1.11 / 0.90-1.07 (r = 4 and 8
 /// within this VM's noise). Only calls that do not stream from memory shift: from
-/// memory the split lines cost nothing (r = 1-4 the same). (Each row vector built instead from the two aligned
-/// ones it straddles, one `vperm2f128` a vector on the one shuffle port, read 1.06 /
-/// 1.04 / 0.91 / 0.81.)
+/// memory the split lines cost nothing (r = 1-4 the same). (Each row vector built
+/// instead from the two aligned ones it straddles, one `vperm2f128` a vector on the one
+/// shuffle port, read 1.06 / 1.04 / 0.91 / 0.81.)
 #[inline(always)]
 unsafe fn mtp_stream<S: Simd>(a: &Mat, cols: Range<usize>) {
     let lanes = S::LANES;
