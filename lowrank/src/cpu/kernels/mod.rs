@@ -144,8 +144,9 @@ fn line_lead(a: &Mat, c: usize) -> usize {
 }
 
 /// Floats from column `c` of `M`'s rows to the next vector boundary (`LANES * 4` bytes),
-/// when the instruction set wants aligned vectors ([`crate::cpu::simd::Simd::ALIGN`]) and every row lies
-/// alike (`cols` whole vectors); 0 otherwise or on a boundary. `mq` reads its rows in
+/// when the instruction set wants aligned vectors
+/// ([`crate::cpu::simd::Simd::ALIGN`]) and every row lies alike (`cols` whole vectors);
+/// 0 otherwise or on a boundary. `mq` reads its rows in
 /// aligned vectors from the boundary before them (its `Edges`), and the 8-lane streaming
 /// `mtp` its columns (`stream_shift`).
 fn vector_lead<S: crate::cpu::simd::Simd>(a: &Mat, c: usize) -> usize {
