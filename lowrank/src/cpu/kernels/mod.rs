@@ -27,11 +27,6 @@ use mtp::mtp_cols;
 use pqt::pqt_rows;
 use std::ops::Range;
 
-/// How far ahead of the loads (in `f32` elements) the software prefetch runs. Prefetch
-/// addresses are computed with `wrapping_add`: near the end of a buffer they point past
-/// it, and `add` beyond one past the end is undefined behaviour even when never read.
-const PREFETCH: usize = 512;
-
 /// Floats between two software prefetches of a stream swept ahead into L2 (`mq`, `pqt+e`,
 /// `mtp`): one a 64-byte line. Cold, n = m = 4096, AMD Zen 4 (AVX-512), one prefetch a
 /// 128-byte pair of lines read less of the read bandwidth where the kernel is nearest
