@@ -13,7 +13,8 @@
 //!
 //! Arguments: `--quick` (n = 4096 only, 5 pairs), `--json` (one object per line),
 //! `--reps N`, `--isa avx512|avx2|portable` (the kernels of that instruction set, e.g. the
-//! AVX2 kernels on an AVX-512 machine; the reference stays the machine's best read),
+//! AVX2 kernels on an AVX-512 machine; the reference from memory stays the machine's best
+//! read),
 //! `--op mq|mtp` and `--rank 1|2|4|8` (only those rows, to compare two builds quickly).
 //! An unknown flag, a missing value or one that does not parse (`--reps abc`) is an
 //! error, exit status 2. Driven by `cargo xtask bench lowrank`.
@@ -25,8 +26,11 @@
 //!   independent chains in registers), and `fma/line`, the FMAs a 64-byte line of `M`
 //!   needs (`r x 16 / lanes`), so `fma GB/s` is the rate the FMA ports alone allow;
 //! - `L2 strm`: a plain SIMD loop moving the same data with `M` resident in L2 (128 x
-//!   1024, 512 KiB; 64 x 1024 with `E` for the fused passes) on 64-byte aligned buffers
-//!   (the machine's best stream), `limit` the lower of the two bounds (`*` where they are
+//!   1024, 512 KiB; 64 x 1024 with `E` for the fused passes) on 64-byte aligned buffers,
+//!   in the vectors of the kernels' instruction set (the best stream loads of that width
+//!   allow: with AVX2's 32-byte loads the sum read 0.75-0.80 of what AVX-512's 64-byte
+//!   ones read from L2 on an Intel Xeon, Emerald Rapids class), `limit` the lower of the
+//!   two bounds (`*` where they are
 //!   within 20% of each other: the kernel would have to keep the FMA pipes and the L2
 //!   fills both near full at once, so such rows read lower against it), and `L2 GB/s`
 //!   the kernel over buffers that start 16 bytes past a line, where the system allocator
@@ -134,14 +138,29 @@ fn flush(buf: &mut [u64]) {
     black_box(&buf[buf.len() / 2]);
 }
 
+/// The machine's best read: [`sum_at`] in the widest vectors this CPU has.
 fn sum_slice(x: &[f32]) -> f32 {
+    sum_at(x, Isa::Avx512)
+}
+
+/// The widest of AVX-512, AVX2 and portable code that this CPU has, up to `widest`.
+fn stream_isa(widest: Isa) -> Isa {
+    [Isa::Avx512, Isa::Avx2]
+        .into_iter()
+        .find(|&i| i.is_supported() && (i == widest || widest == Isa::Avx512))
+        .unwrap_or(Isa::Portable)
+}
+
+/// A sum over `x` in the vectors of [`stream_isa`]`(widest)`.
+fn sum_at(x: &[f32], widest: Isa) -> f32 {
     #[cfg(target_arch = "x86_64")]
     {
-        if Isa::Avx512.is_supported() {
+        let isa = stream_isa(widest);
+        if isa == Isa::Avx512 {
             // SAFETY: AVX-512F is present (checked above).
             return unsafe { sum_avx512(x) };
         }
-        if Isa::Avx2.is_supported() {
+        if isa == Isa::Avx2 {
             // SAFETY: AVX2 is present (checked above).
             return unsafe { sum_avx2(x) };
         }
@@ -217,17 +236,18 @@ fn stream_prefetch(m: *const f32, e: *const f32, i: usize) {
 }
 
 /// The stream `pqt_error` makes, with nothing computed: `e = m; m = -m` (one read and
-/// two writes an element), in the widest vectors this CPU has. (A sign flip, not a
-/// scale: repeated in cache, halving would reach subnormal numbers, whose arithmetic
-/// takes microcode assists on Intel cores.)
-fn split_stream(m: &mut [f32], e: &mut [f32]) {
+/// two writes an element), in the vectors of [`stream_isa`]`(widest)`. (A sign flip,
+/// not a scale: repeated in cache, halving would reach subnormal numbers, whose
+/// arithmetic takes microcode assists on Intel cores.)
+fn split_stream(m: &mut [f32], e: &mut [f32], widest: Isa) {
     #[cfg(target_arch = "x86_64")]
     {
-        if Isa::Avx512.is_supported() {
+        let isa = stream_isa(widest);
+        if isa == Isa::Avx512 {
             // SAFETY: AVX-512F is present (checked above).
             return unsafe { split_avx512(m, e) };
         }
-        if Isa::Avx2.is_supported() {
+        if isa == Isa::Avx2 {
             // SAFETY: AVX2 is present (checked above).
             return unsafe { split_avx2(m, e) };
         }
@@ -239,15 +259,16 @@ fn split_stream(m: &mut [f32], e: &mut [f32]) {
 }
 
 /// The stream `add_mq` makes, with nothing computed: `m += e` (two reads and a write an
-/// element), in the widest vectors this CPU has.
-fn add_stream(m: &mut [f32], e: &[f32]) {
+/// element), in the vectors of [`stream_isa`]`(widest)`.
+fn add_stream(m: &mut [f32], e: &[f32], widest: Isa) {
     #[cfg(target_arch = "x86_64")]
     {
-        if Isa::Avx512.is_supported() {
+        let isa = stream_isa(widest);
+        if isa == Isa::Avx512 {
             // SAFETY: AVX-512F is present (checked above).
             return unsafe { add_avx512(m, e) };
         }
-        if Isa::Avx2.is_supported() {
+        if isa == Isa::Avx2 {
             // SAFETY: AVX2 is present (checked above).
             return unsafe { add_avx2(m, e) };
         }
@@ -574,10 +595,11 @@ impl Placed {
 /// The in-core limit of a row is the lower of two rates, both measured here:
 /// - the FMA bound: the FMA units' rate (12 independent chains in registers) over the
 ///   FMAs a 64-byte line of `M` needs (`r x 16 / lanes`);
-/// - the L2 stream bound: what a plain SIMD loop moves with the same data in L2: the
-///   read sum over the same `M` for the products (every kernel reads each line of `M`
-///   once; the factors' loads come from L1 and are the kernel's own cost), and
-///   `y += x` (two reads and a write, as the fused passes stream) for the fused ones.
+/// - the L2 stream bound: what a plain SIMD loop in the kernels' vectors moves with the
+///   same data in L2 (each load a load port's issue slot): the read sum over the same
+///   `M` for the products (every kernel reads each line of `M` once; the factors' loads
+///   come from L1 and are the kernel's own cost), and `y += x` and `e = m; m = -m` for
+///   the fused passes (their traffic).
 ///
 /// `M` is 128 x 1024 (512 KiB; with `E` 2 x 256 KiB, 64 x 1024): half of a 1 MiB L2,
 /// so the factors, the accumulators and the other half's prefetches fit beside it.
@@ -645,8 +667,8 @@ fn roofline_row(
     let d = Dims::new(1, rows, cols, r).expect("valid shape");
     let len = rows * cols;
     // The kernel's `M` and `E` where the system allocator puts large buffers (16 bytes
-    // past a 64-byte line), the reference's on a line: the L2 bound is the machine's
-    // best stream, and a kernel that loads split lines pays for it here.
+    // past a 64-byte line), the reference's on a line: the L2 bound is the best stream
+    // of the kernels' vector width, and a kernel that loads split lines pays for it here.
     let mut m_buf = Placed::new(len, KERNEL_PLACEMENT, |i| (i % 251) as f32 * 1e-3);
     let mut e_buf = Placed::new(len, KERNEL_PLACEMENT, |i| (i % 17) as f32 * 1e-4);
     let e0_buf = Placed::new(len, KERNEL_PLACEMENT, |_| 0.0);
@@ -686,10 +708,10 @@ fn roofline_row(
         let aligned_time = run(ma, ea, e0a);
         let stream_time = time_calls(calls, || match kernel {
             Kernel::Mq | Kernel::Mtp => {
-                black_box(sum_slice(mr));
+                black_box(sum_at(mr, be.isa()));
             }
-            Kernel::AddMq => add_stream(mr, er),
-            Kernel::PqtError => split_stream(mr, er),
+            Kernel::AddMq => add_stream(mr, er, be.isa()),
+            Kernel::PqtError => split_stream(mr, er, be.isa()),
         });
         let l2_k = traffic / kernel_time.as_secs_f64() / 1e9;
         let l2_stream = traffic / stream_time.as_secs_f64() / 1e9;
@@ -740,8 +762,8 @@ fn roofline_row(
                 Kernel::Mq | Kernel::Mtp => {
                     black_box(reference(&m, 1));
                 }
-                Kernel::AddMq => add_stream(&mut m, &e),
-                Kernel::PqtError => split_stream(&mut m, &mut e),
+                Kernel::AddMq => add_stream(&mut m, &e, Isa::Avx512),
+                Kernel::PqtError => split_stream(&mut m, &mut e, Isa::Avx512),
             }
             tr.push(t.elapsed());
             flush(flush_buf);
