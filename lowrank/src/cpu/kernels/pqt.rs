@@ -6,8 +6,8 @@ use crate::cpu::simd::Simd;
 use std::ops::Range;
 
 /// How far ahead (floats) the fused pass sweeps `M` and `E` into L2 when a call streams
-/// [`SWEEP_MIN_BYTES`] or more: 128 KiB, as `mq`'s sweep (on top of the L1 prefetch,
-/// [`PQT_PREFETCH`]). `E` is written whole, and each of its stores waited for the line's
+/// [`SWEEP_MIN_BYTES`] or more (the plain pass `M` alone): 128 KiB, as `mq`'s sweep (on
+/// top of the L1 prefetch, [`PQT_PREFETCH`]). `E` is written whole, and each of its stores waited for the line's
 /// read for ownership: sweeping `M` alone did not help (cold, AVX-512, r = 4: 14.6-19.1
 /// GB/s against 15.1-16.6). Cold, n = m = 4096, one thread, AMD Zen 4,
 /// alternated runs, fraction of the same traffic's stream loop (`e = m; m = -m`) from
@@ -15,21 +15,29 @@ use std::ops::Range;
 /// 0.56-0.71 -> 0.69-0.87; AVX2 r = 4 0.58-0.62 -> 0.63-0.67, r = 8 0.52-0.59 ->
 /// 0.63-0.71; r = 1 unchanged (0.71-0.94).
 const PQT_AHEAD: usize = 32 * 1024;
-/// How far ahead (floats) the fused pass prefetches `M` and `E` into L1, in every call:
-/// 8 lines of each row. `E` is only written, and without the prefetch each store of a
-/// line not in L1 waited for its read for ownership in the store buffer (only `M` was
-/// prefetched, 512 floats ahead, and only below [`SWEEP_MIN_BYTES`]). Intel Xeon
-/// (Emerald Rapids class), median ratio of alternated pairs, 3 each, against the
-/// stream loop that prefetches both too (`benches/bandwidth.rs`): with `M` in L2
-/// (64 x 1024, 16 bytes past a line), `E` prefetched 512 floats ahead, AVX-512 r = 1 /
-/// 2 / 4 / 8 1.43 / 1.44 / 1.37 / 1.15 against the old pass, AVX2 1.60 / 1.65 / 1.70 /
-/// 1.09; 128 floats ahead instead of 512 then 1.00 / 1.01 / 1.07 / 1.36 (AVX2 1.00 /
-/// 1.03 / 1.01 / 1.21), and 64 floats no better (r = 4 0.90). From memory (n = m = 4096)
-/// both streams' L1 prefetch (512 floats ahead) beside the sweep read 1.15 / 1.14 / 1.19
-/// / 1.19 of the sweep alone, and 128 floats ahead the same as 512 (0.98-1.02). One row of eight vectors at r = 8 instead of two of four read 1.32 in L2
-/// but 0.86-0.90 from memory. Column chunks of `Q` (8-16 KiB, blocks of 8-32 rows) to
-/// keep its 32 KiB at r = 8 in L1 read 0.85-0.98 in L2 and 0.38-0.54 from memory.
-/// Its addresses are formed with `wrapping_add`: near the end of a buffer they point
+/// How far ahead (floats) both passes prefetch into L1 what they write, in every call:
+/// 8 lines of each row (`M`, and `E` for the fused pass). Without the prefetch each
+/// store of a line not in L1 waited for its read for ownership in the store buffer (the
+/// fused pass prefetched only `M`, 512 floats ahead and only below [`SWEEP_MIN_BYTES`];
+/// the plain one nothing). Intel Xeon (Emerald Rapids class), median ratio of
+/// alternated pairs, 3 each, against the stream loop that prefetches both too
+/// (`benches/bandwidth.rs`): with `M` in L2 (64 x 1024, 16 bytes past a line), `E`
+/// prefetched 512 floats ahead, AVX-512 r = 1 / 2 / 4 / 8 1.43 / 1.44 / 1.37 / 1.15
+/// against the old pass, AVX2 1.60 / 1.65 / 1.70 / 1.09; 128 floats ahead instead of
+/// 512 then 1.00 / 1.01 / 1.07 / 1.36 (AVX2 1.00 / 1.03 / 1.01 / 1.21), and 64 floats no
+/// better (r = 4 0.90). From memory (n = m = 4096) both streams' L1 prefetch (512 floats
+/// ahead) beside the sweep read 1.15 / 1.14 / 1.19 / 1.19 of the sweep alone, and 128
+/// floats ahead the same as 512 (0.98-1.02). One row of eight vectors at r = 8 instead
+/// of two of four read 1.32 in L2 but 0.86-0.90 from memory. Column chunks of `Q` (8-16
+/// KiB, blocks of 8-32 rows) to keep its 32 KiB at r = 8 in L1 read 0.85-0.98 in L2 and
+/// 0.38-0.54 from memory.
+///
+/// The plain pass, against `fill` over the same `M` in the same run (three alternated
+/// runs, AVX-512): in L2 (128 x 1024) r = 4 0.89-0.99 -> 0.98-1.06, r = 1 / 2 / 8 the
+/// same; from memory (4096 x 4096) r = 1 0.98-1.05 -> 1.04-1.22, r = 4 0.57-0.59 ->
+/// 0.62-0.68, r = 2 and 8 within noise.
+///
+/// The addresses are formed with `wrapping_add`: near the end of a buffer they point
 /// past it, and `add` beyond one past the end is undefined behaviour even when never
 /// read.
 const PQT_PREFETCH: usize = 128;
@@ -88,12 +96,15 @@ unsafe fn pqt_block<S: Simd, const RB: usize, const U: usize, const RC: usize, c
             for (ii, acc_i) in acc.iter().enumerate() {
                 for (u, &a_u) in acc_i.iter().enumerate() {
                     let dst = row(ii).add(j + u * lanes);
+                    S::prefetch(dst.wrapping_add(pf));
+                    let swept = sweep && (u * lanes).is_multiple_of(SWEEP_STRIDE);
+                    if swept {
+                        S::prefetch_l2(dst.wrapping_add(PQT_AHEAD));
+                    }
                     if FUSE {
                         let edst = erow(ii).add(j + u * lanes);
-                        S::prefetch(dst.wrapping_add(pf));
                         S::prefetch(edst.wrapping_add(pf));
-                        if sweep && (u * lanes).is_multiple_of(SWEEP_STRIDE) {
-                            S::prefetch_l2(dst.wrapping_add(PQT_AHEAD));
+                        if swept {
                             S::prefetch_l2(edst.wrapping_add(PQT_AHEAD));
                         }
                         let x = S::load(dst);
