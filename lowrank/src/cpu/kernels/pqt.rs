@@ -7,9 +7,9 @@ use std::ops::Range;
 
 /// How far ahead (floats) the fused pass sweeps `M` and `E` into L2 when a call streams
 /// [`SWEEP_MIN_BYTES`] or more (the plain pass `M` alone): 128 KiB, as `mq`'s sweep (on
-/// top of the L1 prefetch, [`PQT_PREFETCH`]). `E` is written whole, and each of its stores waited for the line's
-/// read for ownership: sweeping `M` alone did not help (cold, AVX-512, r = 4: 14.6-19.1
-/// GB/s against 15.1-16.6). Cold, n = m = 4096, one thread, AMD Zen 4,
+/// top of the L1 prefetch, [`PQT_PREFETCH`]). `E` is written whole, and each of its
+/// stores waited for the line's read for ownership: sweeping `M` alone did not help
+/// (cold, AVX-512, r = 4: 14.6-19.1 GB/s against 15.1-16.6). Cold, n = m = 4096, one thread, AMD Zen 4,
 /// alternated runs, fraction of the same traffic's stream loop (`e = m; m = -m`) from
 /// memory: AVX-512 r = 2 0.65-0.92 -> 0.83-0.99, r = 4 0.56-0.75 -> 0.79-0.80, r = 8
 /// 0.56-0.71 -> 0.69-0.87; AVX2 r = 4 0.58-0.62 -> 0.63-0.67, r = 8 0.52-0.59 ->
