@@ -282,18 +282,21 @@ const MTP_STREAM_MAX_RANK: usize = 3;
 /// the strips' tiles (at most 4 columns of `Q` with 8 lanes) walk each row block twice or
 /// more, and the stream's passes over rows kept in L1 cost less (see there).
 const MTP_STREAM_FROM_RANK: usize = 8;
-/// The rank from which a call that does not stream from memory takes the strips, not
-/// [`mtp_stream`], where L1 has 12 ways or more ([`l1_is_wide`]): there a block's rows,
-/// 4 KiB apart at power-of-two widths, no longer overflow the strip's L1 sets, and the
-/// strips keep `Q` in registers where the stream loads and stores it once a pass. With
-/// `M` in L2 (Intel Xeon, Emerald Rapids class, 48 KiB 12-way L1, AVX2, 16 bytes past a
-/// line), three alternated runs, the strips against the stream: r = 4 0.50-0.70 ->
-/// 0.81-0.83 of the in-core limit (median ratio of pairs 1.17), r = 8 0.48-0.66 ->
+/// With 8 lanes, a call that does not stream from memory takes the strips, not
+/// [`mtp_stream`], where L1 has 12 ways or more ([`l1_is_wide`]) and the rank is a
+/// multiple of this (every tile of the strips 4 columns of `Q` wide): there a block's
+/// rows, 4 KiB apart at power-of-two widths, no longer overflow the strip's L1 sets, and
+/// the strips keep `Q` in registers where the stream loads and stores it once a pass.
+/// With `M` in L2 (Intel Xeon, Emerald Rapids class, 48 KiB 12-way L1, AVX2, 16 bytes
+/// past a line), three alternated runs, the strips against the stream: r = 4 0.50-0.70
+/// -> 0.81-0.83 of the in-core limit (median ratio of pairs 1.17), r = 8 0.48-0.66 ->
 /// 0.80-0.82 (1.24); in GB/s at 1024 / 2048 / 1000 columns, r = 4 31-32 / 25 / 31-32 ->
-/// 36-38 / 36-38 / 31-35, r = 6 20-21 / 13-17 / 21 -> 24 / 18-24 / 18-21, r = 8 15 /
-/// 12 / 15-16 -> 18 / 18 / 17-18. Below, the stream: r = 1 0.90, r = 2 50-61 against
-/// 54-60 GB/s, r = 3 25-36 against 27-40.
-const MTP_STRIPS_WIDE_FROM_RANK: usize = 4;
+/// 36-38 / 36-38 / 31-35, r = 8 15 / 12 / 15-16 -> 18 / 18 / 17-18; r = 12 and 16
+/// faster at 768, 1000, 1024 and 2048 columns alike. Other ranks keep the stream: r = 1
+/// 0.90, r = 2 50-61 against 54-60 GB/s, r = 3 25-36 against 27-40, and r = 5-7, which
+/// add a tile of 1-2 columns, faster with the strips at 2048 columns but slower at 768
+/// and 1000 (r = 7 at 1000: 0.09-0.11 of the read sum against 0.13).
+const MTP_STRIPS_WIDE_TILE: usize = 4;
 /// Bytes at least that [`mtp_stream`] sweeps ahead, in whole blocks of rows.
 const MTP_STREAM_AHEAD_BYTES: usize = 128 * 1024;
 
@@ -483,7 +486,7 @@ fn stream_shift<S: Simd>(a: &Mat, c0: usize) -> usize {
 /// in both. So [`mtp_cols`] takes this
 /// kernel up to [`MTP_STREAM_MAX_RANK`] and from [`MTP_STREAM_FROM_RANK`], and for a
 /// call that streams less than [`SWEEP_MIN_BYTES`] (`M` likely in cache) at every rank
-/// on 8-way L1s, below [`MTP_STRIPS_WIDE_FROM_RANK`] on wider ones.
+/// on 8-way L1s, at ranks not a multiple of [`MTP_STRIPS_WIDE_TILE`] on wider ones.
 ///
 /// Each element gets the same operations in the same order as in [`mtp_block`] (from
 /// zero, one fused multiply-add a row in row order, [`Simd::fma1`] for the columns taken
@@ -596,8 +599,9 @@ const fn tile_accumulators(lanes: usize) -> usize {
 /// A rank that is not 1, 2, 4 or 8 goes in tiles of 8 (16 lanes only), 4, 2, 1 columns,
 /// each tile walking the block again (from L2). With 8 lanes, ranks up to
 /// [`MTP_STREAM_MAX_RANK`] or from [`MTP_STREAM_FROM_RANK`], and calls that stream less
-/// than [`SWEEP_MIN_BYTES`] (below [`MTP_STRIPS_WIDE_FROM_RANK`] where L1 has 12 ways or
-/// more), take the row-streaming [`mtp_stream`] instead (the same bits).
+/// than [`SWEEP_MIN_BYTES`] (where L1 has 12 ways or more, at ranks not a multiple of
+/// [`MTP_STRIPS_WIDE_TILE`]), take the row-streaming [`mtp_stream`] instead (the same
+/// bits).
 ///
 /// A call that streams [`SWEEP_MIN_BYTES`] or more prefetches each row it reads into L2
 /// one row block ahead at r = 1, two otherwise (the hardware prefetchers do not keep up
@@ -629,7 +633,7 @@ pub(crate) unsafe fn mtp_cols<S: Simd>(a: &Mat, cols: Range<usize>) {
         && if sweep {
             a.r <= MTP_STREAM_MAX_RANK || a.r >= MTP_STREAM_FROM_RANK
         } else {
-            a.r < MTP_STRIPS_WIDE_FROM_RANK || !l1_is_wide()
+            !a.r.is_multiple_of(MTP_STRIPS_WIDE_TILE) || !l1_is_wide()
         };
     if stream {
         // SAFETY: forwarded caller guarantees.
