@@ -445,14 +445,26 @@ unsafe fn mq_span<S: Simd, const RB: usize, const KT: usize, const U: usize, con
     // buffers) and a prefetch never faults.
     unsafe {
         let t = TileRows::new(a, i0, FUSE, base, span.start, span_len);
+        let slot = |ii: usize, k: usize, u: usize| acc.add((ii * KT + k) * U + u);
+        let mut regs = [[[S::zero(); U]; KT]; RB];
+        for ii in 0..RB {
+            for k in 0..KT {
+                for u in 0..U {
+                    regs[ii][k][u] = *slot(ii, k, u);
+                }
+            }
+        }
         let group = U * lanes;
-        // The first group of a row with edges goes one vector at a time.
+        // The first group of a row with edges goes one vector at a time, as the vectors
+        // that do not fill a group and the last edge do: all in registers (one at a
+        // time on the accumulators in memory, the edges cost a 1024-float row of 2 x 8
+        // tiles a tenth in L2).
         let mut j = span.start;
         if edges.lead > 0 && j == 0 {
             j = group.min(span.end);
-            mq_slow::<S, RB, KT, U, FUSE>(sweep, &t, acc, k0, a.r, span.start, 0..j, q, edges);
+            mq_each::<S, RB, KT, U, FUSE>(sweep, &t, &mut regs, span.start..j, q, a.r, k0, edges);
         }
-        // Whole groups short of the last edge vector, in registers.
+        // Whole groups short of the last edge vector.
         let hot_end = if edges.lead > 0 {
             span.end.min(edges.last)
         } else {
@@ -461,19 +473,25 @@ unsafe fn mq_span<S: Simd, const RB: usize, const KT: usize, const U: usize, con
         let hot = j..j + (hot_end.saturating_sub(j)) / group * group;
         if !hot.is_empty() {
             if sweep {
-                mq_hot::<S, RB, KT, U, FUSE, true>(&t, acc, k0, a.r, hot.clone(), q);
+                mq_hot::<S, RB, KT, U, FUSE, true>(&t, &mut regs, k0, a.r, hot.clone(), q);
             } else {
-                mq_hot::<S, RB, KT, U, FUSE, false>(&t, acc, k0, a.r, hot.clone(), q);
+                mq_hot::<S, RB, KT, U, FUSE, false>(&t, &mut regs, k0, a.r, hot.clone(), q);
             }
             j = hot.end;
         }
-        // The rest (the last edge, vectors that do not fill a group) one at a time.
-        mq_slow::<S, RB, KT, U, FUSE>(sweep, &t, acc, k0, a.r, span.start, j..span.end, q, edges);
+        mq_each::<S, RB, KT, U, FUSE>(sweep, &t, &mut regs, j..span.end, q, a.r, k0, edges);
+        for ii in 0..RB {
+            for k in 0..KT {
+                for u in 0..U {
+                    *slot(ii, k, u) = regs[ii][k][u];
+                }
+            }
+        }
     }
 }
 
-/// The hot loop of [`mq_span`]: whole groups of `U` vectors `range` (none an edge), the
-/// accumulators in registers.
+/// The hot loop of [`mq_span`]: whole groups of `U` vectors `range` (none an edge) on
+/// the accumulators `regs`.
 #[allow(clippy::needless_range_loop)]
 #[inline(always)]
 unsafe fn mq_hot<
@@ -485,7 +503,7 @@ unsafe fn mq_hot<
     const SWEEP: bool,
 >(
     t: &TileRows,
-    acc: *mut S::V,
+    regs: &mut [[[S::V; U]; KT]; RB],
     k0: usize,
     r: usize,
     range: Range<usize>,
@@ -495,15 +513,6 @@ unsafe fn mq_hot<
     // SAFETY: as in `mq_span`, whose guarantees the caller forwards; `range` is whole
     // groups of whole vectors inside the rows.
     unsafe {
-        let slot = |ii: usize, k: usize, u: usize| acc.add((ii * KT + k) * U + u);
-        let mut regs = [[[S::zero(); U]; KT]; RB];
-        for ii in 0..RB {
-            for k in 0..KT {
-                for u in 0..U {
-                    regs[ii][k][u] = *slot(ii, k, u);
-                }
-            }
-        }
         // `Q`'s vectors for columns k0.. of each vector of columns, `r` vectors apart.
         let qstep = r * lanes;
         let mut qv = q.add((range.start / lanes * r + k0) * lanes);
@@ -513,7 +522,7 @@ unsafe fn mq_hot<
                 mq_step::<S, RB, KT, U, FUSE, false>(
                     SWEEP,
                     t,
-                    &mut regs,
+                    regs,
                     j + u * lanes,
                     u,
                     qv.add(u * qstep),
@@ -523,55 +532,40 @@ unsafe fn mq_hot<
             j += U * lanes;
             qv = qv.add(U * qstep);
         }
-        for ii in 0..RB {
-            for k in 0..KT {
-                for u in 0..U {
-                    *slot(ii, k, u) = regs[ii][k][u];
-                }
-            }
-        }
     }
 }
 
-/// Vectors `range` of a span one at a time on the accumulators in memory (`acc`, as
-/// [`mq_span`] lays them out), edges or not: the first group of a row with edges, and
-/// whatever the whole groups leave. Vector `v` still goes to accumulator `v mod U`
-/// (spans start at multiples of 8 vectors). The rest as [`mq_step`].
-#[allow(clippy::needless_range_loop, clippy::too_many_arguments)]
+/// Vectors `range` of a tile's rows (a span's or a whole row's) one at a time (`range` starts at a multiple of
+/// `U` vectors), each only in its lanes inside the row ([`Edges`]), on the accumulators
+/// in registers: the first group of a row with edges, and what the whole groups leave.
+/// (A function, not a closure: see [`load_edge`].)
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn mq_slow<S: Simd, const RB: usize, const KT: usize, const U: usize, const FUSE: bool>(
+unsafe fn mq_each<S: Simd, const RB: usize, const KT: usize, const U: usize, const FUSE: bool>(
     sweep: bool,
     t: &TileRows,
-    acc: *mut S::V,
-    k0: usize,
-    r: usize,
-    span_start: usize,
+    regs: &mut [[[S::V; U]; KT]; RB],
     range: Range<usize>,
     q: *const f32,
+    r: usize,
+    k0: usize,
     edges: Edges,
 ) {
     let lanes = S::LANES;
-    // SAFETY: as in `mq_span`, whose guarantees the caller forwards.
+    let mut j = range.start;
+    // SAFETY: as in `mq_span` and `mq_whole`, whose guarantees the caller forwards.
     unsafe {
-        let slot = |ii: usize, k: usize, u: usize| acc.add((ii * KT + k) * U + u);
-        let mut jj = range.start;
-        while jj < range.end {
-            let u = (jj - span_start) / lanes % U;
-            let mut one = [[[S::zero(); 1]; KT]; RB];
-            for ii in 0..RB {
-                for k in 0..KT {
-                    one[ii][k][0] = *slot(ii, k, u);
+        while j < range.end {
+            // `u` a constant in each unrolled step: the accumulators stay in registers.
+            for u in 0..U {
+                let jj = j + u * lanes;
+                if jj < range.end {
+                    let valid = edges.at(jj, lanes).unwrap_or((0, lanes));
+                    let qv = q.add((jj / lanes * r + k0) * lanes);
+                    mq_step::<S, RB, KT, U, FUSE, true>(sweep, t, regs, jj, u, qv, valid);
                 }
             }
-            let valid = edges.at(jj, lanes).unwrap_or((0, lanes));
-            let qv = q.add((jj / lanes * r + k0) * lanes);
-            mq_step::<S, RB, KT, 1, FUSE, true>(sweep, t, &mut one, jj, 0, qv, valid);
-            for ii in 0..RB {
-                for k in 0..KT {
-                    *slot(ii, k, u) = one[ii][k][0];
-                }
-            }
-            jj += lanes;
+            j += U * lanes;
         }
     }
 }

@@ -80,41 +80,6 @@ unsafe fn mq_whole<S: Simd, const RB: usize, const KT: usize, const U: usize, co
     }
 }
 
-/// Vectors `range` of [`mq_whole`]'s rows one at a time (`range` starts at a multiple of
-/// `U` vectors), each only in its lanes inside the row ([`Edges`]), on the accumulators
-/// in registers: the first group of a row with edges, and what the whole groups leave.
-/// (A function, not a closure: see [`load_edge`].)
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-unsafe fn mq_each<S: Simd, const RB: usize, const KT: usize, const U: usize, const FUSE: bool>(
-    sweep: bool,
-    t: &TileRows,
-    regs: &mut [[[S::V; U]; KT]; RB],
-    range: Range<usize>,
-    q: *const f32,
-    r: usize,
-    k0: usize,
-    edges: Edges,
-) {
-    let lanes = S::LANES;
-    let mut j = range.start;
-    // SAFETY: as in `mq_whole`, whose guarantees the caller forwards.
-    unsafe {
-        while j < range.end {
-            // `u` a constant in each unrolled step: the accumulators stay in registers.
-            for u in 0..U {
-                let jj = j + u * lanes;
-                if jj < range.end {
-                    let valid = edges.at(jj, lanes).unwrap_or((0, lanes));
-                    let qv = q.add((jj / lanes * r + k0) * lanes);
-                    mq_step::<S, RB, KT, U, FUSE, true>(sweep, t, regs, jj, u, qv, valid);
-                }
-            }
-            j += U * lanes;
-        }
-    }
-}
-
 /// The arguments of [`mq_whole`] (see there), to run it in a function of its own: rows
 /// `i0..` of `a` (and of `ap`, `M` shifted back with `edges`), the tile from column `k0`
 /// of `P`, the whole vectors `0..vec_end_p` of the shifted rows (`0..vec_end` of the
