@@ -143,11 +143,18 @@ fn sum_slice(x: &[f32]) -> f32 {
     sum_at(x, Isa::Avx512)
 }
 
-/// The widest of AVX-512, AVX2 and portable code that this CPU has, up to `widest`.
+/// The widest of AVX-512, AVX2 and portable code that this CPU has, no wider than
+/// `widest`.
 fn stream_isa(widest: Isa) -> Isa {
-    [Isa::Avx512, Isa::Avx2]
-        .into_iter()
-        .find(|&i| i.is_supported() && (i == widest || widest == Isa::Avx512))
+    let allowed: &[Isa] = match widest {
+        Isa::Avx512 => &[Isa::Avx512, Isa::Avx2],
+        Isa::Avx2 => &[Isa::Avx2],
+        _ => &[],
+    };
+    allowed
+        .iter()
+        .copied()
+        .find(|i| i.is_supported())
         .unwrap_or(Isa::Portable)
 }
 
@@ -157,15 +164,32 @@ fn sum_at(x: &[f32], widest: Isa) -> f32 {
     {
         let isa = stream_isa(widest);
         if isa == Isa::Avx512 {
-            // SAFETY: AVX-512F is present (checked above).
+            // SAFETY: AVX-512F is present (`stream_isa` returns only sets this CPU has).
             return unsafe { sum_avx512(x) };
         }
         if isa == Isa::Avx2 {
-            // SAFETY: AVX2 is present (checked above).
+            // SAFETY: AVX2 is present (`stream_isa` returns only sets this CPU has).
             return unsafe { sum_avx2(x) };
         }
     }
-    x.iter().sum()
+    sum_portable(x)
+}
+
+/// A sum in 16 independent lanes of plain Rust, which LLVM vectorises with whatever the
+/// build targets (SSE2 on baseline x86-64), as it does the portable kernels: the
+/// portable rows' stream. (`x.iter().sum()` is one dependent chain, which LLVM may not
+/// reorder: 5.7 GB/s from L2 where this loop reads what the portable kernels' vectors
+/// can.)
+fn sum_portable(x: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 16];
+    let chunks = x.chunks_exact(16);
+    let tail: f32 = chunks.remainder().iter().sum();
+    for c in chunks {
+        for (a, v) in acc.iter_mut().zip(c) {
+            *a += *v;
+        }
+    }
+    acc.iter().sum::<f32>() + tail
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -244,11 +268,11 @@ fn split_stream(m: &mut [f32], e: &mut [f32], widest: Isa) {
     {
         let isa = stream_isa(widest);
         if isa == Isa::Avx512 {
-            // SAFETY: AVX-512F is present (checked above).
+            // SAFETY: AVX-512F is present (`stream_isa` returns only sets this CPU has).
             return unsafe { split_avx512(m, e) };
         }
         if isa == Isa::Avx2 {
-            // SAFETY: AVX2 is present (checked above).
+            // SAFETY: AVX2 is present (`stream_isa` returns only sets this CPU has).
             return unsafe { split_avx2(m, e) };
         }
     }
@@ -265,11 +289,11 @@ fn add_stream(m: &mut [f32], e: &[f32], widest: Isa) {
     {
         let isa = stream_isa(widest);
         if isa == Isa::Avx512 {
-            // SAFETY: AVX-512F is present (checked above).
+            // SAFETY: AVX-512F is present (`stream_isa` returns only sets this CPU has).
             return unsafe { add_avx512(m, e) };
         }
         if isa == Isa::Avx2 {
-            // SAFETY: AVX2 is present (checked above).
+            // SAFETY: AVX2 is present (`stream_isa` returns only sets this CPU has).
             return unsafe { add_avx2(m, e) };
         }
     }
