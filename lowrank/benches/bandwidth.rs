@@ -48,6 +48,12 @@
 //! - `serial`: the fraction the row would reach if its in-core work (the L2 rate) did not
 //!   overlap the memory transfer at all, `1 / (1 + ref / L2)`; a measured fraction
 //!   between `serial` and 1 says how much of it overlaps.
+//! - `llc ref` and `llc`: the reference's GB/s and the kernel's fraction of it with 8 MiB
+//!   of `M` (and `E`) in the last-level cache (read once, then 8 MiB of other data so
+//!   that none of it is left in L2): a stand-in for a core whose memory is faster
+//!   than this one's (on the Intel Xeon below it reads 20-35 GB/s where memory gives
+//!   10-19, about what one Zen 5 core reads from DRAM). Where `llc ref` is no faster
+//!   than `ref`, the LLC did not hold the matrix.
 
 use lowrank::{Backend, CpuBackend, Dims, Isa};
 use std::hint::black_box;
@@ -643,7 +649,7 @@ fn roofline(a: &Args, cpu: &CpuBackend) {
             fma.map_or("-".into(), |f| format!("{f:.2}"))
         );
         println!(
-            "{:<6} {:>2} {:>8} {:>9} {:>9} {:>7} {:>7} {:>8} {:>7} {:>7} {:>6} {:>9} {:>7}",
+            "{:<6} {:>2} {:>8} {:>9} {:>9} {:>7} {:>7} {:>8} {:>7} {:>7} {:>6} {:>9} {:>7} {:>7} {:>5}",
             "op",
             "r",
             "fma/line",
@@ -656,7 +662,9 @@ fn roofline(a: &Args, cpu: &CpuBackend) {
             "cold",
             "ref",
             "fraction",
-            "serial"
+            "serial",
+            "llc ref",
+            "llc"
         );
     }
     let kernels = [Kernel::Mq, Kernel::Mtp, Kernel::AddMq, Kernel::PqtError];
@@ -762,82 +770,106 @@ fn roofline_row(
     // From memory (n = m = 4096), as the table measures: the products against the read
     // sum over the same M, the fused passes against the stream loop of the same traffic
     // (the L2 column's, now from memory).
-    let cold = {
-        let n = 4096;
-        let d = Dims::new(1, n, n, r).expect("valid shape");
-        let mut m: Vec<f32> = (0..n * n)
-            .map(|i| ((i % 251) as f32 - 125.0) * 1e-3)
-            .collect();
-        let mut e: Vec<f32> = if bpe == 4 {
-            Vec::new()
-        } else {
-            (0..n * n).map(|i| (i % 17) as f32 * 1e-6).collect()
-        };
-        let (p, mut q, mut p_out) = (
-            vec![0.5f32; d.p_len()],
-            vec![0.25f32; d.q_len()],
-            vec![0.0f32; d.p_len()],
-        );
-        let (mut tk, mut tr) = (Vec::new(), Vec::new());
-        for _ in 0..a.reps {
-            flush(flush_buf);
-            let t = Instant::now();
-            match kernel {
-                Kernel::Mq | Kernel::Mtp => {
-                    black_box(reference(&m, 1));
-                }
-                Kernel::AddMq => add_stream(&mut m, &e, Isa::Avx512),
-                Kernel::PqtError => split_stream(&mut m, &mut e, Isa::Avx512),
-            }
-            tr.push(t.elapsed());
-            flush(flush_buf);
-            let t = Instant::now();
-            match kernel {
-                Kernel::Mq => be.mq(d, &m, &q, &mut p_out),
-                Kernel::Mtp => be.mtp(d, &m, &p, &mut q),
-                Kernel::AddMq => be.add_mq(d, &mut m, &e, &q, &mut p_out),
-                Kernel::PqtError => be.pqt_error(d, &p, &q, &mut m, &mut e),
-            }
-            .expect("kernel");
-            tk.push(t.elapsed());
-            black_box((&q, &p_out));
-        }
-        let bytes = (n * n * bpe) as f64;
-        Some((
-            bytes / median(tk).as_secs_f64() / 1e9,
-            bytes / median(tr).as_secs_f64() / 1e9,
-        ))
-    };
+    let cold = pair_from(be, kernel, r, 4096, a.reps, &mut |_, _| flush(flush_buf));
+    // The same from the last-level cache: 8 MiB of `M` (and `E`) read once, then 8 MiB
+    // of other data so that none of it is left in L2.
+    let llc_rows = (LLC_SET_BYTES / 4096 / bpe).max(1);
+    let llc = pair_from(be, kernel, r, llc_rows, a.reps, &mut |m, e| {
+        black_box(sum_slice(m) + sum_slice(e));
+        flush(&mut flush_buf[..LLC_SET_BYTES / 8]);
+    });
     if a.json {
         let num = |v: Option<f64>| v.map_or("null".to_string(), |v| format!("{v:.3}"));
         println!(
-            "{{\"bench\":\"lowrank/roofline\",\"isa\":\"{}\",\"op\":\"{}\",\"r\":{r},\"fma_per_line\":{fma_per_line},\"fma_gb_per_s\":{},\"l2_stream_gb_per_s\":{l2_stream:.3},\"limit_gb_per_s\":{limit:.3},\"l2_gb_per_s\":{l2_k:.3},\"fraction_of_limit\":{:.4},\"fraction_of_limit_aligned\":{of_limit_aln:.4},\"co_limited\":{co_limited},\"cold_gb_per_s\":{},\"reference_gb_per_s\":{},\"fraction_of_bandwidth\":{}}}",
+            "{{\"bench\":\"lowrank/roofline\",\"isa\":\"{}\",\"op\":\"{}\",\"r\":{r},\"fma_per_line\":{fma_per_line},\"fma_gb_per_s\":{},\"l2_stream_gb_per_s\":{l2_stream:.3},\"limit_gb_per_s\":{limit:.3},\"l2_gb_per_s\":{l2_k:.3},\"fraction_of_limit\":{:.4},\"fraction_of_limit_aligned\":{of_limit_aln:.4},\"co_limited\":{co_limited},\"cold_gb_per_s\":{:.3},\"reference_gb_per_s\":{:.3},\"fraction_of_bandwidth\":{:.3},\"llc_gb_per_s\":{:.3},\"llc_reference_gb_per_s\":{:.3},\"fraction_of_llc\":{:.4}}}",
             be.isa().name(),
             kernel.name(),
             num(fma_gbs),
             of_limit,
-            num(cold.map(|c| c.0)),
-            num(cold.map(|c| c.1)),
-            num(cold.map(|c| c.0 / c.1)),
+            cold.0,
+            cold.1,
+            cold.0 / cold.1,
+            llc.0,
+            llc.1,
+            llc.0 / llc.1,
         );
     } else {
-        let (c, rf, fr, se) = match cold {
-            Some((c, rf)) => (
-                format!("{c:.2}"),
-                format!("{rf:.2}"),
-                format!("{:.2}", c / rf),
-                format!("{:.2}", 1.0 / (1.0 + rf / l2_k)),
-            ),
-            None => ("-".into(), "-".into(), "-".into(), "-".into()),
-        };
+        let (c, rf) = cold;
+        let (fr, se) = (c / rf, 1.0 / (1.0 + rf / l2_k));
         println!(
-            "{:<6} {r:>2} {fma_per_line:>8.1} {:>9} {l2_stream:>9.1} {:>7} {l2_k:>7.1} {:>8.2} {of_limit_aln:>7.2} {c:>7} {rf:>6} {fr:>9} {se:>7}",
+            "{:<6} {r:>2} {fma_per_line:>8.1} {:>9} {l2_stream:>9.1} {:>7} {l2_k:>7.1} {:>8.2} {of_limit_aln:>7.2} {c:>7.2} {rf:>6.2} {fr:>9.2} {se:>7.2} {:>7.1} {:>5.2}",
             kernel.name(),
             fma_gbs.map_or("-".into(), |g| format!("{g:.1}")),
             format!("{limit:.1}{}", if co_limited { "*" } else { "" }),
             of_limit,
+            llc.1,
+            llc.0 / llc.1,
         );
     }
+}
+
+/// Bytes of `M` (and `E`) the `llc` columns of [`roofline`] read from the last-level
+/// cache, and of other data read after them to push them out of L2 (larger than the
+/// L2 of any core the kernels are tuned for). The LLC must hold both: where `llc ref`
+/// is no faster than `ref`, it did not.
+const LLC_SET_BYTES: usize = 8 << 20;
+
+/// Kernel and reference GB/s over `rows` x 4096 (`M`, and `E` for the fused passes, the
+/// reference as in [`roofline_row`]'s cold columns), `prepare(m, e)` run before each
+/// timed pass: the medians of `reps` interleaved pairs.
+fn pair_from(
+    be: &CpuBackend,
+    kernel: Kernel,
+    r: usize,
+    rows: usize,
+    reps: usize,
+    prepare: &mut dyn FnMut(&[f32], &[f32]),
+) -> (f64, f64) {
+    let cols = 4096;
+    let bpe = kernel.bytes_per_element();
+    let d = Dims::new(1, rows, cols, r).expect("valid shape");
+    let mut m: Vec<f32> = (0..rows * cols)
+        .map(|i| ((i % 251) as f32 - 125.0) * 1e-3)
+        .collect();
+    let mut e: Vec<f32> = if bpe == 4 {
+        Vec::new()
+    } else {
+        (0..rows * cols).map(|i| (i % 17) as f32 * 1e-6).collect()
+    };
+    let (p, mut q, mut p_out) = (
+        vec![0.5f32; d.p_len()],
+        vec![0.25f32; d.q_len()],
+        vec![0.0f32; d.p_len()],
+    );
+    let (mut tk, mut tr) = (Vec::new(), Vec::new());
+    for _ in 0..reps {
+        prepare(&m, &e);
+        let t = Instant::now();
+        match kernel {
+            Kernel::Mq | Kernel::Mtp => {
+                black_box(reference(&m, 1));
+            }
+            Kernel::AddMq => add_stream(&mut m, &e, Isa::Avx512),
+            Kernel::PqtError => split_stream(&mut m, &mut e, Isa::Avx512),
+        }
+        tr.push(t.elapsed());
+        prepare(&m, &e);
+        let t = Instant::now();
+        match kernel {
+            Kernel::Mq => be.mq(d, &m, &q, &mut p_out),
+            Kernel::Mtp => be.mtp(d, &m, &p, &mut q),
+            Kernel::AddMq => be.add_mq(d, &mut m, &e, &q, &mut p_out),
+            Kernel::PqtError => be.pqt_error(d, &p, &q, &mut m, &mut e),
+        }
+        .expect("kernel");
+        tk.push(t.elapsed());
+        black_box((&q, &p_out));
+    }
+    let bytes = (rows * cols * bpe) as f64;
+    (
+        bytes / median(tk).as_secs_f64() / 1e9,
+        bytes / median(tr).as_secs_f64() / 1e9,
+    )
 }
 
 fn main() {
