@@ -13,6 +13,10 @@
 pub(crate) trait Simd: Copy {
     type V: Copy;
     const LANES: usize;
+    /// Vectors of `V` the register file holds: 32 with AVX-512, 16 with AVX2, 8 for the
+    /// portable eight lanes (two of SSE2's 16 registers each). Register tiles size their
+    /// rows by it.
+    const REGS: usize;
     unsafe fn zero() -> Self::V;
     unsafe fn splat(x: f32) -> Self::V;
     unsafe fn load(p: *const f32) -> Self::V;
@@ -104,6 +108,7 @@ pub(crate) struct Portable;
 impl Simd for Portable {
     type V = [f32; 8];
     const LANES: usize = 8;
+    const REGS: usize = 8;
     #[inline(never)]
     unsafe fn outlined<W: Outlined>(work: W) -> W::Output {
         // SAFETY: forwarded caller guarantees.
@@ -225,6 +230,7 @@ mod x86 {
     impl Simd for Avx2 {
         type V = __m256;
         const LANES: usize = 8;
+        const REGS: usize = 16;
         #[inline(always)]
         unsafe fn outlined<W: Outlined>(work: W) -> W::Output {
             unsafe { outlined_avx2(work) }
@@ -367,6 +373,7 @@ mod x86 {
     impl Simd for Avx512 {
         type V = __m512;
         const LANES: usize = 16;
+        const REGS: usize = 32;
         #[inline(always)]
         unsafe fn outlined<W: Outlined>(work: W) -> W::Output {
             unsafe { outlined_avx512(work) }

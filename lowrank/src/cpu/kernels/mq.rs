@@ -99,9 +99,31 @@ const fn tile(lanes: usize, kt: usize) -> (usize, usize) {
 ///   → 0.53-0.71 of the in-core limit, cold the same (median ratio 0.89 and 1.05 in two
 ///   sets of runs).
 ///
+/// - 3 for the 2-column tile with 8 lanes over whole rows (`whole`: the call's `Q`
+///   fits L1, [`takes_whole_rows`]) where the register file holds 16 vectors (`regs`,
+///   [`Simd::REGS`]: AVX2, not the portable lanes), 12 accumulators: with 2 rows a step
+///   loads a vector of `Q` for every 2 multiply-adds, with 3 for every 3. `M` in L2 16
+///   bytes past a line (Intel Xeon, Emerald Rapids class, `--roofline --isa avx2`,
+///   r = 2, 16 alternated pairs): median 0.53 → 0.70 of the in-core limit (median
+///   ratio of pairs 1.16), from memory the same (0.99); in a harness (five alternated
+///   pairs) r = 2 at 128 x 1024 and 32 x 4096 1.15-1.3, r = 3 at 128 x 1024 about 1.2.
+///   In column chunks 3-row groups make 6-row blocks (8 with 2), and `Q`'s chunk serves
+///   fewer rows: r = 2 at 16 x 8192 0.71-0.90, r = 3 at 32 x 4096 and 16 x 8192
+///   0.75-0.85, so chunked calls keep 2. The portable lanes, whose registers hold half
+///   as many vectors, read 0.77 of 2 rows in L2 and 0.80 from memory with 3, so they
+///   keep 2 too.
+///
 /// Rows do not change how any `P[i, k]` is summed, so this choice keeps results
 /// bit-identical.
-const fn group_rows(lanes: usize, r: usize, fuse: bool, wide: bool) -> usize {
+const fn group_rows(g: GroupOf) -> usize {
+    let GroupOf {
+        lanes,
+        regs,
+        r,
+        fuse,
+        wide,
+        whole,
+    } = g;
     let kt = tile_width(lanes, r);
     if lanes == 8 && r >= 8 {
         3
@@ -111,9 +133,51 @@ const fn group_rows(lanes: usize, r: usize, fuse: bool, wide: bool) -> usize {
         1
     } else if fuse && kt == 4 {
         2
+    } else if lanes == 8 && kt == 2 && regs >= 16 && whole {
+        3
     } else {
         tile(lanes, kt).0
     }
+}
+
+/// What [`group_rows`] chooses by: the instruction set's `lanes` and `regs`
+/// ([`Simd::REGS`]), the rank `r`, whether the pass fuses `M += E`, whether L1 is
+/// `wide` ([`l1_is_wide`]) and whether the call reads `whole` rows
+/// ([`takes_whole_rows`]).
+#[derive(Clone, Copy)]
+struct GroupOf {
+    lanes: usize,
+    regs: usize,
+    r: usize,
+    fuse: bool,
+    wide: bool,
+    whole: bool,
+}
+
+/// Whether [`group_rows`] gives `rb` at rank `r` for some L1, register file and kind of
+/// call (the union: the groups of rows a build may meet).
+const fn takes_rows(lanes: usize, rb: usize, r: usize, fuse: bool) -> bool {
+    let mut regs = 8;
+    while regs <= 32 {
+        let mut case = 0;
+        while case < 4 {
+            let (wide, whole) = (case & 1 == 1, case & 2 == 2);
+            let g = GroupOf {
+                lanes,
+                regs,
+                r,
+                fuse,
+                wide,
+                whole,
+            };
+            if rb == group_rows(g) {
+                return true;
+            }
+            case += 1;
+        }
+        regs *= 2;
+    }
+    false
 }
 
 /// What a span prefetches (only a group's first column tile; the others reread the span
@@ -178,18 +242,15 @@ use whole::mq_group_whole;
 /// the kernels, each inlined whole into its instruction set's entry point, doubled the
 /// crate's build time.) Groups of one row meet every tile (the rows a group leaves); the
 /// tile sequence repeats from `r = 8` on (widest tiles, then what is left of `r mod 8`),
-/// so ranks up to 32 cover them all; the groups of either L1 ([`group_rows`]' `wide`)
-/// are compiled.
+/// so ranks up to 32 cover them all; the groups of every L1, register file and kind of
+/// call ([`takes_rows`]) are compiled.
 const fn tile_occurs(lanes: usize, rb: usize, kt: usize, fuse: bool, fuse_span: bool) -> bool {
     if fuse_span && !fuse {
         return false;
     }
     let mut r = 1;
     while r <= 32 {
-        if rb == 1
-            || rb == group_rows(lanes, r, fuse, false)
-            || rb == group_rows(lanes, r, fuse, true)
-        {
+        if rb == 1 || takes_rows(lanes, rb, r, fuse) {
             let mut k0 = 0;
             while k0 < r {
                 let w = tile_width(lanes, r - k0);
@@ -208,10 +269,7 @@ const fn tile_occurs(lanes: usize, rb: usize, kt: usize, fuse: bool, fuse_span: 
 const fn group_occurs(lanes: usize, rb: usize, fuse: bool) -> bool {
     let mut r = 1;
     while r <= 32 {
-        if rb == 1
-            || rb == group_rows(lanes, r, fuse, false)
-            || rb == group_rows(lanes, r, fuse, true)
-        {
+        if rb == 1 || takes_rows(lanes, rb, r, fuse) {
             return true;
         }
         r += 1;
@@ -722,6 +780,17 @@ fn group_vectors(lanes: usize, r: usize, rb: usize) -> usize {
     n
 }
 
+/// Whether a call reads its rows whole rather than in column chunks: its `Q` within
+/// [`MQ_WHOLE_ROW_BYTES`] ([`MQ_WHOLE_ROW_BYTES_WIDE`] where L1 is [`l1_is_wide`]).
+fn takes_whole_rows(a: &Mat) -> bool {
+    let whole_max = if l1_is_wide() {
+        MQ_WHOLE_ROW_BYTES_WIDE
+    } else {
+        MQ_WHOLE_ROW_BYTES
+    };
+    a.r * a.cols * 4 <= whole_max
+}
+
 /// `P = M Q` (or with `FUSE`, `M += E; P = M Q`) for the given rows of one matrix, in
 /// groups of `RB` rows (the widest tile's row count; leftover rows one at a time, summed
 /// the same way).
@@ -752,12 +821,7 @@ unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(a: &Mat, rows: 
     // Whole vectors per chunk: a multiple of 8 vectors (of every U), so that every chunk
     // boundary keeps vector v in accumulator v mod U.
     let step = 8 * lanes;
-    let whole_max = if l1_is_wide() {
-        MQ_WHOLE_ROW_BYTES_WIDE
-    } else {
-        MQ_WHOLE_ROW_BYTES
-    };
-    let chunk = if a.r * a.cols * 4 <= whole_max {
+    let chunk = if takes_whole_rows(a) {
         vec_end_p.max(step)
     } else {
         (MQ_CHUNK_BYTES / 4 / a.r / step * step).max(step)
@@ -909,7 +973,14 @@ unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(a: &Mat, rows: 
 /// 40% (r = 1) to the placement.
 #[inline(always)]
 pub(crate) unsafe fn mq_rows<S: Simd, const FUSE: bool>(a: &Mat, rows: Range<usize>) {
-    let rb = group_rows(S::LANES, a.r, FUSE, l1_is_wide());
+    let rb = group_rows(GroupOf {
+        lanes: S::LANES,
+        regs: S::REGS,
+        r: a.r,
+        fuse: FUSE,
+        wide: l1_is_wide(),
+        whole: takes_whole_rows(a),
+    });
     // SAFETY: forwarded caller guarantees.
     unsafe {
         // Only the groups that occur are compiled ([`group_occurs`]).
