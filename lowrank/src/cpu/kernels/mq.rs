@@ -941,8 +941,9 @@ unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(a: &Mat, rows: 
 ///
 /// Tiles (rows x columns of `P` x accumulators a column, [`tile`]): AVX-512 2 x 8 x 1,
 /// 4 x 4 x 1, 4 x 2 x 2, 4 x 1 x 2; AVX2 and the fallback (at most 4 columns a tile, so
-/// `r = 8` is two tiles over rows read again from L1) 2 x 4 x 1, 2 x 2 x 2, 4 x 1 x 2.
-/// `Q` is packed (aligned, interleaved) on every call. With `M` in L2 (AMD Zen 4,
+/// `r = 8` is two tiles over rows read again from L1) 2 x 4 x 1, 2 x 2 x 2, 4 x 1 x 2;
+/// the rows a group reads at once may differ from the tile's ([`group_rows`]: AVX2 takes
+/// 3 x 2 x 2 over whole rows). `Q` is packed (aligned, interleaved) on every call. With `M` in L2 (AMD Zen 4,
 /// AVX-512, alternated runs), the previous kernel (4 to 8 rows a tile, one accumulator a
 /// column, `Q` read in place at rank 1, 8 rows side by side at rank 2 with their
 /// prefetches in the same L1 sets) reached 0.27-0.70 of the in-core limit for `mq` at
