@@ -234,7 +234,7 @@ macro_rules! each_tile {
 }
 
 mod whole;
-use whole::mq_group_whole;
+use whole::{mq_group_whole, mq_run_whole};
 
 /// Whether `mq_rows::<_, FUSE>` on `lanes` lanes ever runs a group of `rb` rows over a
 /// column tile `kt` wide (with `fuse_span`, as the tile that fuses `M += E`, the first):
@@ -876,6 +876,14 @@ unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(a: &Mat, rows: 
             } else {
                 0
             };
+            if !FUSE && !chunked && !sweep && rb == RB && a.r <= 2 {
+                // Whole rows in cache at ranks 1 and 2 (one column tile): every whole
+                // group in one function ([`whole::WholeRun`]).
+                let all = left / RB;
+                mq_run_whole::<S, RB>(a, &ap, i0, all, vec_end_p, vec_end, q, edges);
+                i0 += all * RB;
+                continue;
+            }
             if !chunked {
                 // Whole rows: each group from its first vector to `P` in registers.
                 for g in 0..groups {

@@ -145,3 +145,78 @@ pub(super) unsafe fn mq_group_whole<S: Simd, const RB: usize, const FUSE: bool>(
         each_tile!(S::LANES, RB, FUSE, a.r, k0, whole);
     }
 }
+
+/// [`mq_whole`] for `groups` groups of `RB` rows from `i0` in one function of its own:
+/// the product (`mq`, not fused) at r = 1 and 2, in cache (no sweep). One call for all
+/// of them, where [`mq_group_whole`] pays a call and a finish's setup a group, against
+/// a loop of a few hundred cycles at 1024 columns. With `M` in L2 (Intel Xeon, Emerald
+/// Rapids class, 128 x 1024, 16 bytes past a line, alternated pairs) r = 1 and 2 read
+/// 1.04-1.06 of the group-by-group walk on AVX-512 and AVX2 (r = 1 0.79 -> 0.82 of the
+/// in-core limit). Not at r = 4 (AVX-512's 4 x 4 tile 0.97, eight pairs) or r = 8
+/// (the same), and not for the fused pass: a loop around every group's call there read
+/// 0.93 at AVX2's r = 4.
+struct WholeRun<'a, S, const RB: usize, const KT: usize, const U: usize> {
+    whole: Whole<'a, S, RB, KT, U, false>,
+    groups: usize,
+}
+
+impl<S: Simd, const RB: usize, const KT: usize, const U: usize> Outlined
+    for WholeRun<'_, S, RB, KT, U>
+{
+    type Output = ();
+    #[inline(always)]
+    unsafe fn run(self) {
+        let first = self.whole.i0;
+        for g in 0..self.groups {
+            // SAFETY: the guarantees of `mq_whole` for every group, which the creator of
+            // the work gives.
+            unsafe {
+                mq_whole(Whole {
+                    i0: first + g * RB,
+                    ..self.whole
+                })
+            }
+        }
+    }
+}
+
+/// [`WholeRun`] over `groups` groups of `RB` rows at `i0` for a rank of one column tile
+/// ([`tile_width`]`(lanes, r) == r`), from the column tile's width.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(super) unsafe fn mq_run_whole<S: Simd, const RB: usize>(
+    a: &Mat,
+    ap: &Mat,
+    i0: usize,
+    groups: usize,
+    vec_end_p: usize,
+    vec_end: usize,
+    q: *const f32,
+    edges: Edges,
+) {
+    debug_assert_eq!(tile_width(S::LANES, a.r), a.r);
+    // SAFETY: forwarded caller guarantees, for each of the groups.
+    unsafe {
+        macro_rules! run {
+            ($kt:literal, $u:literal, $fuse:literal) => {
+                S::outlined(WholeRun::<S, RB, $kt, $u> {
+                    whole: Whole {
+                        a,
+                        ap,
+                        i0,
+                        k0: 0,
+                        vec_end_p,
+                        vec_end,
+                        q,
+                        ahead: Ahead::No,
+                        edges,
+                        isa: PhantomData,
+                    },
+                    groups,
+                })
+            };
+        }
+        let mut k0 = 0;
+        each_tile!(S::LANES, RB, false, a.r, k0, run);
+    }
+}
