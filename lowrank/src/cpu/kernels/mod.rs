@@ -11,7 +11,7 @@
 //! points below, after runtime detection of the instruction set.
 //!
 //! One module per kernel family: [`mq`] (`P = M Q`), [`mtp`] (`Q = Mᵀ P`), [`pqt`]
-//! (`M = P Qᵀ`), [`gram_schmidt`] (with its [`vector`] helpers); [`pack`] packs `Q` for
+//! (`M = P Qᵀ`), [`gram_schmidt`](mod@gram_schmidt) (with its [`vector`] helpers); [`pack`] packs `Q` for
 //! the first three.
 
 mod gram_schmidt;

@@ -1,4 +1,4 @@
-//! The vector helpers of [`super::gram_schmidt`]: dot product, `y -= αx`, `x *= α`.
+//! The vector helpers of [`super::gram_schmidt`](mod@super::gram_schmidt): dot product, `y -= αx`, `x *= α`.
 
 use crate::cpu::simd::Simd;
 
