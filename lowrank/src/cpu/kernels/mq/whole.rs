@@ -46,7 +46,6 @@ unsafe fn mq_whole<S: Simd, const RB: usize, const KT: usize, const U: usize, co
     unsafe {
         let t = TileRows::new(ap, i0, FUSE, base, 0, vec_end_p);
         let mut regs = [[[S::zero(); U]; KT]; RB];
-        let qstep = ap.r * lanes;
         let group = U * lanes;
         let mut j = 0;
         if edges.lead > 0 {
@@ -58,22 +57,16 @@ unsafe fn mq_whole<S: Simd, const RB: usize, const KT: usize, const U: usize, co
         } else {
             vec_end_p
         };
-        let hot_stop = j + hot_end.saturating_sub(j) / group * group;
-        let mut qp = q.add((j / lanes * ap.r + k0) * lanes);
-        while j < hot_stop {
-            for u in 0..U {
-                mq_step::<S, RB, KT, U, FUSE, false>(
-                    sweep,
-                    &t,
-                    &mut regs,
-                    j + u * lanes,
-                    u,
-                    qp.add(u * qstep),
-                    (0, lanes),
-                );
+        let hot = j..j + hot_end.saturating_sub(j) / group * group;
+        // The sweep a constant of the loop: as a flag LLVM kept it (and a row pointer)
+        // on the stack and tested it every step of the fused pass.
+        if !hot.is_empty() {
+            if sweep {
+                mq_hot::<S, RB, KT, U, FUSE, true>(&t, &mut regs, k0, ap.r, hot.clone(), q);
+            } else {
+                mq_hot::<S, RB, KT, U, FUSE, false>(&t, &mut regs, k0, ap.r, hot.clone(), q);
             }
-            j += group;
-            qp = qp.add(U * qstep);
+            j = hot.end;
         }
         mq_each::<S, RB, KT, U, FUSE>(sweep, &t, &mut regs, j..vec_end_p, q, ap.r, k0, edges);
         mq_finish_regs::<S, RB, KT, U, FUSE>(a, i0, k0, vec_end, &regs);
