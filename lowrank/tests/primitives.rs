@@ -986,6 +986,7 @@ fn products_do_not_depend_on_where_m_lies() {
         (1, 21, 1000, 8),
         (1, 5, 16, 1),
         (1, 300, 1024, 2),
+        (1, 150, 1024, 1),
     ] {
         let d = Dims::new(batch, n, m, r).unwrap();
         let (x, p, q) = (

@@ -20,6 +20,16 @@ use std::ops::Range;
 /// bandwidth, 128 KiB 0.40-0.86, 512 KiB and whole-matrix blocks 0.12-0.56 (strips
 /// walking further down than L2 holds); with `M` in L2 the bigger the better.
 const MTP_BLOCK_FLOATS: usize = 32768;
+/// [`MTP_BLOCK_FLOATS`] for a call that streams less than [`SWEEP_MIN_BYTES`] (`M`
+/// likely in cache, L2 or the last level): 256 KiB. Each strip loads its tile from `Q`
+/// and stores it once a block, and the fewer the blocks the fewer the round trips (the
+/// loads and stores of a `Q` that does not lie on a line split). With `M` in L2 (Intel
+/// Xeon, Emerald Rapids class, AVX-512, 128 x 1024, 16 bytes past a line), median ratio
+/// of four alternated pairs against 128 KiB: r = 1 / 2 / 4 / 8 1.01 / 1.07 / 1.05 /
+/// 1.03, and 512 KiB (blocks of 128 rows) 0.96-0.99 of this; a plain loop of the
+/// 16 x 1 and 8 x 2 tiles read 0.90-0.92 and 0.84-0.87 of the read sum with 64 rows,
+/// 0.90 and 0.78-0.80 with 32.
+const MTP_BLOCK_FLOATS_CACHED: usize = 65536;
 /// Rows per block: at least this many (the accumulators are loaded and stored once a
 /// block; fewer rows would make that traffic count), at most [`MTP_BLOCK_ROWS_MAX`].
 const MTP_BLOCK_ROWS_MIN: usize = 8;
@@ -30,8 +40,10 @@ const MTP_BLOCK_ROWS_MAX: usize = 64;
 const MTP_PANEL_COLS: usize = MTP_BLOCK_FLOATS / MTP_BLOCK_ROWS_MIN;
 
 /// `Q[k0..k0+KT][strip] (+)= Σ_{i in rows} P[i, k] M[i, strip]`, where the strip is `VW`
-/// whole vectors from column `j0`. The accumulators start at zero for the first row
-/// block and from `Q` otherwise.
+/// whole vectors from column `j0`, and the same for the `N` part vectors `parts` (each
+/// `(j0, keep)`: one vector from column `j0`, of which only the columns `keep` are
+/// written to `Q`; [`mtp_strip_part`]) in the same walk down the rows. The accumulators
+/// start at zero for the first row block and from `Q` otherwise.
 ///
 /// `ahead` (elements, nonzero when the call sweeps) prefetches that far ahead into L2.
 /// Without a sweep and with `next_row` ([`strips_prefetch_next_row`]: AMD), a tile of
@@ -44,13 +56,14 @@ const MTP_PANEL_COLS: usize = MTP_BLOCK_FLOATS / MTP_BLOCK_ROWS_MIN;
 // Register tiles read best with explicit indices.
 #[allow(clippy::needless_range_loop)]
 #[inline(always)]
-unsafe fn mtp_strip<S: Simd, const VW: usize, const KT: usize>(
+unsafe fn mtp_strip<S: Simd, const VW: usize, const KT: usize, const N: usize>(
     a: &Mat,
     rows: Range<usize>,
     j0: usize,
     k0: usize,
     ahead: usize,
     next_row: bool,
+    parts: [(usize, Range<usize>); N],
 ) {
     let lanes = S::LANES;
     let cols = a.cols;
@@ -61,16 +74,24 @@ unsafe fn mtp_strip<S: Simd, const VW: usize, const KT: usize>(
     unsafe {
         let qv = |k: usize, v: usize| a.q.add((k0 + k) * cols + j0 + v * lanes);
         let mut acc = [[S::zero(); VW]; KT];
+        let mut part = [[S::zero(); KT]; N];
         if rows.start > 0 {
             for k in 0..KT {
                 for v in 0..VW {
                     acc[k][v] = S::load(qv(k, v));
                 }
             }
+            part_load::<S, KT, N>(a, k0, &parts, &mut part);
         }
         for i in rows {
             let row = a.m.add(i * cols + j0);
-            let mut x = [S::zero(); VW];
+            let mut pk = [S::zero(); KT];
+            for k in 0..KT {
+                pk[k] = S::splat(*a.p.add((k0 + k) * a.n + i));
+            }
+            // Each vector's multiply-adds as soon as it is loaded: loaded all first, the
+            // row's vectors and the parts' accumulators outgrew the registers (16 x 1
+            // with two parts spilled three accumulators).
             for v in 0..VW {
                 if ahead != 0 && (v * lanes).is_multiple_of(SWEEP_STRIDE) {
                     S::prefetch_l2(row.wrapping_add(ahead + v * lanes));
@@ -78,12 +99,15 @@ unsafe fn mtp_strip<S: Simd, const VW: usize, const KT: usize>(
                 if next_row && ahead == 0 && KT == 1 && (v * lanes).is_multiple_of(SWEEP_STRIDE) {
                     S::prefetch(row.wrapping_add(cols + v * lanes));
                 }
-                x[v] = S::load(row.add(v * lanes));
+                let x = S::load(row.add(v * lanes));
+                for k in 0..KT {
+                    acc[k][v] = S::fma(pk[k], x, acc[k][v]);
+                }
             }
-            for k in 0..KT {
-                let pk = S::splat(*a.p.add((k0 + k) * a.n + i));
-                for v in 0..VW {
-                    acc[k][v] = S::fma(pk, x[v], acc[k][v]);
+            let y = part_row::<S, N>(a, i, &parts, ahead);
+            for t in 0..N {
+                for k in 0..KT {
+                    part[t][k] = S::fma(pk[k], y[t], part[t][k]);
                 }
             }
         }
@@ -92,15 +116,91 @@ unsafe fn mtp_strip<S: Simd, const VW: usize, const KT: usize>(
                 S::store(qv(k, v), acc[k][v]);
             }
         }
+        part_store::<S, KT, N>(a, k0, &parts, &part);
     }
 }
 
-/// [`mtp_strip`] for one vector from column `j0` (prefetching as it does, `ahead`), of
-/// which only the columns `keep` are written to `Q` (the others belong to other strips):
-/// the vector is loaded from `Q` and stored to a scratch tile, so each kept column gets
-/// the same operations as in a whole strip.
-// Register tiles read best with explicit indices.
-#[allow(clippy::needless_range_loop)]
+/// The accumulators of the part vectors `parts` ([`mtp_strip_part`]), from `Q`: a row
+/// block after the first.
+///
+/// # Safety
+/// As [`mtp_strip_part`]: columns `k0..k0 + KT` inside 0..r and each vector's columns
+/// `j0..j0 + lanes` inside 0..cols; the instruction set is the caller's.
+#[inline(always)]
+unsafe fn part_load<S: Simd, const KT: usize, const N: usize>(
+    a: &Mat,
+    k0: usize,
+    parts: &[(usize, Range<usize>); N],
+    part: &mut [[S::V; KT]; N],
+) {
+    for ((j0, keep), acc) in parts.iter().zip(part.iter_mut()) {
+        debug_assert!(*j0 <= keep.start && keep.end <= j0 + S::LANES);
+        for (k, v) in acc.iter_mut().enumerate() {
+            // SAFETY: the vector lies in column k0 + k of Q (the caller).
+            *v = unsafe { S::load(a.q.add((k0 + k) * a.cols + j0)) };
+        }
+    }
+}
+
+/// Row `i`'s vectors of the parts `parts`, each prefetched `ahead` (both lines it
+/// touches: the strips' prefetches start at the line boundary).
+///
+/// # Safety
+/// As [`part_load`], with row `i` inside 0..n.
+#[inline(always)]
+unsafe fn part_row<S: Simd, const N: usize>(
+    a: &Mat,
+    i: usize,
+    parts: &[(usize, Range<usize>); N],
+    ahead: usize,
+) -> [S::V; N] {
+    // SAFETY: each vector lies in row i (the caller); prefetch addresses are formed with
+    // `wrapping_add` and a prefetch never faults.
+    unsafe {
+        let mut y = [S::zero(); N];
+        for (t, (j0, _)) in parts.iter().enumerate() {
+            let at = a.m.wrapping_add(i * a.cols + j0);
+            if ahead != 0 {
+                S::prefetch_l2(at.wrapping_add(ahead));
+                S::prefetch_l2(at.wrapping_add(ahead + S::LANES - 1));
+            }
+            y[t] = S::load(at);
+        }
+        y
+    }
+}
+
+/// The part vectors' accumulators `part` written to `Q`, only their columns `keep`
+/// (the others belong to other strips), through a scratch tile.
+///
+/// # Safety
+/// As [`part_load`].
+#[inline(always)]
+unsafe fn part_store<S: Simd, const KT: usize, const N: usize>(
+    a: &Mat,
+    k0: usize,
+    parts: &[(usize, Range<usize>); N],
+    part: &[[S::V; KT]; N],
+) {
+    let mut tile = [0.0f32; 16];
+    for ((j0, keep), acc) in parts.iter().zip(part.iter()) {
+        for (k, &v) in acc.iter().enumerate() {
+            // SAFETY: the scratch tile holds 16 floats, `lanes` at most; the kept columns
+            // lie in column k0 + k of Q (the caller).
+            unsafe {
+                S::store(tile.as_mut_ptr(), v);
+                for c in keep.clone() {
+                    *a.q.add((k0 + k) * a.cols + c) = tile[c - j0];
+                }
+            }
+        }
+    }
+}
+
+/// [`mtp_strip`] for the part vectors `parts` alone (no whole strip): each `(j0, keep)`
+/// one vector from column `j0`, of which only the columns `keep` are written to `Q` (the
+/// others belong to other strips): the vector is loaded from `Q` and stored to a scratch
+/// tile, so each kept column gets the same operations as in a whole strip.
 #[inline(always)]
 unsafe fn mtp_strip_part<S: Simd, const KT: usize, const N: usize>(
     a: &Mat,
@@ -109,51 +209,9 @@ unsafe fn mtp_strip_part<S: Simd, const KT: usize, const N: usize>(
     k0: usize,
     ahead: usize,
 ) {
-    let lanes = S::LANES;
-    let cols = a.cols;
-    let mut tile = [0.0f32; 16];
-    // SAFETY: the caller guarantees `rows` inside 0..n, columns k0..k0+KT inside 0..r and
-    // each vector's columns j0..j0 + lanes inside 0..cols; the scratch tile holds 16
-    // floats, `lanes` at most.
-    unsafe {
-        let qv = |k: usize, j0: usize| a.q.add((k0 + k) * cols + j0);
-        let mut acc = [[S::zero(); KT]; N];
-        for (t, (j0, keep)) in parts.iter().enumerate() {
-            debug_assert!(*j0 <= keep.start && keep.end <= j0 + lanes);
-            if rows.start > 0 {
-                for k in 0..KT {
-                    acc[t][k] = S::load(qv(k, *j0));
-                }
-            }
-        }
-        for i in rows {
-            let mut x = [S::zero(); N];
-            for t in 0..N {
-                let at = a.m.add(i * cols + parts[t].0);
-                if ahead != 0 {
-                    // Both lines the vector touches: the strips' prefetches start at the
-                    // line boundary.
-                    S::prefetch_l2(at.wrapping_add(ahead));
-                    S::prefetch_l2(at.wrapping_add(ahead + lanes - 1));
-                }
-                x[t] = S::load(at);
-            }
-            for k in 0..KT {
-                let pk = S::splat(*a.p.add((k0 + k) * a.n + i));
-                for t in 0..N {
-                    acc[t][k] = S::fma(pk, x[t], acc[t][k]);
-                }
-            }
-        }
-        for (t, (j0, keep)) in parts.iter().enumerate() {
-            for k in 0..KT {
-                S::store(tile.as_mut_ptr(), acc[t][k]);
-                for c in keep.clone() {
-                    *qv(k, *j0).add(c - j0) = tile[c - j0];
-                }
-            }
-        }
-    }
+    // SAFETY: forwarded caller guarantees (a strip of no whole vectors reads only the
+    // parts).
+    unsafe { mtp_strip::<S, 0, KT, N>(a, rows, parts[0].0, k0, ahead, false, parts) }
 }
 
 /// One row block of one panel for the columns `k0..k0+KT` of `Q`: with a row start off
@@ -209,42 +267,65 @@ unsafe fn mtp_block<S: Simd, const VW: usize, const KT: usize>(
             last = j + (vec_end - j) / lanes * lanes;
         }
         let vec_end = last;
+        // Each part (the lead's, the tail's) is one dependent chain of multiply-adds down
+        // the rows. One walk each cost 10-16% at r = 1 and 2 against `M` on a line; one
+        // walk for both (their latencies overlapped) read, as median ratio of pairs in
+        // two sets of 3 and 5 alternated runs, r = 1 1.01-1.04, r = 2 1.02-1.10, r = 8
+        // 1.01-1.06, but still waited an FMA's latency a row. So the first strip takes
+        // them beside its own vectors where its tile leaves registers for them
+        // (`KT <= 2`). With `M` in L2 16 bytes past a line (Intel Xeon, Emerald Rapids
+        // class, AVX-512, `--roofline`, five alternated pairs, with the cached blocks of
+        // [`MTP_BLOCK_FLOATS_CACHED`]): r = 1 0.71-0.75 -> 0.79-0.82 of the in-core
+        // limit (median ratio of pairs 1.09), r = 2 0.66-0.70 -> 0.73-0.75 (1.09), r = 4
+        // and 8 (blocks alone) 1.07 and 1.05; from memory the same (0.99-1.01); AVX2 the
+        // same (1.00-1.01, whose r = 1 and 2 take the row stream in cache). (Taken with
+        // the row's vectors all loaded first, 16 x 1 plus two parts spilled three
+        // accumulators and r = 1 read 0.91-0.97 of one walk.)
+        let tail = (vec_end < panel.start + panel.len() / lanes * lanes).then(|| {
+            let end = panel.start + panel.len() / lanes * lanes;
+            (end - lanes, vec_end..end)
+        });
+        let mut parts = (lead_part, tail);
+        if KT <= 2 && j + VW * lanes <= vec_end {
+            match parts {
+                (Some(l), Some(t)) => {
+                    mtp_strip::<S, VW, KT, 2>(a, rows.clone(), j, k0, ahead, next_row, [l, t])
+                }
+                (Some(p), None) | (None, Some(p)) => {
+                    mtp_strip::<S, VW, KT, 1>(a, rows.clone(), j, k0, ahead, next_row, [p])
+                }
+                (None, None) => {
+                    mtp_strip::<S, VW, KT, 0>(a, rows.clone(), j, k0, ahead, next_row, [])
+                }
+            }
+            j += VW * lanes;
+            parts = (None, None);
+        }
         while j + VW * lanes <= vec_end {
-            mtp_strip::<S, VW, KT>(a, rows.clone(), j, k0, ahead, next_row);
+            mtp_strip::<S, VW, KT, 0>(a, rows.clone(), j, k0, ahead, next_row, []);
             j += VW * lanes;
         }
         // The vectors left over, fewer than VW: strips of 8, 4, 2 and 1 (a binary
         // decomposition), so that they keep several accumulators in flight: one vector
         // at a time is one dependent chain of multiply-adds down the rows.
         if VW > 8 && j + 8 * lanes <= vec_end {
-            mtp_strip::<S, 8, KT>(a, rows.clone(), j, k0, ahead, next_row);
+            mtp_strip::<S, 8, KT, 0>(a, rows.clone(), j, k0, ahead, next_row, []);
             j += 8 * lanes;
         }
         if VW > 4 && j + 4 * lanes <= vec_end {
-            mtp_strip::<S, 4, KT>(a, rows.clone(), j, k0, ahead, next_row);
+            mtp_strip::<S, 4, KT, 0>(a, rows.clone(), j, k0, ahead, next_row, []);
             j += 4 * lanes;
         }
         if VW > 2 && j + 2 * lanes <= vec_end {
-            mtp_strip::<S, 2, KT>(a, rows.clone(), j, k0, ahead, next_row);
+            mtp_strip::<S, 2, KT, 0>(a, rows.clone(), j, k0, ahead, next_row, []);
             j += 2 * lanes;
         }
         if VW > 1 && j < vec_end {
-            mtp_strip::<S, 1, KT>(a, rows.clone(), j, k0, ahead, next_row);
+            mtp_strip::<S, 1, KT, 0>(a, rows.clone(), j, k0, ahead, next_row, []);
             j += lanes;
         }
         debug_assert_eq!(j, vec_end);
-        // Each of these parts is one dependent chain of multiply-adds down the rows: the
-        // lead's and the tail's in one walk overlap their latencies. With `M` in L2 16
-        // bytes past a line (Intel Xeon, Emerald Rapids class, AVX-512), one walk each
-        // cost 10-16% at r = 1 and 2 against `M` on a line; one walk for both, median
-        // ratio of pairs in two sets of 3 and 5 alternated runs: r = 1 1.01-1.04, r = 2
-        // 1.02-1.10, r = 8 1.01-1.06 (r = 4 0.92-1.43, noise), from memory the same. (A
-        // part still waits on its chain: r = 1 reads 0.76 of the limit, 0.86 on a line.)
-        let tail = (vec_end < panel.start + panel.len() / lanes * lanes).then(|| {
-            let end = panel.start + panel.len() / lanes * lanes;
-            (end - lanes, vec_end..end)
-        });
-        match (lead_part, tail) {
+        match parts {
             (Some(l), Some(t)) => mtp_strip_part::<S, KT, 2>(a, rows.clone(), [l, t], k0, ahead),
             (Some(p), None) | (None, Some(p)) => {
                 mtp_strip_part::<S, KT, 1>(a, rows.clone(), [p], k0, ahead)
@@ -593,7 +674,8 @@ const fn tile_accumulators(lanes: usize) -> usize {
 }
 
 /// `Q[cols] = (Mᵀ P)[cols]` for one matrix: column panels of [`MTP_PANEL_COLS`], row
-/// blocks of [`MTP_BLOCK_FLOATS`] inside each, and in each block tiles of `KT` columns of
+/// blocks of [`MTP_BLOCK_FLOATS`] inside each ([`MTP_BLOCK_FLOATS_CACHED`] for a call
+/// that does not stream from memory), and in each block tiles of `KT` columns of
 /// `Q` by `VW` vectors (`KT x VW` accumulators: 1 x 16, 2 x 8, 4 x 4, 8 x 2 on AVX-512;
 /// 1 x 8, 2 x 4, 4 x 2 on AVX2), each row adding `KT x VW` fused multiply-adds to them.
 /// A rank that is not 1, 2, 4 or 8 goes in tiles of 8 (16 lanes only), 4, 2, 1 columns,
@@ -645,7 +727,12 @@ pub(crate) unsafe fn mtp_cols<S: Simd>(a: &Mat, cols: Range<usize>) {
     let mut c0 = cols.start;
     while c0 < cols.end {
         let panel = c0..(c0 + width).min(cols.end);
-        let block = (MTP_BLOCK_FLOATS / panel.len().max(1))
+        let block_floats = if sweep {
+            MTP_BLOCK_FLOATS
+        } else {
+            MTP_BLOCK_FLOATS_CACHED
+        };
+        let block = (block_floats / panel.len().max(1))
             .clamp(MTP_BLOCK_ROWS_MIN, MTP_BLOCK_ROWS_MAX)
             .min(a.n.max(1));
         let mut i0 = 0;
