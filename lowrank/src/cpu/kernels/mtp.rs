@@ -378,6 +378,20 @@ const MTP_STREAM_FROM_RANK: usize = 8;
 /// add a tile of 1-2 columns, faster with the strips at 2048 columns but slower at 768
 /// and 1000 (r = 7 at 1000: 0.09-0.11 of the read sum against 0.13).
 const MTP_STRIPS_WIDE_TILE: usize = 4;
+/// With 8 lanes where L1 has 12 ways or more ([`l1_is_wide`]), [`mtp_cols`] takes the
+/// strips at every rank, in cache and from memory, when every row lies alike on 64-byte
+/// lines (`cols` a multiple of this many floats), where the strips peel each row's lead
+/// and every strip reads whole lines. Since the strips walk their part vectors beside a
+/// strip, load each row's vectors as they multiply them and keep 256 KiB row blocks in
+/// cache, they read more than the stream on an Intel Xeon (Emerald Rapids class, 48 KiB
+/// 12-way L1, AVX2), median ratio of alternated pairs: with `M` in L2 16 bytes past a
+/// line (`--roofline`, eight pairs) r = 1 1.06, r = 2 1.17, and at 768 / 1024 / 2048
+/// columns (15 pairs) r = 1 1.02 / 1.02 / 1.09, r = 2 1.18 / 1.18 / 1.24, r = 3 0.99 /
+/// 0.98 / 1.10, r = 5-7 1.02-1.41; from the last-level cache (512 x 4096) r = 1, 2, 3,
+/// 8, 12, 16 1.10, 1.11, 1.11, 1.26, 1.27, 1.28; from memory (4096 x 4096) 0.98-1.05.
+/// Where rows lie apart (1000 columns) the strips read 0.73-1.01 of the stream in L2,
+/// and the rules before hold.
+const MTP_STRIPS_ROW_FLOATS: usize = 16;
 /// Bytes at least that [`mtp_stream`] sweeps ahead, in whole blocks of rows.
 const MTP_STREAM_AHEAD_BYTES: usize = 128 * 1024;
 
@@ -567,7 +581,9 @@ fn stream_shift<S: Simd>(a: &Mat, c0: usize) -> usize {
 /// in both. So [`mtp_cols`] takes this
 /// kernel up to [`MTP_STREAM_MAX_RANK`] and from [`MTP_STREAM_FROM_RANK`], and for a
 /// call that streams less than [`SWEEP_MIN_BYTES`] (`M` likely in cache) at every rank
-/// on 8-way L1s, at ranks not a multiple of [`MTP_STRIPS_WIDE_TILE`] on wider ones.
+/// on 8-way L1s, at ranks not a multiple of [`MTP_STRIPS_WIDE_TILE`] on wider ones,
+/// but not on those wider ones where every row lies alike on lines
+/// ([`MTP_STRIPS_ROW_FLOATS`]).
 ///
 /// Each element gets the same operations in the same order as in [`mtp_block`] (from
 /// zero, one fused multiply-add a row in row order, [`Simd::fma1`] for the columns taken
@@ -683,7 +699,8 @@ const fn tile_accumulators(lanes: usize) -> usize {
 /// [`MTP_STREAM_MAX_RANK`] or from [`MTP_STREAM_FROM_RANK`], and calls that stream less
 /// than [`SWEEP_MIN_BYTES`] (where L1 has 12 ways or more, at ranks not a multiple of
 /// [`MTP_STRIPS_WIDE_TILE`]), take the row-streaming [`mtp_stream`] instead (the same
-/// bits).
+/// bits), unless L1 has 12 ways or more and every row lies alike on lines
+/// ([`MTP_STRIPS_ROW_FLOATS`]).
 ///
 /// A call that streams [`SWEEP_MIN_BYTES`] or more prefetches each row it reads into L2
 /// one row block ahead at r = 1, two otherwise (the hardware prefetchers do not keep up
@@ -711,16 +728,29 @@ pub(crate) unsafe fn mtp_cols<S: Simd>(a: &Mat, cols: Range<usize>) {
         return;
     }
     let sweep = a.n * cols.len() * 4 >= SWEEP_MIN_BYTES;
+    let wide = l1_is_wide();
     let stream = lanes == 8
+        && !(wide && a.cols.is_multiple_of(MTP_STRIPS_ROW_FLOATS))
         && if sweep {
             a.r <= MTP_STREAM_MAX_RANK || a.r >= MTP_STREAM_FROM_RANK
         } else {
-            !a.r.is_multiple_of(MTP_STRIPS_WIDE_TILE) || !l1_is_wide()
+            !a.r.is_multiple_of(MTP_STRIPS_WIDE_TILE) || !wide
         };
-    if stream {
-        // SAFETY: forwarded caller guarantees.
-        return unsafe { mtp_stream::<S>(a, cols) };
+    // SAFETY: forwarded caller guarantees.
+    unsafe {
+        if stream {
+            mtp_stream::<S>(a, cols)
+        } else {
+            mtp_strips::<S>(a, cols)
+        }
     }
+}
+
+/// The strips of [`mtp_cols`] (see there) over the columns `cols`, `a.n` > 0.
+#[inline(always)]
+unsafe fn mtp_strips<S: Simd>(a: &Mat, cols: Range<usize>) {
+    let lanes = S::LANES;
+    let sweep = a.n * cols.len() * 4 >= SWEEP_MIN_BYTES;
     let accs = tile_accumulators(lanes);
     let next_row = strips_prefetch_next_row();
     let width = MTP_PANEL_COLS.max(lanes);
@@ -789,5 +819,117 @@ pub(crate) unsafe fn mtp_cols<S: Simd>(a: &Mat, cols: Range<usize>) {
             i0 = rows.end;
         }
         c0 = panel.end;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::simd::Portable;
+
+    /// `M`'s rows at `off` floats into a buffer, the matrix behind [`Mat`].
+    struct Case {
+        m: Vec<f32>,
+        p: Vec<f32>,
+        n: usize,
+        cols: usize,
+        r: usize,
+        off: usize,
+    }
+
+    impl Case {
+        fn new(n: usize, cols: usize, r: usize, off: usize) -> Case {
+            // Values whose sums round differently in another order.
+            let val = |i: usize, s: u32| {
+                ((i as u32).wrapping_mul(2654435761).wrapping_add(s) >> 8) as f32
+                    / (1u32 << 24) as f32
+                    - 0.5
+            };
+            Case {
+                m: (0..n * cols + off).map(|i| val(i, 1)).collect(),
+                p: (0..n * r).map(|i| val(i, 7)).collect(),
+                n,
+                cols,
+                r,
+                off,
+            }
+        }
+
+        /// `Q` from `kernel` over all columns.
+        fn run(&mut self, kernel: Kernel) -> Vec<f32> {
+            let mut q = vec![f32::NAN; self.r * self.cols];
+            let a = Mat {
+                m: self.m[self.off..].as_mut_ptr(),
+                e: std::ptr::null_mut(),
+                p: self.p.as_mut_ptr(),
+                q: q.as_mut_ptr(),
+                n: self.n,
+                cols: self.cols,
+                r: self.r,
+            };
+            // SAFETY: `a` points at buffers of its shape, alive and not shared.
+            unsafe { kernel(&a, 0..self.cols) };
+            q
+        }
+    }
+
+    /// A kernel over the columns of a matrix.
+    type Kernel = unsafe fn(&Mat, Range<usize>);
+
+    unsafe fn stream_portable(a: &Mat, cols: Range<usize>) {
+        // SAFETY: forwarded.
+        unsafe { mtp_stream::<Portable>(a, cols) }
+    }
+
+    unsafe fn strips_portable(a: &Mat, cols: Range<usize>) {
+        // SAFETY: forwarded.
+        unsafe { mtp_strips::<Portable>(a, cols) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn stream_avx2(a: &Mat, cols: Range<usize>) {
+        // SAFETY: forwarded; the caller checked the instruction set.
+        unsafe { mtp_stream::<crate::cpu::simd::Avx2>(a, cols) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn strips_avx2(a: &Mat, cols: Range<usize>) {
+        // SAFETY: forwarded; the caller checked the instruction set.
+        unsafe { mtp_strips::<crate::cpu::simd::Avx2>(a, cols) }
+    }
+
+    /// The row stream and the strips, which [`mtp_cols`] chooses between by L1, rank,
+    /// width and whether the call streams from memory, give the same bits: on every
+    /// machine, whichever it takes, over row blocks (in cache and sweeping), part
+    /// vectors, leftover strips and ragged columns, at every offset of `M` from a line.
+    #[test]
+    fn the_stream_and_the_strips_give_the_same_bits() {
+        let mut kernels: Vec<(&str, Kernel, Kernel)> =
+            vec![("portable", stream_portable, strips_portable)];
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            kernels.push(("avx2", stream_avx2, strips_avx2));
+        }
+        for (n, cols, r) in [
+            (70, 1024, 1),
+            (150, 1024, 2),
+            (67, 528, 3),
+            (9, 4111, 5),
+            (20, 1000, 8),
+            (80, 4096, 4),
+        ] {
+            for off in [0, 3, 4, 12] {
+                let mut case = Case::new(n, cols, r, off);
+                for &(isa, stream, strips) in &kernels {
+                    let (a, b) = (case.run(stream), case.run(strips));
+                    assert!(
+                        a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                        "{isa} {n} x {cols}, r = {r}, offset {off}: the stream and the strips differ"
+                    );
+                }
+            }
+        }
     }
 }
