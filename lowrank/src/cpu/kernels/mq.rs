@@ -295,6 +295,7 @@ unsafe fn mq_span<S: Simd, const RB: usize, const KT: usize, const U: usize, con
     ahead: Ahead,
     edges: Edges,
 ) {
+    let lanes = S::LANES;
     let (sweep, base, span_len) = match ahead {
         Ahead::No => (false, 0, 0),
         Ahead::Sweep(base, len) => (true, base, len),
@@ -317,37 +318,7 @@ unsafe fn mq_span<S: Simd, const RB: usize, const KT: usize, const U: usize, con
                 }
             }
         }
-        mq_walk::<S, RB, KT, U, FUSE>(sweep, &t, &mut regs, span, q, a.r, k0, edges);
-        for ii in 0..RB {
-            for k in 0..KT {
-                for u in 0..U {
-                    *slot(ii, k, u) = regs[ii][k][u];
-                }
-            }
-        }
-    }
-}
-
-/// Vectors `span` of a tile's rows (a span's, from a multiple of `U` vectors, or a
-/// whole row's) on the accumulators `regs`, for [`mq_span`] and the whole rows: the
-/// first group of a row with edges one vector at a time, the whole groups short of the
-/// last edge vector in [`mq_hot`], then what they leave one vector at a time
-/// ([`mq_each`]). `t`, `q`, `r`, `k0`, `edges` and `sweep` as there.
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-unsafe fn mq_walk<S: Simd, const RB: usize, const KT: usize, const U: usize, const FUSE: bool>(
-    sweep: bool,
-    t: &TileRows,
-    regs: &mut [[[S::V; U]; KT]; RB],
-    span: Range<usize>,
-    q: *const f32,
-    r: usize,
-    k0: usize,
-    edges: Edges,
-) {
-    let group = U * S::LANES;
-    // SAFETY: as in `mq_span`, whose guarantees the caller forwards.
-    unsafe {
+        let group = U * lanes;
         // The first group of a row with edges goes one vector at a time, as the vectors
         // that do not fill a group and the last edge do: all in registers (one at a
         // time on the accumulators in memory, the edges cost a 1024-float row of 2 x 8
@@ -355,26 +326,31 @@ unsafe fn mq_walk<S: Simd, const RB: usize, const KT: usize, const U: usize, con
         let mut j = span.start;
         if edges.lead > 0 && j == 0 {
             j = group.min(span.end);
-            mq_each::<S, RB, KT, U, FUSE>(sweep, t, regs, span.start..j, q, r, k0, edges);
+            mq_each::<S, RB, KT, U, FUSE>(sweep, &t, &mut regs, span.start..j, q, a.r, k0, edges);
         }
-        // Whole groups short of the last edge vector, the sweep a constant of the loop
-        // (as a flag LLVM kept it, and a row pointer, on the stack and tested it every
-        // step of the fused pass over whole rows).
+        // Whole groups short of the last edge vector.
         let hot_end = if edges.lead > 0 {
             span.end.min(edges.last)
         } else {
             span.end
         };
-        let hot = j..j + hot_end.saturating_sub(j) / group * group;
+        let hot = j..j + (hot_end.saturating_sub(j)) / group * group;
         if !hot.is_empty() {
             if sweep {
-                mq_hot::<S, RB, KT, U, FUSE, true>(t, regs, k0, r, hot.clone(), q);
+                mq_hot::<S, RB, KT, U, FUSE, true>(&t, &mut regs, k0, a.r, hot.clone(), q);
             } else {
-                mq_hot::<S, RB, KT, U, FUSE, false>(t, regs, k0, r, hot.clone(), q);
+                mq_hot::<S, RB, KT, U, FUSE, false>(&t, &mut regs, k0, a.r, hot.clone(), q);
             }
             j = hot.end;
         }
-        mq_each::<S, RB, KT, U, FUSE>(sweep, t, regs, j..span.end, q, r, k0, edges);
+        mq_each::<S, RB, KT, U, FUSE>(sweep, &t, &mut regs, j..span.end, q, a.r, k0, edges);
+        for ii in 0..RB {
+            for k in 0..KT {
+                for u in 0..U {
+                    *slot(ii, k, u) = regs[ii][k][u];
+                }
+            }
+        }
     }
 }
 

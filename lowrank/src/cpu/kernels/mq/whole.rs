@@ -36,6 +36,7 @@ unsafe fn mq_whole<S: Simd, const RB: usize, const KT: usize, const U: usize, co
         edges,
         isa: _,
     } = w;
+    let lanes = S::LANES;
     let (sweep, base) = match ahead {
         Ahead::No => (false, 0),
         Ahead::Sweep(base, _) => (true, base),
@@ -45,7 +46,29 @@ unsafe fn mq_whole<S: Simd, const RB: usize, const KT: usize, const U: usize, co
     unsafe {
         let t = TileRows::new(ap, i0, FUSE, base, 0, vec_end_p);
         let mut regs = [[[S::zero(); U]; KT]; RB];
-        mq_walk::<S, RB, KT, U, FUSE>(sweep, &t, &mut regs, 0..vec_end_p, q, ap.r, k0, edges);
+        let group = U * lanes;
+        let mut j = 0;
+        if edges.lead > 0 {
+            j = group.min(vec_end_p);
+            mq_each::<S, RB, KT, U, FUSE>(sweep, &t, &mut regs, 0..j, q, ap.r, k0, edges);
+        }
+        let hot_end = if edges.lead > 0 {
+            vec_end_p.min(edges.last)
+        } else {
+            vec_end_p
+        };
+        let hot = j..j + hot_end.saturating_sub(j) / group * group;
+        // The sweep a constant of the loop: as a flag LLVM kept it (and a row pointer)
+        // on the stack and tested it every step of the fused pass.
+        if !hot.is_empty() {
+            if sweep {
+                mq_hot::<S, RB, KT, U, FUSE, true>(&t, &mut regs, k0, ap.r, hot.clone(), q);
+            } else {
+                mq_hot::<S, RB, KT, U, FUSE, false>(&t, &mut regs, k0, ap.r, hot.clone(), q);
+            }
+            j = hot.end;
+        }
+        mq_each::<S, RB, KT, U, FUSE>(sweep, &t, &mut regs, j..vec_end_p, q, ap.r, k0, edges);
         mq_finish_regs::<S, RB, KT, U, FUSE>(a, i0, k0, vec_end, &regs);
     }
 }
