@@ -1,7 +1,7 @@
 //! `M = P Qᵀ`, optionally fused with `E = X - M` (`X` read from `M`).
 
 use super::pack::{pack_q_from, QPack};
-use super::{line_lead, Mat, SWEEP_MIN_BYTES, SWEEP_STRIDE};
+use super::{l1_is_wide, line_lead, Mat, SWEEP_MIN_BYTES, SWEEP_STRIDE};
 use crate::cpu::simd::Simd;
 use std::ops::Range;
 
@@ -220,6 +220,15 @@ unsafe fn pqt_rows_rc<S: Simd, const RC: usize, const FUSE: bool>(a: &Mat, rows:
     // AMD Zen 4, alternated runs: AVX-512 r = 4 0.56-0.66 -> 0.62-0.76 of the in-core
     // limit, r = 2 0.72-0.84 -> 0.78-0.90; AVX2 r = 4 0.59-0.67 -> 0.71-0.73, r = 1
     // 0.76-0.80 -> 0.82-0.84. At r = 8 one row read 0.33-0.40 against 0.41-0.59.
+    // A call that streams from memory (`sweep`) on an L1 of 12 ways or more
+    // ([`l1_is_wide`]) takes four rows of two vectors above r = 4 instead: each vector of
+    // `Q` is loaded for four rows' FMAs, not two, and the four rows of `M` and of `E`
+    // fit such a set beside `Q`'s line. Intel Xeon (Emerald Rapids class), median ratio
+    // of alternated pairs against two rows: `pqt_error` r = 8 (`--roofline`, eight pairs)
+    // from memory (4096 x 4096) 1.06-1.07 (AVX-512, AVX2), from the last-level cache
+    // 1.03-1.04, but with `M` in L2 0.93-0.96, so calls in cache keep two rows; from
+    // memory, nine pairs, AVX-512 / AVX2, `pqt_error` r = 5, 8, 16 1.03 / 1.03, 1.05 /
+    // 1.06, 1.09 / 1.02 and `pqt` r = 5, 8 1.11 / 1.12, 1.14 / 1.15.
     // The tile does not change how any element is summed (each is its own chain of r
     // FMAs in k order), so results are bit-identical either way.
     let lanes = S::LANES;
@@ -233,6 +242,12 @@ unsafe fn pqt_rows_rc<S: Simd, const RC: usize, const FUSE: bool>(a: &Mat, rows:
     // `rows`, inside 0..n.
     unsafe {
         pack_q_from::<S>(a, lead, nvec, qpack);
+        if a.r > 4 && sweep && l1_is_wide() {
+            while i + 4 <= rows.end {
+                pqt_block::<S, 4, 2, RC, FUSE>(a, i, qpack, lead, sweep);
+                i += 4;
+            }
+        }
         if a.r > 4 {
             while i + 2 <= rows.end {
                 pqt_block::<S, 2, 4, RC, FUSE>(a, i, qpack, lead, sweep);
