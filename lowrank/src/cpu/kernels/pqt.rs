@@ -228,7 +228,14 @@ unsafe fn pqt_rows_rc<S: Simd, const RC: usize, const FUSE: bool>(a: &Mat, rows:
     // from memory (4096 x 4096) 1.06-1.07 (AVX-512, AVX2), from the last-level cache
     // 1.03-1.04, but with `M` in L2 0.93-0.96, so calls in cache keep two rows; from
     // memory, nine pairs, AVX-512 / AVX2, `pqt_error` r = 5, 8, 16 1.03 / 1.03, 1.05 /
-    // 1.06, 1.09 / 1.02 and `pqt` r = 5, 8 1.11 / 1.12, 1.14 / 1.15.
+    // 1.06, 1.09 / 1.02 and `pqt` r = 5, 8 1.11 / 1.12, 1.14 / 1.15. Such a call takes
+    // two rows of four vectors at r = 2 to 4 too, where one row of eight read the same
+    // lines with each vector of `Q` loaded for one row: `pqt_error` (`--roofline`, four
+    // and five pairs, AVX-512 / AVX2) from memory r = 2 1.06 / 1.04, r = 4 1.14 / 1.09,
+    // from the last-level cache 1.07 / 1.05 and 1.16 / 1.10 (r = 1 the same, so it keeps
+    // one row); from memory at 4096 x 4096, nine pairs, `pqt_error` r = 2 / 3 / 4 1.02 /
+    // 1.05 / 1.08 (AVX-512) and 1.06 / 1.06 / 1.08 (AVX2), `pqt` 1.10 / 1.22 / 1.23 and
+    // 1.01 / 1.22 / 1.26.
     // The tile does not change how any element is summed (each is its own chain of r
     // FMAs in k order), so results are bit-identical either way.
     let lanes = S::LANES;
@@ -242,10 +249,17 @@ unsafe fn pqt_rows_rc<S: Simd, const RC: usize, const FUSE: bool>(a: &Mat, rows:
     // `rows`, inside 0..n.
     unsafe {
         pack_q_from::<S>(a, lead, nvec, qpack);
-        if a.r > 4 && sweep && l1_is_wide() {
+        let wide_sweep = sweep && l1_is_wide();
+        if a.r > 4 && wide_sweep {
             while i + 4 <= rows.end {
                 pqt_block::<S, 4, 2, RC, FUSE>(a, i, qpack, lead, sweep);
                 i += 4;
+            }
+        }
+        if (2..=4).contains(&a.r) && wide_sweep {
+            while i + 2 <= rows.end {
+                pqt_block::<S, 2, 4, RC, FUSE>(a, i, qpack, lead, sweep);
+                i += 2;
             }
         }
         if a.r > 4 {
