@@ -38,7 +38,73 @@ const SWEEP_STRIDE: usize = 16;
 /// only take load slots (with `M` in L2, `mq` at r = 1 read 0.78 of its in-core limit
 /// without them against 0.58), or its rows too few for a sweep blocks ahead to run ahead
 /// of the loads.
+/// On cores whose prefetchers keep up alone, calls at low rank never sweep
+/// ([`sweep_min_bytes`]).
 const SWEEP_MIN_BYTES: usize = 1 << 20;
+
+/// Highest rank at which an `mq` call (plain or fused) does not sweep, on a core whose
+/// hardware prefetchers keep up alone ([`prefetchers_keep_up`]). AMD Zen 5 (EPYC, family
+/// 0x1A, AVX-512, KVM, 32-38 GB/s read by one thread), `bench lowrank --roofline` with
+/// and without the sweep, median ratio of six alternated pairs, from memory / from the
+/// LLC: `mq` r = 1 1.10-1.18 / 1.20-1.24, r = 2 1.15-1.16 / 1.08-1.21; `mq+e` r = 1
+/// 1.07-1.12 / 1.18-1.48, r = 2 1.16-1.17 / 1.11-1.34 (two sets). At r = 4 `mq` read
+/// 1.01-1.05 / 0.99-1.17 and at r = 8 the sweep is worth 1.1-1.2, so those keep it.
+/// `--quick` (4096 x 4096, five pairs): one thread `mq` r = 1 / 2 1.16 / 1.08, two
+/// threads 1.05 / 0.99.
+const MQ_OWN_PREFETCH_RANK: usize = 2;
+/// [`MQ_OWN_PREFETCH_RANK`] for `mtp`: without the sweep, as there, r = 1 / 2 / 4 from
+/// memory 0.96-1.10 / 1.10-1.16 / 1.10-1.17, from the LLC 1.24-1.30 / 1.10-1.16 /
+/// 0.98-1.15; `--quick` one thread 0.99 / 1.08 / 1.08, two 1.01 / 0.98 / 0.96.
+const MTP_OWN_PREFETCH_RANK: usize = 4;
+/// [`MQ_OWN_PREFETCH_RANK`] for `pqt` and `pqt_error`: without the sweep, as there,
+/// `pqt+e` r = 1 read 1.15 from memory and 1.14-1.22 from the LLC; r = 2 1.04-1.08 from
+/// memory but 0.82-0.91 from the LLC, so it keeps the sweep.
+const PQT_OWN_PREFETCH_RANK: usize = 1;
+
+/// Bytes of `M` a call at rank `r` must stream to sweep ([`SWEEP_MIN_BYTES`]), or
+/// `usize::MAX` (never) where this core's prefetchers do better alone: at ranks up to
+/// `own_rank` (the kernel's: [`MQ_OWN_PREFETCH_RANK`], [`MTP_OWN_PREFETCH_RANK`],
+/// [`PQT_OWN_PREFETCH_RANK`]) on
+/// [`prefetchers_keep_up`] cores. Calls that do not sweep also take the in-cache
+/// choices (row blocks, walks); every choice gives the same bits.
+fn sweep_min_bytes(r: usize, own_rank: usize) -> usize {
+    if r <= own_rank && prefetchers_keep_up() {
+        usize::MAX
+    } else {
+        SWEEP_MIN_BYTES
+    }
+}
+
+/// Whether the core's hardware prefetchers stream a kernel's rows from memory at low rank
+/// better than with the software sweep on top: AMD family 0x1A (Zen 5) and later. On
+/// Zen 4 (family 0x19) the sweep took `mtp` r = 1 from 0.22-0.27 of the read bandwidth to
+/// 0.80-0.91 ([`mtp::mtp_cols`]'s doc), and on the Intel Xeons it is worth 1.1-1.2 from
+/// memory at r = 1-2 (earlier sessions' README).
+fn prefetchers_keep_up() -> bool {
+    cpu_is_amd() && amd_family() >= 0x1A
+}
+
+/// The processor's family from `cpuid` leaf 1 (base family, plus the extended family
+/// when the base is 0xF), read once.
+fn amd_family() -> u32 {
+    static FAMILY: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *FAMILY.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            #[allow(unused_unsafe)]
+            // SAFETY: `cpuid` exists on every x86-64 processor, and leaf 1 on every one.
+            let eax = unsafe { core::arch::x86_64::__cpuid(1) }.eax;
+            let base = (eax >> 8) & 0xf;
+            if base == 0xf {
+                base + ((eax >> 20) & 0xff)
+            } else {
+                base
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        0
+    })
+}
 
 /// Whether this core's own prefetchers fall behind a strip walking down rows in L2, so
 /// that `mtp`'s one-column tiles prefetch each row's next into L1 themselves: AMD cores.
@@ -287,6 +353,24 @@ mod tests {
             .map(str::trim)
             .expect("a vendor_id line");
         assert_eq!(super::cpu_is_amd(), vendor == "AuthenticAMD", "{vendor}");
+    }
+
+    /// The family read from `cpuid` agrees with the kernel's `cpu family`.
+    #[test]
+    #[cfg(all(target_os = "linux", target_arch = "x86_64"))]
+    fn family_is_read_from_cpuid() {
+        let info = std::fs::read_to_string("/proc/cpuinfo").expect("/proc/cpuinfo");
+        let family: u32 = info
+            .lines()
+            .find_map(|l| l.strip_prefix("cpu family"))
+            .and_then(|l| l.split(':').nth(1))
+            .and_then(|f| f.trim().parse().ok())
+            .expect("a cpu family line");
+        assert_eq!(super::amd_family(), family);
+        assert_eq!(
+            super::prefetchers_keep_up(),
+            super::cpu_is_amd() && family >= 0x1A
+        );
     }
 
     /// The L1 data cache's ways and size read from `cpuid` agree with the kernel's

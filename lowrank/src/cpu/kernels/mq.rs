@@ -9,7 +9,7 @@
 //! the width of the tile of columns `k` falls in, which depends only on `r`.
 
 use super::pack::{pack_q, pack_q_edges, QPack};
-use super::{l1_is_wide, vector_lead, Mat, SWEEP_MIN_BYTES, SWEEP_STRIDE};
+use super::{l1_is_wide, sweep_min_bytes, vector_lead, Mat, MQ_OWN_PREFETCH_RANK, SWEEP_STRIDE};
 use crate::cpu::simd::{Outlined, Simd};
 use std::marker::PhantomData;
 use std::ops::Range;
@@ -624,7 +624,7 @@ unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(a: &Mat, rows: 
     let per_group = group_vectors(lanes, a.r, RB);
     let per_row = group_vectors(lanes, a.r, 1);
     let block = if chunked { MQ_BLOCK_ROWS } else { RB };
-    let sweep = rows.len() * a.cols * 4 >= SWEEP_MIN_BYTES;
+    let sweep = rows.len() * a.cols * 4 >= sweep_min_bytes(a.r, MQ_OWN_PREFETCH_RANK);
     // SAFETY: S::zero has no preconditions beyond the instruction set, which the entry
     // point guarantees.
     let zero = unsafe { S::zero() };
@@ -755,10 +755,10 @@ unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(a: &Mat, rows: 
 /// 0.51-0.71): [`group_rows`] now takes one row for the fused pass at low rank and three
 /// rows for AVX2 at r = 8.
 ///
-/// From memory, a call that streams [`SWEEP_MIN_BYTES`] or more sweeps the rows
-/// [`MQ_AHEAD_BLOCKS`] blocks ahead into L2 ([`Ahead::Sweep`]). Cold, n = m = 4096, one
-/// thread, AMD Zen 4 (AVX-512), alternated runs against prefetches of the next group's
-/// span into L1 (and none for whole rows): r = 1 0.69-0.98 → 0.86-0.92 of the read
+/// From memory, a call that streams [`SWEEP_MIN_BYTES`](super::SWEEP_MIN_BYTES) or more
+/// sweeps the rows [`MQ_AHEAD_BLOCKS`] blocks ahead into L2 ([`Ahead::Sweep`]). Cold, n = m
+/// = 4096, one thread, AMD Zen 4 (AVX-512), alternated runs against prefetches of the next
+/// group's span into L1 (and none for whole rows): r = 1 0.69-0.98 → 0.86-0.92 of the read
 /// bandwidth, r = 2 0.49-0.58 → 0.77-0.88, r = 4 0.50-0.56 → 0.63-0.84, r = 8 (where the
 /// FMA units, not memory, set the pace) 0.48-0.51 → 0.49-0.66.
 ///

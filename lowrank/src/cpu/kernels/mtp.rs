@@ -8,8 +8,8 @@
 
 use super::pack::QPack;
 use super::{
-    l1_is_wide, line_lead, strips_prefetch_next_row, vector_lead, Mat, SWEEP_MIN_BYTES,
-    SWEEP_STRIDE,
+    l1_is_wide, line_lead, strips_prefetch_next_row, sweep_min_bytes, vector_lead, Mat,
+    MTP_OWN_PREFETCH_RANK, SWEEP_STRIDE,
 };
 use crate::cpu::simd::Simd;
 use std::ops::Range;
@@ -20,15 +20,15 @@ use std::ops::Range;
 /// bandwidth, 128 KiB 0.40-0.86, 512 KiB and whole-matrix blocks 0.12-0.56 (strips
 /// walking further down than L2 holds); with `M` in L2 the bigger the better.
 const MTP_BLOCK_FLOATS: usize = 32768;
-/// [`MTP_BLOCK_FLOATS`] for a call that streams less than [`SWEEP_MIN_BYTES`] (`M`
-/// likely in cache, L2 or the last level): 256 KiB. Each strip loads its tile from `Q`
-/// and stores it once a block, and the fewer the blocks the fewer the round trips (the
-/// loads and stores of a `Q` that does not lie on a line split). With `M` in L2 (Intel
-/// Xeon, Emerald Rapids class, AVX-512, 128 x 1024, 16 bytes past a line), median ratio
-/// of four alternated pairs against 128 KiB: r = 1 / 2 / 4 / 8 1.01 / 1.07 / 1.05 /
-/// 1.03, and 512 KiB (blocks of 128 rows) 0.96-0.99 of this; a plain loop of the
-/// 16 x 1 and 8 x 2 tiles read 0.90-0.92 and 0.84-0.87 of the read sum with 64 rows,
-/// 0.90 and 0.78-0.80 with 32.
+/// [`MTP_BLOCK_FLOATS`] for a call that streams less than
+/// [`SWEEP_MIN_BYTES`](super::SWEEP_MIN_BYTES) (`M` likely in cache, L2 or the last level):
+/// 256 KiB. Each strip loads its tile from `Q` and stores it once a block, and the fewer
+/// the blocks the fewer the round trips (the loads and stores of a `Q` that does not lie on
+/// a line split). With `M` in L2 (Intel Xeon, Emerald Rapids class, AVX-512, 128 x 1024, 16
+/// bytes past a line), median ratio of four alternated pairs against 128 KiB: r = 1 / 2 / 4
+/// / 8 1.01 / 1.07 / 1.05 / 1.03, and 512 KiB (blocks of 128 rows) 0.96-0.99 of this; a
+/// plain loop of the 16 x 1 and 8 x 2 tiles read 0.90-0.92 and 0.84-0.87 of the read sum
+/// with 64 rows, 0.90 and 0.78-0.80 with 32.
 const MTP_BLOCK_FLOATS_CACHED: usize = 65536;
 /// Rows per block: at least this many (the accumulators are loaded and stored once a
 /// block; fewer rows would make that traffic count), at most [`MTP_BLOCK_ROWS_MAX`].
@@ -396,25 +396,25 @@ const fn tile_accumulators(lanes: usize) -> usize {
     }
 }
 
-/// `Q[cols] = (Mᵀ P)[cols]` for one matrix: column panels of [`MTP_PANEL_COLS`], row
-/// blocks of [`MTP_BLOCK_FLOATS`] inside each ([`MTP_BLOCK_FLOATS_CACHED`] for a call
-/// that does not stream from memory), and in each block tiles of `KT` columns of
-/// `Q` by `VW` vectors (`KT x VW` accumulators: 1 x 16, 2 x 8, 4 x 4, 8 x 2 on AVX-512;
-/// 1 x 8, 2 x 4, 4 x 2 on AVX2), each row adding `KT x VW` fused multiply-adds to them.
-/// A rank that is not 1, 2, 4 or 8 goes in tiles of 8 (16 lanes only), 4, 2, 1 columns,
-/// each tile walking the block again (from L2). With 8 lanes, ranks up to
-/// [`MTP_STREAM_MAX_RANK`] or from [`MTP_STREAM_FROM_RANK`], and calls that stream less
-/// than [`SWEEP_MIN_BYTES`] (where L1 has 12 ways or more, at ranks not a multiple of
-/// [`MTP_STRIPS_WIDE_TILE`]), take the row-streaming [`mtp_stream`] instead (the same
-/// bits), unless L1 has 12 ways or more and every row lies alike on lines
+/// `Q[cols] = (Mᵀ P)[cols]` for one matrix: column panels of [`MTP_PANEL_COLS`], row blocks
+/// of [`MTP_BLOCK_FLOATS`] inside each ([`MTP_BLOCK_FLOATS_CACHED`] for a call that does
+/// not stream from memory), and in each block tiles of `KT` columns of `Q` by `VW` vectors
+/// (`KT x VW` accumulators: 1 x 16, 2 x 8, 4 x 4, 8 x 2 on AVX-512; 1 x 8, 2 x 4, 4 x 2 on
+/// AVX2), each row adding `KT x VW` fused multiply-adds to them. A rank that is not 1, 2, 4
+/// or 8 goes in tiles of 8 (16 lanes only), 4, 2, 1 columns, each tile walking the block
+/// again (from L2). With 8 lanes, ranks up to [`MTP_STREAM_MAX_RANK`] or from
+/// [`MTP_STREAM_FROM_RANK`], and calls that stream less than
+/// [`SWEEP_MIN_BYTES`](super::SWEEP_MIN_BYTES) (where L1 has 12 ways or more, at ranks not
+/// a multiple of [`MTP_STRIPS_WIDE_TILE`]), take the row-streaming [`mtp_stream`] instead
+/// (the same bits), unless L1 has 12 ways or more and every row lies alike on lines
 /// ([`MTP_STRIPS_ROW_FLOATS`]).
 ///
-/// A call that streams [`SWEEP_MIN_BYTES`] or more prefetches each row it reads into L2
-/// one row block ahead at r = 1, two otherwise (the hardware prefetchers do not keep up
-/// with a block's rows read in strips): cold, n = m = 4096, one thread, AMD Zen 4
-/// (AVX-512), alternated runs, r = 1 went from 0.22-0.27 of the read bandwidth to
-/// 0.80-0.91, r = 2 from 0.63-0.70 to 0.78-0.88, r = 4 from 0.55-0.82 to 0.74-0.93, r = 8
-/// from 0.39-0.51 to 0.60-0.80.
+/// A call that streams [`SWEEP_MIN_BYTES`](super::SWEEP_MIN_BYTES) or more prefetches each
+/// row it reads into L2 one row block ahead at r = 1, two otherwise (the hardware
+/// prefetchers do not keep up with a block's rows read in strips): cold, n = m = 4096, one
+/// thread, AMD Zen 4 (AVX-512), alternated runs, r = 1 went from 0.22-0.27 of the read
+/// bandwidth to 0.80-0.91, r = 2 from 0.63-0.70 to 0.78-0.88, r = 4 from 0.55-0.82 to
+/// 0.74-0.93, r = 8 from 0.39-0.51 to 0.60-0.80.
 ///
 /// The old kernel kept `Q` in memory and added a block of 8 rows to it per pass: each
 /// vector of `Q` was loaded, had 8 dependent FMAs added and was stored, and the 8 (or 16)
@@ -434,7 +434,7 @@ pub(crate) unsafe fn mtp_cols<S: Simd>(a: &Mat, cols: Range<usize>) {
         }
         return;
     }
-    let sweep = a.n * cols.len() * 4 >= SWEEP_MIN_BYTES;
+    let sweep = a.n * cols.len() * 4 >= sweep_min_bytes(a.r, MTP_OWN_PREFETCH_RANK);
     let wide = l1_is_wide();
     let stream = lanes == 8
         && !(wide && a.cols.is_multiple_of(MTP_STRIPS_ROW_FLOATS))
@@ -457,7 +457,7 @@ pub(crate) unsafe fn mtp_cols<S: Simd>(a: &Mat, cols: Range<usize>) {
 #[inline(always)]
 unsafe fn mtp_strips<S: Simd>(a: &Mat, cols: Range<usize>) {
     let lanes = S::LANES;
-    let sweep = a.n * cols.len() * 4 >= SWEEP_MIN_BYTES;
+    let sweep = a.n * cols.len() * 4 >= sweep_min_bytes(a.r, MTP_OWN_PREFETCH_RANK);
     let accs = tile_accumulators(lanes);
     let next_row = strips_prefetch_next_row();
     let width = MTP_PANEL_COLS.max(lanes);

@@ -1,35 +1,35 @@
 //! `M = P Qᵀ`, optionally fused with `E = X - M` (`X` read from `M`).
 
 use super::pack::{pack_q_from, QPack};
-use super::{l1_is_wide, line_lead, Mat, SWEEP_MIN_BYTES, SWEEP_STRIDE};
+use super::{l1_is_wide, line_lead, sweep_min_bytes, Mat, PQT_OWN_PREFETCH_RANK, SWEEP_STRIDE};
 use crate::cpu::simd::Simd;
 use std::ops::Range;
 
 /// How far ahead (floats) the fused pass sweeps `M` and `E` into L2 when a call streams
-/// [`SWEEP_MIN_BYTES`] or more (the plain pass `M` alone): 128 KiB, as `mq`'s sweep (on
-/// top of the L1 prefetch, [`PQT_PREFETCH`]). `E` is written whole, and each of its
-/// stores waited for the line's read for ownership: sweeping `M` alone did not help
-/// (cold, AVX-512, r = 4: 14.6-19.1 GB/s against 15.1-16.6). Cold, n = m = 4096, one thread, AMD Zen 4,
-/// alternated runs, fraction of the same traffic's stream loop (`e = m; m = -m`) from
-/// memory: AVX-512 r = 2 0.65-0.92 -> 0.83-0.99, r = 4 0.56-0.75 -> 0.79-0.80, r = 8
-/// 0.56-0.71 -> 0.69-0.87; AVX2 r = 4 0.58-0.62 -> 0.63-0.67, r = 8 0.52-0.59 ->
-/// 0.63-0.71; r = 1 unchanged (0.71-0.94).
+/// [`SWEEP_MIN_BYTES`](super::SWEEP_MIN_BYTES) or more (the plain pass `M` alone): 128 KiB,
+/// as `mq`'s sweep (on top of the L1 prefetch, [`PQT_PREFETCH`]). `E` is written whole, and
+/// each of its stores waited for the line's read for ownership: sweeping `M` alone did not
+/// help (cold, AVX-512, r = 4: 14.6-19.1 GB/s against 15.1-16.6). Cold, n = m = 4096, one
+/// thread, AMD Zen 4, alternated runs, fraction of the same traffic's stream loop (`e = m;
+/// m = -m`) from memory: AVX-512 r = 2 0.65-0.92 -> 0.83-0.99, r = 4 0.56-0.75 ->
+/// 0.79-0.80, r = 8 0.56-0.71 -> 0.69-0.87; AVX2 r = 4 0.58-0.62 -> 0.63-0.67, r = 8
+/// 0.52-0.59 -> 0.63-0.71; r = 1 unchanged (0.71-0.94).
 const PQT_AHEAD: usize = 32 * 1024;
-/// How far ahead (floats) both passes prefetch into L1 what they write, in every call:
-/// 8 lines of each row (`M`, and `E` for the fused pass). Without the prefetch each
-/// store of a line not in L1 waited for its read for ownership in the store buffer (the
-/// fused pass prefetched only `M`, 512 floats ahead and only below [`SWEEP_MIN_BYTES`];
-/// the plain one nothing). Intel Xeon (Emerald Rapids class), median ratio of
-/// alternated pairs, 3 each, against the stream loop that prefetches both too
-/// (`benches/bandwidth.rs`): with `M` in L2 (64 x 1024, 16 bytes past a line), `E`
-/// prefetched 512 floats ahead, AVX-512 r = 1 / 2 / 4 / 8 1.43 / 1.44 / 1.37 / 1.15
-/// against the old pass, AVX2 1.60 / 1.65 / 1.70 / 1.09; 128 floats ahead instead of
+/// How far ahead (floats) both passes prefetch into L1 what they write, in every call: 8
+/// lines of each row (`M`, and `E` for the fused pass). Without the prefetch each store of
+/// a line not in L1 waited for its read for ownership in the store buffer (the fused pass
+/// prefetched only `M`, 512 floats ahead and only below
+/// [`SWEEP_MIN_BYTES`](super::SWEEP_MIN_BYTES); the plain one nothing). Intel Xeon (Emerald
+/// Rapids class), median ratio of alternated pairs, 3 each, against the stream loop that
+/// prefetches both too (`benches/bandwidth.rs`): with `M` in L2 (64 x 1024, 16 bytes past a
+/// line), `E` prefetched 512 floats ahead, AVX-512 r = 1 / 2 / 4 / 8 1.43 / 1.44 / 1.37 /
+/// 1.15 against the old pass, AVX2 1.60 / 1.65 / 1.70 / 1.09; 128 floats ahead instead of
 /// 512 then 1.00 / 1.01 / 1.07 / 1.36 (AVX2 1.00 / 1.03 / 1.01 / 1.21), and 64 floats no
 /// better (r = 4 0.90). From memory (n = m = 4096) both streams' L1 prefetch (512 floats
 /// ahead) beside the sweep read 1.15 / 1.14 / 1.19 / 1.19 of the sweep alone, and 128
-/// floats ahead the same as 512 (0.98-1.02). One row of eight vectors at r = 8 instead
-/// of two of four read 1.32 in L2 but 0.86-0.90 from memory. Column chunks of `Q` (8-16
-/// KiB, blocks of 8-32 rows) to keep its 32 KiB at r = 8 in L1 read 0.85-0.98 in L2 and
+/// floats ahead the same as 512 (0.98-1.02). One row of eight vectors at r = 8 instead of
+/// two of four read 1.32 in L2 but 0.86-0.90 from memory. Column chunks of `Q` (8-16 KiB,
+/// blocks of 8-32 rows) to keep its 32 KiB at r = 8 in L1 read 0.85-0.98 in L2 and
 /// 0.38-0.54 from memory.
 ///
 /// The plain pass, against `fill` over the same `M` in the same run (three alternated
@@ -244,7 +244,7 @@ unsafe fn pqt_rows_rc<S: Simd, const RC: usize, const FUSE: bool>(a: &Mat, rows:
     let mut pack = QPack::take(a.r * nvec * lanes + 16);
     let qpack = pack.aligned();
     let mut i = rows.start;
-    let sweep = rows.len() * a.cols * 4 >= SWEEP_MIN_BYTES;
+    let sweep = rows.len() * a.cols * 4 >= sweep_min_bytes(a.r, PQT_OWN_PREFETCH_RANK);
     // SAFETY: the pack holds r * nvec vectors from its aligned start; blocks stay inside
     // `rows`, inside 0..n.
     unsafe {

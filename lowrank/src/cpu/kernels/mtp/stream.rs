@@ -184,28 +184,26 @@ fn stream_shift<S: Simd>(a: &Mat, c0: usize) -> usize {
 /// 31-34 → 65, and from memory (one thread, 4096 x 4096) r = 1 0.71-0.85 → 0.86-0.92
 /// of the read bandwidth, r = 2 0.71-0.94 → 0.63-0.84 (within this VM's noise).
 ///
-/// The rows' vectors are loaded once for [`MTP_STREAM_COLS`] columns of `Q` (one pass
-/// per column had them loaded `r` times). With `M` in L2 (128 x 1024 and 32 x 4096),
-/// AMD Zen 4, AVX2, three alternated runs against one pass a column: r = 2 0.94-1.22 of
-/// the old rate with `M` on a line boundary and 1.17-1.50 at 16 bytes past one (where
-/// glibc puts a large `Vec`), cold (4096 x 4096) the same within noise. Against the
-/// strips, in L2 at 1024 columns: r = 3 27 → 47 GB/s, r = 4 31-33 → 43, r = 6 18 → 26,
-/// r = 8 15-16 → 21; cold, one thread, 4096 x 4096: r = 3 16 → 19 GB/s, but r = 4
-/// 17-20 → 14-18, r = 5 17 → 13, r = 6 15 → 11 and r = 8 5-9 → 8-9 (each row block
-/// reads and writes the whole packed `Q`, `r` times the row's bytes, where a strip's
-/// tile stays in registers down a block). With [`MTP_STREAM_COLS`] columns a pass (the
-/// rows' vectors loaded once for two columns of `Q`), cold, alternated runs: r = 4
-/// strips 23.9-24.3 GB/s against the stream's 20.1-21.8, r = 5 19.7-19.9 against
-/// 17.6-17.8, r = 6 18.7-19.5 against 17.9-18.0, r = 7 14.1-14.3 against 13.9-14.0,
-/// but r = 8 12.3-12.4 against 15.4-15.8, r = 12 8.7-8.9 against 11.5-11.6. The
-/// strips' old 8-column tile (one vector wide) read 6.5-7.2 GB/s at r = 8 in one
-/// placement of the buffers and 11.1-13.9 in another, where the stream read 14.7-15.5
-/// in both. So [`mtp_cols`] takes this
-/// kernel up to [`MTP_STREAM_MAX_RANK`] and from [`MTP_STREAM_FROM_RANK`], and for a
-/// call that streams less than [`SWEEP_MIN_BYTES`] (`M` likely in cache) at every rank
-/// on 8-way L1s, at ranks not a multiple of [`MTP_STRIPS_WIDE_TILE`] on wider ones,
-/// but not on those wider ones where every row lies alike on lines
-/// ([`MTP_STRIPS_ROW_FLOATS`]).
+/// The rows' vectors are loaded once for [`MTP_STREAM_COLS`] columns of `Q` (one pass per
+/// column had them loaded `r` times). With `M` in L2 (128 x 1024 and 32 x 4096), AMD Zen 4,
+/// AVX2, three alternated runs against one pass a column: r = 2 0.94-1.22 of the old rate
+/// with `M` on a line boundary and 1.17-1.50 at 16 bytes past one (where glibc puts a large
+/// `Vec`), cold (4096 x 4096) the same within noise. Against the strips, in L2 at 1024
+/// columns: r = 3 27 → 47 GB/s, r = 4 31-33 → 43, r = 6 18 → 26, r = 8 15-16 → 21; cold,
+/// one thread, 4096 x 4096: r = 3 16 → 19 GB/s, but r = 4 17-20 → 14-18, r = 5 17 → 13, r =
+/// 6 15 → 11 and r = 8 5-9 → 8-9 (each row block reads and writes the whole packed `Q`, `r`
+/// times the row's bytes, where a strip's tile stays in registers down a block). With
+/// [`MTP_STREAM_COLS`] columns a pass (the rows' vectors loaded once for two columns of
+/// `Q`), cold, alternated runs: r = 4 strips 23.9-24.3 GB/s against the stream's 20.1-21.8,
+/// r = 5 19.7-19.9 against 17.6-17.8, r = 6 18.7-19.5 against 17.9-18.0, r = 7 14.1-14.3
+/// against 13.9-14.0, but r = 8 12.3-12.4 against 15.4-15.8, r = 12 8.7-8.9 against
+/// 11.5-11.6. The strips' old 8-column tile (one vector wide) read 6.5-7.2 GB/s at r = 8 in
+/// one placement of the buffers and 11.1-13.9 in another, where the stream read 14.7-15.5
+/// in both. So [`mtp_cols`] takes this kernel up to [`MTP_STREAM_MAX_RANK`] and from
+/// [`MTP_STREAM_FROM_RANK`], and for a call that streams less than
+/// [`SWEEP_MIN_BYTES`](super::super::SWEEP_MIN_BYTES) (`M` likely in cache) at every rank
+/// on 8-way L1s, at ranks not a multiple of [`MTP_STRIPS_WIDE_TILE`] on wider ones, but not
+/// on those wider ones where every row lies alike on lines ([`MTP_STRIPS_ROW_FLOATS`]).
 ///
 /// Each element gets the same operations in the same order as in [`mtp_block`] (from
 /// zero, one fused multiply-add a row in row order, [`Simd::fma1`] for the columns taken
@@ -235,7 +233,7 @@ pub(super) unsafe fn mtp_stream<S: Simd>(a: &Mat, cols: Range<usize>) {
     // (edges). Each column's lane gets the same operations in the same order either way.
     // Only for calls that do not stream from memory, where the split lines cost nothing
     // (n = m = 4096, one thread: r = 1-4 the same within noise).
-    let sweep = a.n * cols.len() * 4 >= SWEEP_MIN_BYTES;
+    let sweep = a.n * cols.len() * 4 >= sweep_min_bytes(a.r, MTP_OWN_PREFETCH_RANK);
     let shift = if nvec > 0 && !sweep {
         stream_shift::<S>(a, cols.start)
     } else {
