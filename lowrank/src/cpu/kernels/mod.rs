@@ -43,31 +43,44 @@ const SWEEP_STRIDE: usize = 16;
 const SWEEP_MIN_BYTES: usize = 1 << 20;
 
 /// Highest rank at which an `mq` call (plain or fused) does not sweep, on a core whose
-/// hardware prefetchers keep up alone ([`prefetchers_keep_up`]). AMD Zen 5 (EPYC, family
+/// hardware prefetchers keep up alone ([`prefetchers_keep_up`]), with 16 lanes and with
+/// 8 ([`OwnRank`]). AMD Zen 5 (EPYC, family
 /// 0x1A, AVX-512, KVM, 32-38 GB/s read by one thread), `bench lowrank --roofline` with
 /// and without the sweep, median ratio of six alternated pairs, from memory / from the
 /// LLC: `mq` r = 1 1.10-1.18 / 1.20-1.24, r = 2 1.15-1.16 / 1.08-1.21; `mq+e` r = 1
 /// 1.07-1.12 / 1.18-1.48, r = 2 1.16-1.17 / 1.11-1.34 (two sets). At r = 4 `mq` read
 /// 1.01-1.05 / 0.99-1.17 and at r = 8 the sweep is worth 1.1-1.2, so those keep it.
 /// `--quick` (4096 x 4096, five pairs): one thread `mq` r = 1 / 2 1.16 / 1.08, two
-/// threads 1.05 / 0.99.
-const MQ_OWN_PREFETCH_RANK: usize = 2;
+/// threads 1.05 / 0.99. With AVX2 (`--isa avx2`, four pairs; unchanged rows read
+/// 0.90-1.00 in the same runs): `mq` r = 1 1.19 / 1.34 and `mq+e` r = 1 1.17 / 1.35, but
+/// r = 2 0.83 / 1.35 and 0.97 / 1.41, so with 8 lanes only r = 1 goes without.
+const MQ_OWN_PREFETCH_RANK: OwnRank = OwnRank { wide: 2, narrow: 1 };
 /// [`MQ_OWN_PREFETCH_RANK`] for `mtp`: without the sweep, as there, r = 1 / 2 / 4 from
 /// memory 0.96-1.10 / 1.10-1.16 / 1.10-1.17, from the LLC 1.24-1.30 / 1.10-1.16 /
-/// 0.98-1.15; `--quick` one thread 0.99 / 1.08 / 1.08, two 1.01 / 0.98 / 0.96.
-const MTP_OWN_PREFETCH_RANK: usize = 4;
+/// 0.98-1.15; `--quick` one thread 0.99 / 1.08 / 1.08, two 1.01 / 0.98 / 0.96. With
+/// AVX2 from memory 0.85 / 0.89 / 0.88 (its strips and stream want the sweep): none.
+const MTP_OWN_PREFETCH_RANK: OwnRank = OwnRank { wide: 4, narrow: 0 };
 /// [`MQ_OWN_PREFETCH_RANK`] for `pqt` and `pqt_error`: without the sweep, as there,
 /// `pqt+e` r = 1 read 1.15 from memory and 1.14-1.22 from the LLC; r = 2 1.04-1.08 from
-/// memory but 0.82-0.91 from the LLC, so it keeps the sweep.
-const PQT_OWN_PREFETCH_RANK: usize = 1;
+/// memory but 0.82-0.91 from the LLC, so it keeps the sweep. With AVX2 r = 1 1.05 / 1.14.
+const PQT_OWN_PREFETCH_RANK: OwnRank = OwnRank { wide: 1, narrow: 1 };
+
+/// The highest rank at which a kernel leaves the rows to the hardware prefetchers, with
+/// 16 lanes (`wide`) and with 8 (`narrow`), on [`prefetchers_keep_up`] cores.
+#[derive(Clone, Copy)]
+struct OwnRank {
+    wide: usize,
+    narrow: usize,
+}
 
 /// Bytes of `M` a call at rank `r` must stream to sweep ([`SWEEP_MIN_BYTES`]), or
 /// `usize::MAX` (never) where this core's prefetchers do better alone: at ranks up to
-/// `own_rank` (the kernel's: [`MQ_OWN_PREFETCH_RANK`], [`MTP_OWN_PREFETCH_RANK`],
-/// [`PQT_OWN_PREFETCH_RANK`]) on
-/// [`prefetchers_keep_up`] cores. Calls that do not sweep also take the in-cache
-/// choices (row blocks, walks); every choice gives the same bits.
-fn sweep_min_bytes(r: usize, own_rank: usize) -> usize {
+/// `own` (the kernel's: [`MQ_OWN_PREFETCH_RANK`], [`MTP_OWN_PREFETCH_RANK`],
+/// [`PQT_OWN_PREFETCH_RANK`]) for `lanes` on [`prefetchers_keep_up`] cores. Calls that
+/// do not sweep also take the in-cache choices (row blocks, walks); every choice gives
+/// the same bits.
+fn sweep_min_bytes(r: usize, lanes: usize, own: OwnRank) -> usize {
+    let own_rank = if lanes >= 16 { own.wide } else { own.narrow };
     if r <= own_rank && prefetchers_keep_up() {
         usize::MAX
     } else {

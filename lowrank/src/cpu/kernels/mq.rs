@@ -624,7 +624,7 @@ unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(a: &Mat, rows: 
     let per_group = group_vectors(lanes, a.r, RB);
     let per_row = group_vectors(lanes, a.r, 1);
     let block = if chunked { MQ_BLOCK_ROWS } else { RB };
-    let sweep = rows.len() * a.cols * 4 >= sweep_min_bytes(a.r, MQ_OWN_PREFETCH_RANK);
+    let sweep = rows.len() * a.cols * 4 >= sweep_min_bytes(a.r, S::LANES, MQ_OWN_PREFETCH_RANK);
     // SAFETY: S::zero has no preconditions beyond the instruction set, which the entry
     // point guarantees.
     let zero = unsafe { S::zero() };

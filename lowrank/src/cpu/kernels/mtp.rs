@@ -434,7 +434,7 @@ pub(crate) unsafe fn mtp_cols<S: Simd>(a: &Mat, cols: Range<usize>) {
         }
         return;
     }
-    let sweep = a.n * cols.len() * 4 >= sweep_min_bytes(a.r, MTP_OWN_PREFETCH_RANK);
+    let sweep = a.n * cols.len() * 4 >= sweep_min_bytes(a.r, S::LANES, MTP_OWN_PREFETCH_RANK);
     let wide = l1_is_wide();
     let stream = lanes == 8
         && !(wide && a.cols.is_multiple_of(MTP_STRIPS_ROW_FLOATS))
@@ -457,7 +457,7 @@ pub(crate) unsafe fn mtp_cols<S: Simd>(a: &Mat, cols: Range<usize>) {
 #[inline(always)]
 unsafe fn mtp_strips<S: Simd>(a: &Mat, cols: Range<usize>) {
     let lanes = S::LANES;
-    let sweep = a.n * cols.len() * 4 >= sweep_min_bytes(a.r, MTP_OWN_PREFETCH_RANK);
+    let sweep = a.n * cols.len() * 4 >= sweep_min_bytes(a.r, S::LANES, MTP_OWN_PREFETCH_RANK);
     let accs = tile_accumulators(lanes);
     let next_row = strips_prefetch_next_row();
     let width = MTP_PANEL_COLS.max(lanes);

@@ -244,7 +244,7 @@ unsafe fn pqt_rows_rc<S: Simd, const RC: usize, const FUSE: bool>(a: &Mat, rows:
     let mut pack = QPack::take(a.r * nvec * lanes + 16);
     let qpack = pack.aligned();
     let mut i = rows.start;
-    let sweep = rows.len() * a.cols * 4 >= sweep_min_bytes(a.r, PQT_OWN_PREFETCH_RANK);
+    let sweep = rows.len() * a.cols * 4 >= sweep_min_bytes(a.r, S::LANES, PQT_OWN_PREFETCH_RANK);
     // SAFETY: the pack holds r * nvec vectors from its aligned start; blocks stay inside
     // `rows`, inside 0..n.
     unsafe {
