@@ -94,6 +94,13 @@ fn sweep_min_bytes(r: usize, lanes: usize, own: OwnRank) -> usize {
 /// 0.80-0.91 ([`mtp::mtp_cols`]'s doc), and on the Intel Xeons it is worth 1.1-1.2 from
 /// memory at r = 1-2 (earlier sessions' README).
 fn prefetchers_keep_up() -> bool {
+    zen5_or_later()
+}
+
+/// Whether the processor is AMD's family 0x1A (Zen 5) or later: its prefetchers stream
+/// one row at a time better than several side by side ([`prefetchers_keep_up`],
+/// [`mtp`]'s choice of the row stream with 8 lanes).
+fn zen5_or_later() -> bool {
     cpu_is_amd() && amd_family() >= 0x1A
 }
 
@@ -381,9 +388,10 @@ mod tests {
             .expect("a cpu family line");
         assert_eq!(super::amd_family(), family);
         assert_eq!(
-            super::prefetchers_keep_up(),
+            super::zen5_or_later(),
             super::cpu_is_amd() && family >= 0x1A
         );
+        assert_eq!(super::prefetchers_keep_up(), super::zen5_or_later());
     }
 
     /// The L1 data cache's ways and size read from `cpuid` agree with the kernel's

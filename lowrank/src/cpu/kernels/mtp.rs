@@ -8,8 +8,8 @@
 
 use super::pack::QPack;
 use super::{
-    l1_is_wide, line_lead, strips_prefetch_next_row, sweep_min_bytes, vector_lead, Mat,
-    MTP_OWN_PREFETCH_RANK, SWEEP_STRIDE,
+    l1_is_wide, line_lead, strips_prefetch_next_row, sweep_min_bytes, vector_lead, zen5_or_later,
+    Mat, MTP_OWN_PREFETCH_RANK, SWEEP_STRIDE,
 };
 use crate::cpu::simd::Simd;
 use std::ops::Range;
@@ -386,6 +386,20 @@ const MTP_STRIPS_WIDE_TILE: usize = 4;
 /// Where rows lie apart (1000 columns) the strips read 0.73-1.01 of the stream in L2,
 /// and the rules before hold.
 const MTP_STRIPS_ROW_FLOATS: usize = 16;
+/// Whether, on AMD Zen 5 and later ([`zen5_or_later`]) and with 8 lanes, [`mtp_cols`]
+/// takes the row stream (for a call that sweeps or not, at rank `r`): at every rank but
+/// for calls from memory at ranks that are multiples of [`MTP_STRIPS_WIDE_TILE`]. The
+/// strips walk a block's rows side by side, which that core streams worse than rows one
+/// after another. AMD EPYC (Zen 5, 48 KiB 12-way L1, AVX2, KVM), a probe of one thread,
+/// median of calls, two or three alternated pairs each: in cache
+/// (128 x 1024 / 64 x 2048 / 32 x 4096, 16 bytes past a line) the stream against the
+/// strips r = 1 1.21-1.55 / 1.45 / 1.25-1.28, r = 2 1.92-1.96 / 1.63-1.65 / 1.32-1.34,
+/// r = 3 1.93-1.96, r = 4 1.65 / - / 0.97, r = 5-7 1.69-1.74, r = 8 1.62 / - / 1.24,
+/// r = 12 1.55 / - / 1.22; from memory (8192 x 4096) r = 1 1.00-1.07, r = 2 1.11-1.18,
+/// r = 3 1.75-1.86, but r = 4 0.79-0.93 and r = 8 0.97-1.02.
+fn zen5_takes_stream(sweep: bool, r: usize) -> bool {
+    !(sweep && r.is_multiple_of(MTP_STRIPS_WIDE_TILE))
+}
 /// Accumulators a tile holds: 16 vectors with AVX-512's 32 registers, 8 with 16 (AVX2
 /// and the portable fallback), leaving room for the row's vectors and a broadcast.
 const fn tile_accumulators(lanes: usize) -> usize {
@@ -437,11 +451,15 @@ pub(crate) unsafe fn mtp_cols<S: Simd>(a: &Mat, cols: Range<usize>) {
     let sweep = a.n * cols.len() * 4 >= sweep_min_bytes(a.r, S::LANES, MTP_OWN_PREFETCH_RANK);
     let wide = l1_is_wide();
     let stream = lanes == 8
-        && !(wide && a.cols.is_multiple_of(MTP_STRIPS_ROW_FLOATS))
-        && if sweep {
-            a.r <= MTP_STREAM_MAX_RANK || a.r >= MTP_STREAM_FROM_RANK
+        && if zen5_or_later() {
+            zen5_takes_stream(sweep, a.r)
         } else {
-            !a.r.is_multiple_of(MTP_STRIPS_WIDE_TILE) || !wide
+            !(wide && a.cols.is_multiple_of(MTP_STRIPS_ROW_FLOATS))
+                && if sweep {
+                    a.r <= MTP_STREAM_MAX_RANK || a.r >= MTP_STREAM_FROM_RANK
+                } else {
+                    !a.r.is_multiple_of(MTP_STRIPS_WIDE_TILE) || !wide
+                }
         };
     // SAFETY: forwarded caller guarantees.
     unsafe {
