@@ -387,18 +387,18 @@ const MTP_STRIPS_WIDE_TILE: usize = 4;
 /// and the rules before hold.
 const MTP_STRIPS_ROW_FLOATS: usize = 16;
 /// Whether, on AMD Zen 5 and later ([`zen5_or_later`]) and with 8 lanes, [`mtp_cols`]
-/// takes the row stream (for a call that sweeps or not, at rank `r`): at every rank but
-/// for calls from memory at ranks that are multiples of [`MTP_STRIPS_WIDE_TILE`]. The
-/// strips walk a block's rows side by side, which that core streams worse than rows one
-/// after another. AMD EPYC (Zen 5, 48 KiB 12-way L1, AVX2, KVM), a probe of one thread,
-/// median of calls, two or three alternated pairs each: in cache
-/// (128 x 1024 / 64 x 2048 / 32 x 4096, 16 bytes past a line) the stream against the
-/// strips r = 1 1.21-1.55 / 1.45 / 1.25-1.28, r = 2 1.92-1.96 / 1.63-1.65 / 1.32-1.34,
-/// r = 3 1.93-1.96, r = 4 1.65 / - / 0.97, r = 5-7 1.69-1.74, r = 8 1.62 / - / 1.24,
-/// r = 12 1.55 / - / 1.22; from memory (8192 x 4096) r = 1 1.00-1.07, r = 2 1.11-1.18,
-/// r = 3 1.75-1.86, but r = 4 0.79-0.93 and r = 8 0.97-1.02.
+/// takes the row stream (for a call that sweeps or not, at rank `r`): in cache at every
+/// rank, from memory at r = 2, 3 and 5. The strips walk a block's rows side by side,
+/// which that core streams worse than rows one after another. AMD EPYC (Zen 5, 48 KiB
+/// 12-way L1, AVX2, KVM), a probe of one thread, median of calls, two or three
+/// alternated pairs each, the stream against the strips: in cache (128 x 1024 /
+/// 64 x 2048 / 32 x 4096, 16 bytes past a line) r = 1 1.21-1.55 / 1.45 / 1.25-1.28,
+/// r = 2 1.92-1.96 / 1.63-1.65 / 1.32-1.34, r = 3 1.93-1.96, r = 4 1.65 / - / 0.97,
+/// r = 5-7 1.69-1.74, r = 8 1.62 / - / 1.24, r = 12 1.55 / - / 1.22; from memory
+/// (8192 x 4096) r = 2 1.11-1.24, r = 3 1.57-1.86, r = 5 1.50-1.73, but r = 1 0.87-1.07,
+/// r = 4 0.79-0.93, r = 6 0.83-1.08 and r = 8 0.97-1.02, which keep the strips.
 fn zen5_takes_stream(sweep: bool, r: usize) -> bool {
-    !(sweep && r.is_multiple_of(MTP_STRIPS_WIDE_TILE))
+    !sweep || matches!(r, 2 | 3 | 5)
 }
 /// Accumulators a tile holds: 16 vectors with AVX-512's 32 registers, 8 with 16 (AVX2
 /// and the portable fallback), leaving room for the row's vectors and a broadcast.
