@@ -44,17 +44,18 @@ const SWEEP_MIN_BYTES: usize = 1 << 20;
 
 /// Highest rank at which an `mq` call (plain or fused) does not sweep, on a core whose
 /// hardware prefetchers keep up alone ([`prefetchers_keep_up`]), with 16 lanes and with
-/// 8 ([`OwnRank`]). AMD Zen 5 (EPYC, family
-/// 0x1A, AVX-512, KVM, 32-38 GB/s read by one thread), `bench lowrank --roofline` with
-/// and without the sweep, median ratio of six alternated pairs, from memory / from the
-/// LLC: `mq` r = 1 1.10-1.18 / 1.20-1.24, r = 2 1.15-1.16 / 1.08-1.21; `mq+e` r = 1
-/// 1.07-1.12 / 1.18-1.48, r = 2 1.16-1.17 / 1.11-1.34 (two sets). At r = 4 `mq` read
-/// 1.01-1.05 / 0.99-1.17 and at r = 8 the sweep is worth 1.1-1.2, so those keep it.
-/// `--quick` (4096 x 4096, five pairs): one thread `mq` r = 1 / 2 1.16 / 1.08, two
-/// threads 1.05 / 0.99. With AVX2 (`--isa avx2`, four pairs; unchanged rows read
-/// 0.90-1.00 in the same runs): `mq` r = 1 1.19 / 1.34 and `mq+e` r = 1 1.17 / 1.35, but
-/// r = 2 0.83 / 1.35 and 0.97 / 1.41, so with 8 lanes only r = 1 goes without.
-const MQ_OWN_PREFETCH_RANK: OwnRank = OwnRank { wide: 2, narrow: 1 };
+/// 8 ([`OwnRank`]). AMD Zen 5 (EPYC, family 0x1A, AVX-512, KVM, 32-38 GB/s read by one
+/// thread), `bench lowrank --roofline` with and without the sweep, median ratio of six
+/// alternated pairs, from memory / from the LLC: `mq` r = 1 1.10-1.18 / 1.20-1.24,
+/// r = 2 1.15-1.16 / 1.08-1.21; `mq+e` r = 1 1.07-1.12 / 1.18-1.48, r = 2 1.16-1.17 /
+/// 1.11-1.34 (two sets); r = 4 `mq` 0.94-1.05 / 1.10-1.26 and `mq+e` 1.00-1.02 /
+/// 1.07-1.22 (four sets, four to six pairs each). At r = 8 the sweep is worth 1.1-1.2
+/// from memory, so it keeps it. `--quick` (4096 x 4096, four or five pairs): one thread
+/// `mq` r = 1 / 2 / 4 1.16 / 1.08 / 1.04-1.07, two threads 1.05 / 0.99 / 1.13-1.14. With AVX2 (`--isa avx2`, four
+/// pairs; unchanged rows read 0.90-1.00 in the same runs): `mq` r = 1 1.19 / 1.34 and
+/// `mq+e` r = 1 1.17 / 1.35, but r = 2 0.83 / 1.35 and 0.97 / 1.41, so with 8 lanes only
+/// r = 1 goes without.
+const MQ_OWN_PREFETCH_RANK: OwnRank = OwnRank { wide: 4, narrow: 1 };
 /// [`MQ_OWN_PREFETCH_RANK`] for `mtp`: without the sweep, as there, r = 1 / 2 / 4 from
 /// memory 0.96-1.10 / 1.10-1.16 / 1.10-1.17, from the LLC 1.24-1.30 / 1.10-1.16 /
 /// 0.98-1.15; `--quick` one thread 0.99 / 1.08 / 1.08, two 1.01 / 0.98 / 0.96. With
