@@ -400,6 +400,17 @@ const MTP_STRIPS_ROW_FLOATS: usize = 16;
 fn zen5_takes_stream(sweep: bool, r: usize) -> bool {
     !sweep || matches!(r, 2 | 3 | 5)
 }
+/// Vectors a strip of 4 columns of `Q` takes with 16 lanes in cache on AMD Zen 5 and
+/// later ([`zen5_or_later`]): 6 (24 accumulators, with the 4 broadcasts of `P` and the
+/// row's vector 29 of the 32 registers) where the other cores take 4. AMD EPYC (Zen 5,
+/// AVX-512, KVM), r = 4, 16 bytes past a line: `--roofline` in L2 median ratio of four
+/// alternated pairs 1.16 (0.62-0.64 -> 0.72 of the in-core limit); a probe, three pairs
+/// each, 128 x 1024 / 64 x 2048 / 32 x 4096 / 100 x 1000 1.17 / 1.16-1.17 / 1.05-1.07 /
+/// 1.05. From memory r = 4 does not sweep on Zen 5 ([`MTP_OWN_PREFETCH_RANK`]), so it
+/// takes 6 there too: 0.96-0.98 in the probe (8192 x 4096), 1.07 in `--roofline`'s
+/// `cold` (4096 x 4096) and 1.17 from the LLC (four pairs). Calls that sweep (a tile of
+/// 4 at r >= 5) keep 4.
+const MTP_ZEN5_TILE_VECTORS: usize = 6;
 /// Accumulators a tile holds: 16 vectors with AVX-512's 32 registers, 8 with 16 (AVX2
 /// and the portable fallback), leaving room for the row's vectors and a broadcast.
 const fn tile_accumulators(lanes: usize) -> usize {
@@ -478,6 +489,9 @@ unsafe fn mtp_strips<S: Simd>(a: &Mat, cols: Range<usize>) {
     let sweep = a.n * cols.len() * 4 >= sweep_min_bytes(a.r, S::LANES, MTP_OWN_PREFETCH_RANK);
     let accs = tile_accumulators(lanes);
     let next_row = strips_prefetch_next_row();
+    // Tiles of 4 columns of `Q` by 6 vectors (24 accumulators) in cache on Zen 5: see
+    // [`MTP_ZEN5_TILE_VECTORS`].
+    let six_wide = !sweep && zen5_or_later();
     let width = MTP_PANEL_COLS.max(lanes);
     let mut c0 = cols.start;
     while c0 < cols.end {
@@ -521,6 +535,14 @@ unsafe fn mtp_strips<S: Simd>(a: &Mat, cols: Range<usize>) {
                         (8, 16) => {
                             mtp_block::<S, 2, 8>(a, rows.clone(), &panel, k0, ahead, next_row)
                         }
+                        (4, 16) if six_wide => mtp_block::<S, MTP_ZEN5_TILE_VECTORS, 4>(
+                            a,
+                            rows.clone(),
+                            &panel,
+                            k0,
+                            ahead,
+                            next_row,
+                        ),
                         (4, 16) => {
                             mtp_block::<S, 4, 4>(a, rows.clone(), &panel, k0, ahead, next_row)
                         }
