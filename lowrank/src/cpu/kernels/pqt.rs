@@ -1,7 +1,9 @@
 //! `M = P Qᵀ`, optionally fused with `E = X - M` (`X` read from `M`).
 
 use super::pack::{pack_q_from, QPack};
-use super::{l1_is_wide, line_lead, sweep_min_bytes, Mat, PQT_OWN_PREFETCH_RANK, SWEEP_STRIDE};
+use super::{
+    l1_is_wide, line_lead, sweep_min_bytes, zen5_or_later, Mat, PQT_OWN_PREFETCH_RANK, SWEEP_STRIDE,
+};
 use crate::cpu::simd::Simd;
 use std::ops::Range;
 
@@ -262,7 +264,8 @@ unsafe fn pqt_rows_rc<S: Simd, const RC: usize, const FUSE: bool>(a: &Mat, rows:
                 i += 2;
             }
         }
-        if a.r > 4 {
+        // Two rows of four at r = 4 in cache too on Zen 5: [`PQT_ZEN5_TWO_ROWS_RANK`].
+        if a.r > 4 || (a.r == PQT_ZEN5_TWO_ROWS_RANK && zen5_or_later()) {
             while i + 2 <= rows.end {
                 pqt_block::<S, 2, 4, RC, FUSE>(a, i, qpack, lead, sweep);
                 i += 2;
@@ -274,6 +277,14 @@ unsafe fn pqt_rows_rc<S: Simd, const RC: usize, const FUSE: bool>(a: &Mat, rows:
         }
     }
 }
+
+/// The rank at which a call in cache reads two rows of four vectors on AMD Zen 5 and
+/// later ([`zen5_or_later`]), where other cores read one row of eight: there each
+/// vector of `Q` serves two rows' multiply-adds. AMD EPYC (Zen 5, KVM), `--roofline`,
+/// `pqt+e` with `M` in L2, median ratio of alternated pairs: AVX-512 1.16-1.20 (three
+/// sets of four to six pairs), AVX2 1.17 (four pairs); r = 1 and 2 read 0.98-1.01, so
+/// they keep one row. Calls from memory on a 12-way L1 read two rows already.
+const PQT_ZEN5_TWO_ROWS_RANK: usize = 4;
 
 /// `M[rows] = (P Qᵀ)[rows]`; with `FUSE`, also `E[rows] = X[rows] - M[rows]` where `X`
 /// is what `M` held before.
