@@ -43,7 +43,7 @@ const SWEEP_STRIDE: usize = 16;
 const SWEEP_MIN_BYTES: usize = 1 << 20;
 
 /// Highest rank at which an `mq` call (plain or fused) does not sweep, on a core whose
-/// hardware prefetchers keep up alone ([`prefetchers_keep_up`]), with 16 lanes and with
+/// hardware prefetchers keep up alone ([`zen5_or_later`]), with 16 lanes and with
 /// 8 ([`OwnRank`]). AMD Zen 5 (EPYC, family 0x1A, AVX-512, KVM, 32-38 GB/s read by one
 /// thread), `bench lowrank --roofline` with and without the sweep, median ratio of six
 /// alternated pairs, from memory / from the LLC: `mq` r = 1 1.10-1.18 / 1.20-1.24,
@@ -67,7 +67,7 @@ const MTP_OWN_PREFETCH_RANK: OwnRank = OwnRank { wide: 4, narrow: 0 };
 const PQT_OWN_PREFETCH_RANK: OwnRank = OwnRank { wide: 1, narrow: 1 };
 
 /// The highest rank at which a kernel leaves the rows to the hardware prefetchers, with
-/// 16 lanes (`wide`) and with 8 (`narrow`), on [`prefetchers_keep_up`] cores.
+/// 16 lanes (`wide`) and with 8 (`narrow`), on [`zen5_or_later`] cores.
 #[derive(Clone, Copy)]
 struct OwnRank {
     wide: usize,
@@ -77,37 +77,32 @@ struct OwnRank {
 /// Bytes of `M` a call at rank `r` must stream to sweep ([`SWEEP_MIN_BYTES`]), or
 /// `usize::MAX` (never) where this core's prefetchers do better alone: at ranks up to
 /// `own` (the kernel's: [`MQ_OWN_PREFETCH_RANK`], [`MTP_OWN_PREFETCH_RANK`],
-/// [`PQT_OWN_PREFETCH_RANK`]) for `lanes` on [`prefetchers_keep_up`] cores. Calls that
+/// [`PQT_OWN_PREFETCH_RANK`]) for `lanes` on [`zen5_or_later`] cores. Calls that
 /// do not sweep also take the in-cache choices (row blocks, walks); every choice gives
 /// the same bits.
 fn sweep_min_bytes(r: usize, lanes: usize, own: OwnRank) -> usize {
     let own_rank = if lanes >= 16 { own.wide } else { own.narrow };
-    if r <= own_rank && prefetchers_keep_up() {
+    if r <= own_rank && zen5_or_later() {
         usize::MAX
     } else {
         SWEEP_MIN_BYTES
     }
 }
 
-/// Whether the core's hardware prefetchers stream a kernel's rows from memory at low rank
-/// better than with the software sweep on top: AMD family 0x1A (Zen 5) and later. On
-/// Zen 4 (family 0x19) the sweep took `mtp` r = 1 from 0.22-0.27 of the read bandwidth to
-/// 0.80-0.91 ([`mtp::mtp_cols`]'s doc), and on the Intel Xeons it is worth 1.1-1.2 from
-/// memory at r = 1-2 (earlier sessions' README).
-fn prefetchers_keep_up() -> bool {
-    zen5_or_later()
-}
-
-/// Whether the processor is AMD's family 0x1A (Zen 5) or later: its prefetchers stream
-/// one row at a time better than several side by side ([`prefetchers_keep_up`],
-/// [`mtp`]'s choice of the row stream with 8 lanes).
+/// Whether the processor is AMD's family 0x1A (Zen 5) or later. Its hardware prefetchers
+/// stream a kernel's rows from memory at low rank better without the software sweep on
+/// top ([`sweep_min_bytes`]), and it streams one row at a time better than several side
+/// by side ([`mtp`]'s choices of the row stream with 8 lanes, of its strips' width, and
+/// `pqt`'s two rows at r = 4). On Zen 4 (family 0x19) the sweep took `mtp` r = 1 from
+/// 0.22-0.27 of the read bandwidth to 0.80-0.91 ([`mtp::mtp_cols`]'s doc), and on the
+/// Intel Xeons it is worth 1.1-1.2 from memory at r = 1-2 (earlier sessions' README).
 fn zen5_or_later() -> bool {
-    cpu_is_amd() && amd_family() >= 0x1A
+    cpu_is_amd() && cpu_family() >= 0x1A
 }
 
 /// The processor's family from `cpuid` leaf 1 (base family, plus the extended family
 /// when the base is 0xF), read once.
-fn amd_family() -> u32 {
+fn cpu_family() -> u32 {
     static FAMILY: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
     *FAMILY.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
@@ -387,12 +382,11 @@ mod tests {
             .and_then(|l| l.split(':').nth(1))
             .and_then(|f| f.trim().parse().ok())
             .expect("a cpu family line");
-        assert_eq!(super::amd_family(), family);
+        assert_eq!(super::cpu_family(), family);
         assert_eq!(
             super::zen5_or_later(),
             super::cpu_is_amd() && family >= 0x1A
         );
-        assert_eq!(super::prefetchers_keep_up(), super::zen5_or_later());
     }
 
     /// The L1 data cache's ways and size read from `cpuid` agree with the kernel's

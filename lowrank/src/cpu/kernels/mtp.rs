@@ -411,6 +411,11 @@ fn zen5_takes_stream(sweep: bool, r: usize) -> bool {
 /// `cold` (4096 x 4096) and 1.17 from the LLC (four pairs). Calls that sweep (a tile of
 /// 4 at r >= 5) keep 4.
 const MTP_ZEN5_TILE_VECTORS: usize = 6;
+/// Whether an `mtp` call over the columns `cols` sweeps `M` ahead into L2 (the strips
+/// and the stream alike): [`sweep_min_bytes`] at the call's rank.
+fn mtp_sweeps<S: Simd>(a: &Mat, cols: &Range<usize>) -> bool {
+    a.n * cols.len() * 4 >= sweep_min_bytes(a.r, S::LANES, MTP_OWN_PREFETCH_RANK)
+}
 /// Accumulators a tile holds: 16 vectors with AVX-512's 32 registers, 8 with 16 (AVX2
 /// and the portable fallback), leaving room for the row's vectors and a broadcast.
 const fn tile_accumulators(lanes: usize) -> usize {
@@ -459,7 +464,7 @@ pub(crate) unsafe fn mtp_cols<S: Simd>(a: &Mat, cols: Range<usize>) {
         }
         return;
     }
-    let sweep = a.n * cols.len() * 4 >= sweep_min_bytes(a.r, S::LANES, MTP_OWN_PREFETCH_RANK);
+    let sweep = mtp_sweeps::<S>(a, &cols);
     let wide = l1_is_wide();
     let stream = lanes == 8
         && if zen5_or_later() {
@@ -486,7 +491,7 @@ pub(crate) unsafe fn mtp_cols<S: Simd>(a: &Mat, cols: Range<usize>) {
 #[inline(always)]
 unsafe fn mtp_strips<S: Simd>(a: &Mat, cols: Range<usize>) {
     let lanes = S::LANES;
-    let sweep = a.n * cols.len() * 4 >= sweep_min_bytes(a.r, S::LANES, MTP_OWN_PREFETCH_RANK);
+    let sweep = mtp_sweeps::<S>(a, &cols);
     let accs = tile_accumulators(lanes);
     let next_row = strips_prefetch_next_row();
     // Tiles of 4 columns of `Q` by 6 vectors (24 accumulators) in cache on Zen 5: see

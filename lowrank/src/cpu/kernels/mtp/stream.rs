@@ -233,7 +233,7 @@ pub(super) unsafe fn mtp_stream<S: Simd>(a: &Mat, cols: Range<usize>) {
     // (edges). Each column's lane gets the same operations in the same order either way.
     // Only for calls that do not stream from memory, where the split lines cost nothing
     // (n = m = 4096, one thread: r = 1-4 the same within noise).
-    let sweep = a.n * cols.len() * 4 >= sweep_min_bytes(a.r, S::LANES, MTP_OWN_PREFETCH_RANK);
+    let sweep = mtp_sweeps::<S>(a, &cols);
     let shift = if nvec > 0 && !sweep {
         stream_shift::<S>(a, cols.start)
     } else {
