@@ -9,7 +9,10 @@
 //! the width of the tile of columns `k` falls in, which depends only on `r`.
 
 use super::pack::{pack_q, pack_q_edges, QPack};
-use super::{l1_is_wide, sweep_min_bytes, vector_lead, Mat, MQ_OWN_PREFETCH_RANK, SWEEP_STRIDE};
+use super::{
+    l1_is_wide, sweep_min_bytes, vector_lead, zen5_or_later, Mat, MQ_OWN_PREFETCH_RANK,
+    SWEEP_STRIDE,
+};
 use crate::cpu::simd::{Outlined, Simd};
 use std::marker::PhantomData;
 use std::ops::Range;
@@ -783,6 +786,7 @@ pub(crate) unsafe fn mq_rows<S: Simd, const FUSE: bool>(a: &Mat, rows: Range<usi
         fuse: FUSE,
         wide: l1_is_wide(),
         whole: takes_whole_rows(a),
+        zen5: zen5_or_later(),
     });
     // SAFETY: forwarded caller guarantees.
     unsafe {

@@ -69,6 +69,21 @@ pub(super) const fn tile(lanes: usize, kt: usize) -> (usize, usize) {
 ///   as many vectors, read 0.77 of 2 rows in L2 and 0.80 from memory with 3, so they
 ///   keep 2 too.
 ///
+/// - 3 for AVX-512's 8-column tile in column chunks on AMD Zen 5 and later (`zen5`,
+///   [`zen5_or_later`](super::zen5_or_later)): 24 accumulators, 11 loads for 24
+///   multiply-adds where 2 rows take 10 for 16. There, with the core busy at its
+///   multiply-add rate, memory streams well only while the loads leave L1 room: in C
+///   loops of this step (8 multiply-adds a vector of `M`, rows in L2 ahead by software
+///   prefetch, AMD EPYC, KVM) 9 loads a vector of `M` (`Q` from L1) read 16-18 GB/s
+///   from memory, with 4 of the 8 vectors of `Q` from registers 32-38 (a plain read
+///   35-40), and 3 rows 21-22 against 2 rows' 16. In the kernel (`bench lowrank`,
+///   alternated pairs): `--quick`, 4096 x 4096, r = 8 one thread 0.41-0.44 → 0.47-0.55
+///   of the read bandwidth (median ratio 1.25), two threads 0.74-0.83 → 0.80-0.95
+///   (1.09); `--roofline` from memory 1.10, from the LLC 1.08. Not for whole rows (a
+///   call whose `Q` fits L1): there LLVM spilled the third row's accumulators and `mq`
+///   r = 8 read half its in-L2 rate (as on the Intel Xeons, the 3-row tile's note in
+///   [`tile`]).
+///
 /// Rows do not change how any `P[i, k]` is summed, so this choice keeps results
 /// bit-identical.
 pub(super) const fn group_rows(g: GroupOf) -> usize {
@@ -79,9 +94,11 @@ pub(super) const fn group_rows(g: GroupOf) -> usize {
         fuse,
         wide,
         whole,
+        zen5,
     } = g;
     let kt = tile_width(lanes, r);
-    if lanes == 8 && r >= 8 {
+    let zen5_wide = zen5 && lanes == 16 && kt == 8 && regs >= 32 && !whole;
+    if zen5_wide || (lanes == 8 && r >= 8) {
         3
     } else if fuse && wide && lanes == 8 && kt == 4 {
         2
@@ -98,8 +115,9 @@ pub(super) const fn group_rows(g: GroupOf) -> usize {
 
 /// What [`group_rows`] chooses by: the instruction set's `lanes` and `regs`
 /// ([`Simd::REGS`](crate::cpu::simd::Simd::REGS)), the rank `r`, whether the pass fuses `M += E`, whether L1 is
-/// `wide` ([`l1_is_wide`](super::l1_is_wide)) and whether the call reads `whole` rows
-/// ([`takes_whole_rows`](super::takes_whole_rows)).
+/// `wide` ([`l1_is_wide`](super::l1_is_wide)), whether the call reads `whole` rows
+/// ([`takes_whole_rows`](super::takes_whole_rows)) and whether the core is AMD's `zen5`
+/// or later ([`zen5_or_later`](super::zen5_or_later)).
 #[derive(Clone, Copy)]
 pub(super) struct GroupOf {
     pub(super) lanes: usize,
@@ -108,16 +126,17 @@ pub(super) struct GroupOf {
     pub(super) fuse: bool,
     pub(super) wide: bool,
     pub(super) whole: bool,
+    pub(super) zen5: bool,
 }
 
-/// Whether [`group_rows`] gives `rb` at rank `r` for some L1, register file and kind of
-/// call (the union: the groups of rows a build may meet).
+/// Whether [`group_rows`] gives `rb` at rank `r` for some L1, register file, kind of
+/// call and core (the union: the groups of rows a build may meet).
 const fn takes_rows(lanes: usize, rb: usize, r: usize, fuse: bool) -> bool {
     let mut regs = 8;
     while regs <= 32 {
         let mut case = 0;
-        while case < 4 {
-            let (wide, whole) = (case & 1 == 1, case & 2 == 2);
+        while case < 8 {
+            let (wide, whole, zen5) = (case & 1 == 1, case & 2 == 2, case & 4 == 4);
             let g = GroupOf {
                 lanes,
                 regs,
@@ -125,6 +144,7 @@ const fn takes_rows(lanes: usize, rb: usize, r: usize, fuse: bool) -> bool {
                 fuse,
                 wide,
                 whole,
+                zen5,
             };
             if rb == group_rows(g) {
                 return true;
