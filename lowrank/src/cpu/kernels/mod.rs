@@ -133,6 +133,19 @@ fn strips_prefetch_next_row() -> bool {
     cpu_is_amd()
 }
 
+/// Whether `mtp`'s strips sweep the rows ahead into L1 (`prefetcht0`) rather than into
+/// L2: on AMD Zen 5 and later ([`zen5_or_later`]), whose 48 KiB L1 holds the strips'
+/// tiles beside the lines in flight. AMD EPYC (Zen 5, KVM), AVX-512, r = 8 (the ranks
+/// that sweep there), median ratios of alternated pairs: `bench lowrank --quick` (4096 x
+/// 4096), one thread 1.31 and 1.22 in two sets of four (0.38-0.53 → 0.51-0.58 of the
+/// read bandwidth), two threads 1.11 and 0.99; `--roofline` from memory 1.46 (four
+/// pairs) and 1.00 (six), from the LLC 0.83 and 0.96; with AVX2 1.07 from memory, 1.00
+/// from the LLC. The same hint for `mq`'s and `pqt_error`'s sweeps read 0.98-1.07, so
+/// they keep L2.
+fn strips_sweep_into_l1() -> bool {
+    zen5_or_later()
+}
+
 /// Whether the processor is AMD's ("AuthenticAMD"), read once from `cpuid` leaf 0.
 fn cpu_is_amd() -> bool {
     static AMD: std::sync::OnceLock<bool> = std::sync::OnceLock::new();

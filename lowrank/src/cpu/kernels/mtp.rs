@@ -8,8 +8,8 @@
 
 use super::pack::QPack;
 use super::{
-    l1_is_wide, line_lead, strips_prefetch_next_row, sweep_min_bytes, vector_lead, zen5_or_later,
-    Mat, MTP_OWN_PREFETCH_RANK, SWEEP_STRIDE,
+    l1_is_wide, line_lead, strips_prefetch_next_row, strips_sweep_into_l1, sweep_min_bytes,
+    vector_lead, zen5_or_later, Mat, MTP_OWN_PREFETCH_RANK, SWEEP_STRIDE,
 };
 use crate::cpu::simd::Simd;
 use std::ops::Range;
@@ -76,6 +76,7 @@ unsafe fn mtp_strip<S: Simd, const VW: usize, const KT: usize, const N: usize>(
     // formed with `wrapping_add`, and a prefetch never faults.
     unsafe {
         let qv = |k: usize, v: usize| a.q.add((k0 + k) * cols + j0 + v * lanes);
+        let into_l1 = ahead != 0 && strips_sweep_into_l1();
         let mut acc = [[S::zero(); VW]; KT];
         let mut part = [[S::zero(); KT]; N];
         if rows.start > 0 {
@@ -97,7 +98,12 @@ unsafe fn mtp_strip<S: Simd, const VW: usize, const KT: usize, const N: usize>(
             // with two parts spilled three accumulators).
             for v in 0..VW {
                 if ahead != 0 && (v * lanes).is_multiple_of(SWEEP_STRIDE) {
-                    S::prefetch_l2(row.wrapping_add(ahead + v * lanes));
+                    let at = row.wrapping_add(ahead + v * lanes);
+                    if into_l1 {
+                        S::prefetch(at);
+                    } else {
+                        S::prefetch_l2(at);
+                    }
                 }
                 if next_row && ahead == 0 && KT == 1 && (v * lanes).is_multiple_of(SWEEP_STRIDE) {
                     S::prefetch(row.wrapping_add(cols + v * lanes));
@@ -107,7 +113,7 @@ unsafe fn mtp_strip<S: Simd, const VW: usize, const KT: usize, const N: usize>(
                     acc[k][v] = S::fma(pk[k], x, acc[k][v]);
                 }
             }
-            let y = part_row::<S, N>(a, i, &parts, ahead);
+            let y = part_row::<S, N>(a, i, &parts, ahead, into_l1);
             for t in 0..N {
                 for k in 0..KT {
                     part[t][k] = S::fma(pk[k], y[t], part[t][k]);
@@ -146,7 +152,8 @@ unsafe fn part_load<S: Simd, const KT: usize, const N: usize>(
 }
 
 /// Row `i`'s vectors of the parts `parts`, each prefetched `ahead` (both lines it
-/// touches: the strips' prefetches start at the line boundary).
+/// touches: the strips' prefetches start at the line boundary), into L1 with `into_l1`
+/// ([`strips_sweep_into_l1`]), else into L2.
 ///
 /// # Safety
 /// As [`part_load`], with row `i` inside 0..n.
@@ -156,6 +163,7 @@ unsafe fn part_row<S: Simd, const N: usize>(
     i: usize,
     parts: &[(usize, Range<usize>); N],
     ahead: usize,
+    into_l1: bool,
 ) -> [S::V; N] {
     // SAFETY: each vector lies in row i (the caller); prefetch addresses are formed with
     // `wrapping_add` and a prefetch never faults.
@@ -163,7 +171,10 @@ unsafe fn part_row<S: Simd, const N: usize>(
         let mut y = [S::zero(); N];
         for (t, (j0, _)) in parts.iter().enumerate() {
             let at = a.m.wrapping_add(i * a.cols + j0);
-            if ahead != 0 {
+            if ahead != 0 && into_l1 {
+                S::prefetch(at.wrapping_add(ahead));
+                S::prefetch(at.wrapping_add(ahead + S::LANES - 1));
+            } else if ahead != 0 {
                 S::prefetch_l2(at.wrapping_add(ahead));
                 S::prefetch_l2(at.wrapping_add(ahead + S::LANES - 1));
             }
