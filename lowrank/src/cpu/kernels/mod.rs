@@ -93,10 +93,12 @@ fn sweep_min_bytes(r: usize, lanes: usize, own: OwnRank) -> usize {
 /// stream a kernel's rows from memory at low rank better without the software sweep on
 /// top ([`sweep_min_bytes`]), and it streams one row at a time better than several side
 /// by side ([`mtp`]'s choices of the row stream with 8 lanes, of its strips' width, and
-/// `pqt`'s two rows at r = 4); and with its multiply-add units busy it streams from
-/// memory well only while its loads leave L1 room (`mq`'s 3-row groups at r = 8). On Zen 4 (family 0x19) the sweep took `mtp` r = 1 from
-/// 0.22-0.27 of the read bandwidth to 0.80-0.91 ([`mtp::mtp_cols`]'s doc), and on the
-/// Intel Xeons it is worth 1.1-1.2 from memory at r = 1-2 (earlier sessions' README).
+/// `pqt`'s two rows at r = 4). With its multiply-add units busy it streams from memory
+/// well only while its loads leave L1 room (`mq`'s 3-row groups at r = 8), and its
+/// 48 KiB L1 takes `mtp`'s sweep ([`strips_sweep_into_l1`]). On Zen 4 (family 0x19) the
+/// sweep took `mtp` r = 1 from 0.22-0.27 of the read bandwidth to 0.80-0.91
+/// ([`mtp::mtp_cols`]'s doc), and on the Intel Xeons it is worth 1.1-1.2 from memory at
+/// r = 1-2 (earlier sessions' README).
 fn zen5_or_later() -> bool {
     cpu_is_amd() && cpu_family() >= 0x1A
 }

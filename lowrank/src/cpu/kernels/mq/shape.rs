@@ -79,10 +79,10 @@ pub(super) const fn tile(lanes: usize, kt: usize) -> (usize, usize) {
 ///   35-40), and 3 rows 21-22 against 2 rows' 16. In the kernel (`bench lowrank`,
 ///   alternated pairs): `--quick`, 4096 x 4096, r = 8 one thread 0.41-0.44 → 0.47-0.55
 ///   of the read bandwidth (median ratio 1.25), two threads 0.74-0.83 → 0.80-0.95
-///   (1.09); `--roofline` from memory 1.10, from the LLC 1.08. Not for whole rows (a
-///   call whose `Q` fits L1): there LLVM spilled the third row's accumulators and `mq`
-///   r = 8 read half its in-L2 rate (as on the Intel Xeons, the 3-row tile's note in
-///   [`tile`]).
+///   (1.09); `--roofline` from memory 1.28 and 1.10 (four pairs each), from the LLC
+///   0.96 and 1.08. Not for whole rows (a call whose `Q` fits L1): there LLVM spilled
+///   the third row's accumulators and `mq` r = 8 read half its in-L2 rate (as on the
+///   Intel Xeons, the 3-row tile's note in [`tile`]).
 ///
 /// Rows do not change how any `P[i, k]` is summed, so this choice keeps results
 /// bit-identical.
