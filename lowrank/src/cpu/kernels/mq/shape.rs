@@ -76,7 +76,7 @@ pub(super) const fn tile(lanes: usize, kt: usize) -> (usize, usize) {
 ///   loops of this step (8 multiply-adds a vector of `M`, rows in L2 ahead by software
 ///   prefetch, AMD EPYC, KVM) 9 loads a vector of `M` (`Q` from L1) read 16-18 GB/s
 ///   from memory, with 4 of the 8 vectors of `Q` from registers 32-38 (a plain read
-///   35-40), and 3 rows 21-22 against 2 rows' 16. In the kernel (`bench lowrank`,
+///   35-40), and 3 rows 21-27 against 2 rows' 16-21. In the kernel (`bench lowrank`,
 ///   alternated pairs): `--quick`, 4096 x 4096, r = 8 one thread 0.41-0.44 → 0.47-0.55
 ///   of the read bandwidth (median ratio 1.25), two threads 0.74-0.83 → 0.80-0.95
 ///   (1.09); `--roofline` from memory 1.28 and 1.10 (four pairs each), from the LLC
