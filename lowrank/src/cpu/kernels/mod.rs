@@ -51,8 +51,9 @@ const SWEEP_MIN_BYTES: usize = 1 << 20;
 /// 1.11-1.34 (two sets); r = 4 `mq` 0.94-1.05 / 1.10-1.26 and `mq+e` 1.00-1.02 /
 /// 1.07-1.22 (four sets, four to six pairs each). At r = 8 the sweep is worth 1.1-1.2
 /// from memory, so it keeps it. `--quick` (4096 x 4096, four or five pairs): one thread
-/// `mq` r = 1 / 2 / 4 1.16 / 1.08 / 1.04-1.07, two threads 1.05 / 0.99 / 1.13-1.14. With AVX2 (`--isa avx2`, four
-/// pairs; unchanged rows read 0.90-1.00 in the same runs): `mq` r = 1 1.19 / 1.34 and
+/// `mq` r = 1 / 2 / 4 1.16 / 1.08 / 1.04-1.07, two threads 1.05 / 0.99 / 1.13-1.14.
+/// With AVX2 (`--isa avx2`, four pairs; unchanged rows read 0.90-1.00 in the same
+/// runs): `mq` r = 1 1.19 / 1.34 and
 /// `mq+e` r = 1 1.17 / 1.35, but r = 2 0.83 / 1.35 and 0.97 / 1.41, so with 8 lanes only
 /// r = 1 goes without.
 const MQ_OWN_PREFETCH_RANK: OwnRank = OwnRank { wide: 4, narrow: 1 };
@@ -95,7 +96,7 @@ fn sweep_min_bytes(r: usize, lanes: usize, own: OwnRank) -> usize {
 /// by side ([`mtp`]'s choices of the row stream with 8 lanes, of its strips' width, and
 /// `pqt`'s two rows at r = 4). With its multiply-add units busy it streams from memory
 /// well only while its loads leave L1 room (`mq`'s 3-row groups at r = 8), and its
-/// 48 KiB L1 takes `mtp`'s sweep ([`strips_sweep_into_l1`]). On Zen 4 (family 0x19) the
+/// 48 KiB L1 takes `mtp`'s sweep (`mtp`'s `sweep_prefetch`). On Zen 4 (family 0x19) the
 /// sweep took `mtp` r = 1 from 0.22-0.27 of the read bandwidth to 0.80-0.91
 /// ([`mtp::mtp_cols`]'s doc), and on the Intel Xeons it is worth 1.1-1.2 from memory at
 /// r = 1-2 (earlier sessions' README).
@@ -133,19 +134,6 @@ fn cpu_family() -> u32 {
 /// without against 0.62-0.63 (a plain strip loop: 105 GB/s without, 87 with).
 fn strips_prefetch_next_row() -> bool {
     cpu_is_amd()
-}
-
-/// Whether `mtp`'s strips sweep the rows ahead into L1 (`prefetcht0`) rather than into
-/// L2: on AMD Zen 5 and later ([`zen5_or_later`]), whose 48 KiB L1 holds the strips'
-/// tiles beside the lines in flight. AMD EPYC (Zen 5, KVM), AVX-512, r = 8 (the ranks
-/// that sweep there), median ratios of alternated pairs: `bench lowrank --quick` (4096 x
-/// 4096), one thread 1.31 and 1.22 in two sets of four (0.38-0.53 → 0.51-0.58 of the
-/// read bandwidth), two threads 1.11 and 0.99; `--roofline` from memory 1.46 (four
-/// pairs) and 1.00 (six), from the LLC 0.83 and 0.96; with AVX2 1.07 from memory, 1.00
-/// from the LLC. The same hint for `mq`'s and `pqt_error`'s sweeps read 0.98-1.07, so
-/// they keep L2.
-fn strips_sweep_into_l1() -> bool {
-    zen5_or_later()
 }
 
 /// Whether the processor is AMD's ("AuthenticAMD"), read once from `cpuid` leaf 0.

@@ -8,8 +8,8 @@
 
 use super::pack::QPack;
 use super::{
-    l1_is_wide, line_lead, strips_prefetch_next_row, strips_sweep_into_l1, sweep_min_bytes,
-    vector_lead, zen5_or_later, Mat, MTP_OWN_PREFETCH_RANK, SWEEP_STRIDE,
+    l1_is_wide, line_lead, strips_prefetch_next_row, sweep_min_bytes, vector_lead, zen5_or_later,
+    Mat, MTP_OWN_PREFETCH_RANK, SWEEP_STRIDE,
 };
 use crate::cpu::simd::Simd;
 use std::ops::Range;
@@ -76,7 +76,7 @@ unsafe fn mtp_strip<S: Simd, const VW: usize, const KT: usize, const N: usize>(
     // formed with `wrapping_add`, and a prefetch never faults.
     unsafe {
         let qv = |k: usize, v: usize| a.q.add((k0 + k) * cols + j0 + v * lanes);
-        let into_l1 = ahead != 0 && strips_sweep_into_l1();
+        let into_l1 = ahead != 0 && zen5_or_later();
         let mut acc = [[S::zero(); VW]; KT];
         let mut part = [[S::zero(); KT]; N];
         if rows.start > 0 {
@@ -98,12 +98,7 @@ unsafe fn mtp_strip<S: Simd, const VW: usize, const KT: usize, const N: usize>(
             // with two parts spilled three accumulators).
             for v in 0..VW {
                 if ahead != 0 && (v * lanes).is_multiple_of(SWEEP_STRIDE) {
-                    let at = row.wrapping_add(ahead + v * lanes);
-                    if into_l1 {
-                        S::prefetch(at);
-                    } else {
-                        S::prefetch_l2(at);
-                    }
+                    sweep_prefetch::<S>(row.wrapping_add(ahead + v * lanes), into_l1);
                 }
                 if next_row && ahead == 0 && KT == 1 && (v * lanes).is_multiple_of(SWEEP_STRIDE) {
                     S::prefetch(row.wrapping_add(cols + v * lanes));
@@ -151,9 +146,32 @@ unsafe fn part_load<S: Simd, const KT: usize, const N: usize>(
     }
 }
 
+/// One prefetch of the strips' sweep: into L1 (`prefetcht0`) with `into_l1`, which
+/// [`mtp_strip`] sets on AMD Zen 5 and later ([`zen5_or_later`]: its 48 KiB L1 holds the
+/// strips' tiles beside the lines in flight), else into L2. AMD EPYC (Zen 5, KVM),
+/// AVX-512, r = 8 (the ranks that sweep there), median ratios of alternated pairs:
+/// `bench lowrank --quick` (4096 x 4096), one thread 1.31 and 1.22 in two sets of four
+/// (0.38-0.53 → 0.51-0.58 of the read bandwidth), two threads 1.11 and 0.99;
+/// `--roofline` from memory 1.46 (four pairs) and 1.00 (six), from the LLC 0.83 and
+/// 0.96; with AVX2 1.07 from memory, 1.00 from the LLC. The same hint for `mq`'s and
+/// `pqt_error`'s sweeps read 0.98-1.07, so they keep L2.
+///
+/// # Safety
+/// The caller's instruction set; a prefetch never faults, whatever the address.
+#[inline(always)]
+unsafe fn sweep_prefetch<S: Simd>(at: *const f32, into_l1: bool) {
+    // SAFETY: prefetches are hints that never fault.
+    unsafe {
+        if into_l1 {
+            S::prefetch(at);
+        } else {
+            S::prefetch_l2(at);
+        }
+    }
+}
+
 /// Row `i`'s vectors of the parts `parts`, each prefetched `ahead` (both lines it
-/// touches: the strips' prefetches start at the line boundary), into L1 with `into_l1`
-/// ([`strips_sweep_into_l1`]), else into L2.
+/// touches: the strips' prefetches start at the line boundary; [`sweep_prefetch`]).
 ///
 /// # Safety
 /// As [`part_load`], with row `i` inside 0..n.
@@ -171,12 +189,9 @@ unsafe fn part_row<S: Simd, const N: usize>(
         let mut y = [S::zero(); N];
         for (t, (j0, _)) in parts.iter().enumerate() {
             let at = a.m.wrapping_add(i * a.cols + j0);
-            if ahead != 0 && into_l1 {
-                S::prefetch(at.wrapping_add(ahead));
-                S::prefetch(at.wrapping_add(ahead + S::LANES - 1));
-            } else if ahead != 0 {
-                S::prefetch_l2(at.wrapping_add(ahead));
-                S::prefetch_l2(at.wrapping_add(ahead + S::LANES - 1));
+            if ahead != 0 {
+                sweep_prefetch::<S>(at.wrapping_add(ahead), into_l1);
+                sweep_prefetch::<S>(at.wrapping_add(ahead + S::LANES - 1), into_l1);
             }
             y[t] = S::load(at);
         }
