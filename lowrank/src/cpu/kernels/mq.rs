@@ -107,7 +107,7 @@ macro_rules! each_tile {
 mod shape;
 mod whole;
 use shape::{group_occurs, group_rows, group_vectors, tile, tile_occurs, tile_width, GroupOf};
-use whole::{mq_group_whole, mq_run_whole};
+use whole::{mq_group_whole, mq_run_one_row, mq_run_whole};
 
 /// Where a tile's rows are: row `ii` of `M` at `m + ii * stride` (of `E` at `e + ii *
 /// stride` when fused), and the prefetch for its column `jj` at
@@ -677,7 +677,11 @@ unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(a: &Mat, rows: 
                 // Whole rows in cache at ranks 1 and 2 (one column tile): every whole
                 // group in one function ([`whole::WholeRun`]).
                 let all = left / RB;
-                mq_run_whole::<S, RB>(a, &ap, i0, all, vec_end_p, vec_end, q, edges);
+                if RB == 1 && a.r == 1 {
+                    mq_run_one_row::<S>(a, &ap, i0, all, vec_end_p, vec_end, q, edges);
+                } else {
+                    mq_run_whole::<S, RB>(a, &ap, i0, all, vec_end_p, vec_end, q, edges);
+                }
                 i0 += all * RB;
                 continue;
             }
@@ -797,6 +801,126 @@ pub(crate) unsafe fn mq_rows<S: Simd, const FUSE: bool>(a: &Mat, rows: Range<usi
             2 if const { group_occurs(S::LANES, 2, FUSE) } => mq_rows_rb::<S, 2, FUSE>(a, rows),
             1 => mq_rows_rb::<S, 1, FUSE>(a, rows),
             _ => unreachable!("mq: no groups of {rb} rows"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::simd::Portable;
+
+    /// `P` from `mq` over rows of `cols` floats at `off` floats into a buffer, with
+    /// groups of `rb` rows (1: the one-row walk at rank 1, [`mq_run_one_row`]).
+    type Rows = unsafe fn(&Mat, Range<usize>);
+
+    unsafe fn one_portable(a: &Mat, rows: Range<usize>) {
+        // SAFETY: forwarded.
+        unsafe { mq_rows_rb::<Portable, 1, false>(a, rows) }
+    }
+
+    unsafe fn tiles_portable(a: &Mat, rows: Range<usize>) {
+        // SAFETY: forwarded.
+        unsafe { mq_rows_rb::<Portable, 4, false>(a, rows) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn one_avx2(a: &Mat, rows: Range<usize>) {
+        // SAFETY: forwarded; the caller checked the instruction set.
+        unsafe { mq_rows_rb::<crate::cpu::simd::Avx2, 1, false>(a, rows) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn tiles_avx2(a: &Mat, rows: Range<usize>) {
+        // SAFETY: forwarded; the caller checked the instruction set.
+        unsafe { mq_rows_rb::<crate::cpu::simd::Avx2, 4, false>(a, rows) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    unsafe fn one_avx512(a: &Mat, rows: Range<usize>) {
+        // SAFETY: forwarded; the caller checked the instruction set.
+        unsafe { mq_rows_rb::<crate::cpu::simd::Avx512, 1, false>(a, rows) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    unsafe fn tiles_avx512(a: &Mat, rows: Range<usize>) {
+        // SAFETY: forwarded; the caller checked the instruction set.
+        unsafe { mq_rows_rb::<crate::cpu::simd::Avx512, 4, false>(a, rows) }
+    }
+
+    /// `P = M Q` at rank 1 by `kernel` over all rows, `M`'s rows `off` floats into their
+    /// buffer.
+    fn run(
+        kernel: Rows,
+        m: &mut [f32],
+        q: &mut [f32],
+        n: usize,
+        cols: usize,
+        off: usize,
+    ) -> Vec<f32> {
+        let mut p = vec![f32::NAN; n];
+        let a = Mat {
+            m: m[off..].as_mut_ptr(),
+            e: std::ptr::null_mut(),
+            p: p.as_mut_ptr(),
+            q: q.as_mut_ptr(),
+            n,
+            cols,
+            r: 1,
+        };
+        // SAFETY: `a` points at buffers of its shape (`m` holds `off + n * cols`
+        // floats, `q` `cols`, `p` `n`), alive and not shared.
+        unsafe { kernel(&a, 0..n) };
+        p
+    }
+
+    /// The one-row walk at rank 1 ([`mq_run_one_row`], which [`group_rows`] takes on some
+    /// cores) gives the bits of the 4-row tiles it stands in for, on every instruction
+    /// set the machine has: whole rows with and without edges (every offset class from a
+    /// vector boundary), ragged columns, rows shorter than two vectors or than one, and
+    /// row counts that leave the tiles single rows.
+    #[test]
+    fn the_one_row_walk_gives_the_bits_of_the_tiles() {
+        let mut kernels: Vec<(&str, Rows, Rows)> = vec![("portable", one_portable, tiles_portable)];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                kernels.push(("avx2", one_avx2, tiles_avx2));
+            }
+            if is_x86_feature_detected!("avx512f") {
+                kernels.push(("avx512", one_avx512, tiles_avx512));
+            }
+        }
+        // Values whose sums round differently in another order.
+        let val = |i: usize, s: u32| {
+            ((i as u32).wrapping_mul(2654435761).wrapping_add(s) >> 8) as f32 / (1u32 << 24) as f32
+                - 0.5
+        };
+        for (n, cols) in [
+            (9, 1024),
+            (64, 1000),
+            (7, 4111),
+            (13, 40),
+            (6, 20),
+            (5, 16),
+            (3, 7),
+        ] {
+            for off in [0, 1, 3, 4, 8, 12, 15] {
+                let mut m: Vec<f32> = (0..n * cols + off).map(|i| val(i, 1)).collect();
+                let mut q: Vec<f32> = (0..cols).map(|i| val(i, 7)).collect();
+                for &(isa, one, tiles) in &kernels {
+                    let a = run(one, &mut m, &mut q, n, cols, off);
+                    let b = run(tiles, &mut m, &mut q, n, cols, off);
+                    assert!(
+                        a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                        "{isa} {n} x {cols}, offset {off}: the one-row walk and the tiles differ"
+                    );
+                }
+            }
         }
     }
 }
