@@ -40,7 +40,7 @@ const MTP_BLOCK_ROWS_MAX: usize = 64;
 const MTP_PANEL_COLS: usize = MTP_BLOCK_FLOATS / MTP_BLOCK_ROWS_MIN;
 
 mod stream;
-use stream::mtp_stream;
+use stream::{mtp_stream, mtp_stream_one_row};
 
 /// `Q[k0..k0+KT][strip] (+)= Σ_{i in rows} P[i, k] M[i, strip]`, where the strip is `VW`
 /// whole vectors from column `j0`, and the same for the `N` part vectors `parts` (each
@@ -437,6 +437,20 @@ fn zen5_takes_stream(sweep: bool, r: usize) -> bool {
 /// `cold` (4096 x 4096) and 1.17 from the LLC (four pairs). Calls that sweep (a tile of
 /// 4 at r >= 5) keep 4.
 const MTP_ZEN5_TILE_VECTORS: usize = 6;
+/// Whether [`mtp_cols`] takes the one-row stream ([`mtp_stream_one_row`]) for a call of
+/// rank `r` on `lanes` lanes over `bytes` of `M`: at rank 1 with AVX-512 on AMD Zen 5
+/// and later (`zen5`, [`zen5_or_later`]), for calls in cache (less than
+/// [`SWEEP_MIN_BYTES`](super::SWEEP_MIN_BYTES), as for the other rules here). The strips
+/// walk a block's rows side by side, which that core streams from L2 at about half the
+/// rate of one row at a time. AMD EPYC (Zen 5, AVX-512, KVM): in C, one row at a time
+/// into `Q` in L1 read 163-174 GB/s with `M` in L2 (128 x 1024), strips of 8 or 16
+/// vectors down the rows 113-148, the same stream over 2, 4 or 8 rows at once 127-184;
+/// a probe of the kernel 120 -> 165-168 GB/s; `--roofline` (four alternated pairs) in L2
+/// median ratio 1.32, from the LLC 1.06, but from memory 0.95 (0.96-1.04 -> 0.92-0.93
+/// of the read bandwidth), so calls from memory keep the strips.
+fn takes_one_row_stream(lanes: usize, r: usize, bytes: usize, zen5: bool) -> bool {
+    zen5 && lanes == 16 && r == 1 && bytes < super::SWEEP_MIN_BYTES
+}
 /// Whether an `mtp` call over the columns `cols` sweeps `M` ahead into L2 (the strips
 /// and the stream alike): [`sweep_min_bytes`] at the call's rank.
 fn mtp_sweeps<S: Simd>(a: &Mat, cols: &Range<usize>) -> bool {
@@ -505,7 +519,9 @@ pub(crate) unsafe fn mtp_cols<S: Simd>(a: &Mat, cols: Range<usize>) {
         };
     // SAFETY: forwarded caller guarantees.
     unsafe {
-        if stream {
+        if takes_one_row_stream(lanes, a.r, a.n * cols.len() * 4, zen5_or_later()) {
+            mtp_stream_one_row::<S>(a, cols)
+        } else if stream {
             mtp_stream::<S>(a, cols)
         } else {
             mtp_strips::<S>(a, cols)
@@ -635,6 +651,11 @@ mod tests {
 
         /// `Q` from `kernel` over all columns.
         fn run(&mut self, kernel: Kernel) -> Vec<f32> {
+            self.run_on(kernel, 0..self.cols)
+        }
+
+        /// `Q` from `kernel` over the columns `cols` (NaN elsewhere).
+        fn run_on(&mut self, kernel: Kernel, cols: Range<usize>) -> Vec<f32> {
             let mut q = vec![f32::NAN; self.r * self.cols];
             let a = Mat {
                 m: self.m[self.off..].as_mut_ptr(),
@@ -645,8 +666,9 @@ mod tests {
                 cols: self.cols,
                 r: self.r,
             };
-            // SAFETY: `a` points at buffers of its shape, alive and not shared.
-            unsafe { kernel(&a, 0..self.cols) };
+            // SAFETY: `a` points at buffers of its shape, alive and not shared; `cols`
+            // lies inside its columns.
+            unsafe { kernel(&a, cols) };
             q
         }
     }
@@ -676,6 +698,77 @@ mod tests {
     unsafe fn strips_avx2(a: &Mat, cols: Range<usize>) {
         // SAFETY: forwarded; the caller checked the instruction set.
         unsafe { mtp_strips::<crate::cpu::simd::Avx2>(a, cols) }
+    }
+
+    unsafe fn one_row_portable(a: &Mat, cols: Range<usize>) {
+        // SAFETY: forwarded.
+        unsafe { mtp_stream_one_row::<Portable>(a, cols) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn one_row_avx2(a: &Mat, cols: Range<usize>) {
+        // SAFETY: forwarded; the caller checked the instruction set.
+        unsafe { mtp_stream_one_row::<crate::cpu::simd::Avx2>(a, cols) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    unsafe fn one_row_avx512(a: &Mat, cols: Range<usize>) {
+        // SAFETY: forwarded; the caller checked the instruction set.
+        unsafe { mtp_stream_one_row::<crate::cpu::simd::Avx512>(a, cols) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    unsafe fn strips_avx512(a: &Mat, cols: Range<usize>) {
+        // SAFETY: forwarded; the caller checked the instruction set.
+        unsafe { mtp_strips::<crate::cpu::simd::Avx512>(a, cols) }
+    }
+
+    /// The one-row stream at rank 1 ([`mtp_stream_one_row`], which
+    /// [`takes_one_row_stream`] takes on some cores) gives the bits of the strips, on
+    /// every instruction set the machine has: with and without edges (every offset class
+    /// from a vector boundary), ragged columns, rows shorter than a vector, column ranges
+    /// that start inside a row (as a thread's do), blocks in cache and sweeping.
+    #[test]
+    fn the_one_row_stream_gives_the_bits_of_the_strips() {
+        let mut kernels: Vec<(&str, Kernel, Kernel)> =
+            vec![("portable", one_row_portable, strips_portable)];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                kernels.push(("avx2", one_row_avx2, strips_avx2));
+            }
+            if is_x86_feature_detected!("avx512f") {
+                kernels.push(("avx512", one_row_avx512, strips_avx512));
+            }
+        }
+        for (n, cols) in [
+            (70, 1024),
+            (9, 4111),
+            (13, 48),
+            (6, 7),
+            (300, 1024),
+            (40, 1000),
+        ] {
+            for off in [0, 1, 3, 4, 8, 12, 15] {
+                let mut case = Case::new(n, cols, 1, off);
+                for &(isa, one, strips) in &kernels {
+                    for range in [0..cols, cols / 3..cols] {
+                        let (a, b) = (
+                            case.run_on(one, range.clone()),
+                            case.run_on(strips, range.clone()),
+                        );
+                        assert!(
+                            a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                            "{isa} {n} x {cols}, offset {off}, columns {range:?}: the one-row \
+                             stream and the strips differ"
+                        );
+                    }
+                }
+            }
+        }
     }
 
     /// The row stream and the strips, which [`mtp_cols`] chooses between by L1, rank,

@@ -298,3 +298,83 @@ pub(super) unsafe fn mtp_stream<S: Simd>(a: &Mat, cols: Range<usize>) {
         }
     }
 }
+
+/// `Q[cols] = (Mᵀ P)[cols]` at rank 1, one row at a time: each row's vectors added to a
+/// packed `Q` that stays in L1 (`Q[v] += P[i] M[i, v]`, a load, a fused multiply-add and
+/// a store a vector), rows in order. For calls in cache on cores where rows read side
+/// by side stream from L2 worse than one row at a time (the strips walk a block's rows
+/// side by side, and so does [`mtp_stream`]'s block of rows).
+///
+/// Each element gets the same operations in the same order as in the strips and
+/// [`mtp_stream`] (from zero, one fused multiply-add a row in row order, [`Simd::fma1`]
+/// for the ragged columns), so the same bits. Where every row lies alike off a vector
+/// boundary the vectors start at the boundary before the columns, one more of them, the
+/// first and the last read only in their lanes inside the columns (the lanes outside
+/// accumulate zeros and are dropped), so no load splits a line.
+#[inline(always)]
+pub(super) unsafe fn mtp_stream_one_row<S: Simd>(a: &Mat, cols: Range<usize>) {
+    let lanes = S::LANES;
+    debug_assert_eq!(a.r, 1);
+    let nvec = cols.len() / lanes;
+    let vec_end = cols.start + nvec * lanes;
+    let shift = match vector_lead::<S>(a, cols.start) {
+        lead if nvec > 0 && lead > 0 => lanes - lead,
+        _ => 0,
+    };
+    let nv = nvec + usize::from(shift > 0);
+    let c0 = cols.start as isize - shift as isize;
+    let mut pack = QPack::take(nv * lanes + 16);
+    let qp = pack.aligned();
+    // The vectors without an edge: all, or all but the first and the last (`nvec`).
+    let (first, top) = if shift > 0 { (1, nvec) } else { (0, nv) };
+    // SAFETY: the pack holds `nv` vectors from its aligned start; every row lies inside
+    // 0..n and its vectors inside `cols` (inside 0..cols, the caller), but for the edge
+    // vectors' lanes outside the columns, which masked loads do not read; row pointers
+    // are formed with `wrapping_*` (with a shift the first vector starts before the
+    // columns). `P` holds `n` floats and `Q` `cols` floats (rank 1). Nothing here waits,
+    // allocates past the pack or unwinds.
+    unsafe {
+        for v in 0..nv {
+            S::store(qp.add(v * lanes), S::zero());
+        }
+        for i in 0..a.n {
+            let row =
+                a.m.wrapping_add(i * a.cols)
+                    .wrapping_offset(c0)
+                    .cast_const();
+            let p = S::splat(*a.p.add(i));
+            if shift > 0 {
+                let x = S::load_lanes(row, shift, lanes);
+                S::store(qp, S::fma(p, x, S::load(qp)));
+            }
+            for v in first..top {
+                let d = qp.add(v * lanes);
+                S::store(
+                    d,
+                    S::fma(p, S::load(row.wrapping_add(v * lanes)), S::load(d)),
+                );
+            }
+            if shift > 0 {
+                let d = qp.add(nvec * lanes);
+                let x = S::load_lanes(row.wrapping_add(nvec * lanes), 0, shift);
+                S::store(d, S::fma(p, x, S::load(d)));
+            }
+        }
+        for jj in vec_end..cols.end {
+            let mut s = 0.0;
+            for i in 0..a.n {
+                s = S::fma1(*a.p.add(i), *a.m.add(i * a.cols + jj), s);
+            }
+            *a.q.add(jj) = s;
+        }
+        for v in 0..nv {
+            let src = S::load(qp.add(v * lanes));
+            let dst = a.q.wrapping_add(v * lanes).wrapping_offset(c0);
+            match v {
+                0 if shift > 0 => S::store_lanes(dst, src, shift, lanes),
+                _ if shift > 0 && v == nvec => S::store_lanes(dst, src, 0, shift),
+                _ => S::store(dst, src),
+            }
+        }
+    }
+}
