@@ -44,6 +44,20 @@ const PQT_AHEAD: usize = 32 * 1024;
 /// read.
 const PQT_PREFETCH: usize = 128;
 
+/// Whether a pass prefetches into L1 what it writes ([`PQT_PREFETCH`]): always, but for
+/// the fused pass in cache (a call that does not sweep) on AMD Zen 5 and later (`zen5`,
+/// [`zen5_or_later`]), whose stores there keep up without it and whose load slots the
+/// two prefetches a vector take. AMD EPYC (Zen 5, KVM), `--roofline`, `pqt+e` without
+/// them, median ratio of alternated pairs (four each), in L2 / from memory / from the
+/// LLC: AVX-512 r = 1 1.14 / 1.11 / 1.03, r = 2 1.06 / 0.99 / 1.02, r = 4 1.01 / 0.99 /
+/// 1.19, r = 8 1.04 / 1.02 / 1.05; AVX2 r = 1 1.26 / 1.05 / 1.00, r = 2 1.35 / 1.02 /
+/// 0.96, r = 4 1.08 / 1.01 / 1.00 (from memory and the LLC only r = 1 goes without on
+/// that core: the others sweep there). A probe at 64 x 1024 in L2 (r = 1, one thread):
+/// 69-70 -> 80-81 GB/s of `M`, where a plain loop of the same steps read 106-111.
+fn pqt_prefetches_l1(fuse: bool, sweep: bool, zen5: bool) -> bool {
+    !(fuse && zen5 && !sweep)
+}
+
 // Register tiles read best with explicit indices.
 #[allow(clippy::needless_range_loop)]
 #[inline(always)]
@@ -58,6 +72,8 @@ unsafe fn pqt_block<S: Simd, const RB: usize, const U: usize, const RC: usize, c
     let cols = a.cols;
     let r = if RC == 0 { a.r } else { RC };
     let pf = PQT_PREFETCH;
+    // The L1 prefetch of what the pass writes ([`PQT_PREFETCH`], [`pqt_prefetches_l1`]).
+    let pfon = pqt_prefetches_l1(FUSE, sweep, zen5_or_later());
     // SAFETY: the caller guarantees rows i0..i0+RB < n. Prefetch addresses are formed
     // with `wrapping_add` (they may lie past the buffers) and a prefetch never faults.
     unsafe {
@@ -66,7 +82,8 @@ unsafe fn pqt_block<S: Simd, const RB: usize, const U: usize, const RC: usize, c
         let pval = |k: usize, ii: usize| *a.p.add(k * a.n + i0 + ii);
         // Q's vectors packed (`pack_q`): at power-of-two widths Q's r columns, the RB rows
         // of M and of E all map to the same L1 sets, more lines than it has ways.
-        let qvec = |k: usize, j: usize| qpack.add(((j - lead) / lanes * a.r + k) * lanes);
+        // (`r`, a constant with `RC`: with `a.r` every vector's address took a multiply.)
+        let qvec = |k: usize, j: usize| qpack.add(((j - lead) / lanes * r + k) * lanes);
         // With a constant rank, a local copy of this block's P values: the compiler knows
         // nothing writes to it, so it keeps the broadcasts in registers across the row
         // (it cannot for `a.p`, which might alias `a.m`).
@@ -98,14 +115,18 @@ unsafe fn pqt_block<S: Simd, const RB: usize, const U: usize, const RC: usize, c
             for (ii, acc_i) in acc.iter().enumerate() {
                 for (u, &a_u) in acc_i.iter().enumerate() {
                     let dst = row(ii).add(j + u * lanes);
-                    S::prefetch(dst.wrapping_add(pf));
+                    if pfon {
+                        S::prefetch(dst.wrapping_add(pf));
+                    }
                     let swept = sweep && (u * lanes).is_multiple_of(SWEEP_STRIDE);
                     if swept {
                         S::prefetch_l2(dst.wrapping_add(PQT_AHEAD));
                     }
                     if FUSE {
                         let edst = erow(ii).add(j + u * lanes);
-                        S::prefetch(edst.wrapping_add(pf));
+                        if pfon {
+                            S::prefetch(edst.wrapping_add(pf));
+                        }
                         if swept {
                             S::prefetch_l2(edst.wrapping_add(PQT_AHEAD));
                         }
