@@ -95,7 +95,8 @@ fn sweep_min_bytes(r: usize, lanes: usize, own: OwnRank) -> usize {
 /// top ([`sweep_min_bytes`]), and it streams one row at a time better than several side
 /// by side ([`mtp`]'s choices of the row stream with 8 lanes, of its strips' width and
 /// of one row at a time at r = 1 in cache, `mq`'s one-row walk at r = 1, and `pqt`'s two
-/// rows at r = 4); in cache its stores keep up without `pqt_error`'s L1 prefetch. With its multiply-add units busy it streams from memory
+/// rows at r = 4); in cache its stores keep up without `pqt_error`'s L1 prefetch, and
+/// `pqt_error` at r = 1 goes one vector at a time there. With its multiply-add units busy it streams from memory
 /// well only while its loads leave L1 room (`mq`'s 3-row groups at r = 8), and its
 /// 48 KiB L1 takes `mtp`'s sweep (`mtp`'s `sweep_prefetch`). On Zen 4 (family 0x19) the
 /// sweep took `mtp` r = 1 from 0.22-0.27 of the read bandwidth to 0.80-0.91
