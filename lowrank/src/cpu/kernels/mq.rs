@@ -814,43 +814,33 @@ mod tests {
     /// groups of `rb` rows (1: the one-row walk at rank 1, [`mq_run_one_row`]).
     type Rows = unsafe fn(&Mat, Range<usize>);
 
-    unsafe fn one_portable(a: &Mat, rows: Range<usize>) {
-        // SAFETY: forwarded.
-        unsafe { mq_rows_rb::<Portable, 1, false>(a, rows) }
-    }
+    /// `$one` and `$tiles` on instruction set `$simd` (compiled for `$feat`): groups of
+    /// one row and of four.
+    macro_rules! walks {
+        ($one:ident, $tiles:ident, $simd:ty $(, $feat:literal)?) => {
+            $(#[target_feature(enable = $feat)])?
+            unsafe fn $one(a: &Mat, rows: Range<usize>) {
+                // SAFETY: forwarded; the caller checked the instruction set.
+                unsafe { mq_rows_rb::<$simd, 1, false>(a, rows) }
+            }
 
-    unsafe fn tiles_portable(a: &Mat, rows: Range<usize>) {
-        // SAFETY: forwarded.
-        unsafe { mq_rows_rb::<Portable, 4, false>(a, rows) }
+            $(#[target_feature(enable = $feat)])?
+            unsafe fn $tiles(a: &Mat, rows: Range<usize>) {
+                // SAFETY: forwarded; the caller checked the instruction set.
+                unsafe { mq_rows_rb::<$simd, 4, false>(a, rows) }
+            }
+        };
     }
-
+    walks!(one_portable, tiles_portable, Portable);
     #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn one_avx2(a: &Mat, rows: Range<usize>) {
-        // SAFETY: forwarded; the caller checked the instruction set.
-        unsafe { mq_rows_rb::<crate::cpu::simd::Avx2, 1, false>(a, rows) }
-    }
-
+    walks!(one_avx2, tiles_avx2, crate::cpu::simd::Avx2, "avx2,fma");
     #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn tiles_avx2(a: &Mat, rows: Range<usize>) {
-        // SAFETY: forwarded; the caller checked the instruction set.
-        unsafe { mq_rows_rb::<crate::cpu::simd::Avx2, 4, false>(a, rows) }
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx512f,avx2,fma")]
-    unsafe fn one_avx512(a: &Mat, rows: Range<usize>) {
-        // SAFETY: forwarded; the caller checked the instruction set.
-        unsafe { mq_rows_rb::<crate::cpu::simd::Avx512, 1, false>(a, rows) }
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx512f,avx2,fma")]
-    unsafe fn tiles_avx512(a: &Mat, rows: Range<usize>) {
-        // SAFETY: forwarded; the caller checked the instruction set.
-        unsafe { mq_rows_rb::<crate::cpu::simd::Avx512, 4, false>(a, rows) }
-    }
+    walks!(
+        one_avx512,
+        tiles_avx512,
+        crate::cpu::simd::Avx512,
+        "avx512f,avx2,fma"
+    );
 
     /// `P = M Q` at rank 1 by `kernel` over all rows, `M`'s rows `off` floats into their
     /// buffer.

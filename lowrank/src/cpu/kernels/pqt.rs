@@ -157,17 +157,34 @@ unsafe fn pqt_block<S: Simd, const RB: usize, const U: usize, const RC: usize, c
             }
             j += lanes;
         }
-        // The columns before the first line boundary and the ragged ones past the last
-        // whole vector: masked vectors, the same operations lane by lane (the same bits).
+        pqt_edges::<S, RB, RC, FUSE>(a, i0, lead, j, &local);
+    }
+}
+
+/// The columns of [`pqt_block`]'s (or [`pqt_row`]'s) rows at `i0` before the first line
+/// boundary (`lead`) and the ragged ones from `j` (past the last whole vector): masked
+/// vectors ([`pqt_edge`]), the same operations lane by lane (the same bits).
+#[inline(always)]
+unsafe fn pqt_edges<S: Simd, const RB: usize, const RC: usize, const FUSE: bool>(
+    a: &Mat,
+    i0: usize,
+    lead: usize,
+    j: usize,
+    local: &[[f32; 8]; RB],
+) {
+    let lanes = S::LANES;
+    // SAFETY: the caller's rows and shape; `pqt_edge` touches only the lanes inside
+    // columns 0..lead and j..cols of them.
+    unsafe {
         let mut end = lead as isize;
         while end > 0 {
             let c0 = end - lanes as isize;
             let lo = if c0 < 0 { c0.unsigned_abs() } else { 0 };
-            pqt_edge::<S, RB, RC, FUSE>(a, i0, c0, lo, lanes, &local);
+            pqt_edge::<S, RB, RC, FUSE>(a, i0, c0, lo, lanes, local);
             end = c0;
         }
-        if j < cols {
-            pqt_edge::<S, RB, RC, FUSE>(a, i0, j as isize, 0, cols - j, &local);
+        if j < a.cols {
+            pqt_edge::<S, RB, RC, FUSE>(a, i0, j as isize, 0, a.cols - j, local);
         }
     }
 }
@@ -222,16 +239,7 @@ unsafe fn pqt_row<S: Simd, const RC: usize, const FUSE: bool>(
             j += lanes;
             qv = qv.add(RC * lanes);
         }
-        let mut end = lead as isize;
-        while end > 0 {
-            let c0 = end - lanes as isize;
-            let lo = if c0 < 0 { c0.unsigned_abs() } else { 0 };
-            pqt_edge::<S, 1, RC, FUSE>(a, i, c0, lo, lanes, &local);
-            end = c0;
-        }
-        if j < cols {
-            pqt_edge::<S, 1, RC, FUSE>(a, i, j as isize, 0, cols - j, &local);
-        }
+        pqt_edges::<S, 1, RC, FUSE>(a, i, lead, j, &local);
     }
 }
 

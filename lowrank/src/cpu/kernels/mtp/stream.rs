@@ -280,22 +280,7 @@ pub(super) unsafe fn mtp_stream<S: Simd>(a: &Mat, cols: Range<usize>) {
             }
             i0 += rb;
         }
-        for v in 0..nv {
-            let valid = match v {
-                0 if shift > 0 => (shift, lanes),
-                _ if shift > 0 && v == nvec => (0, shift),
-                _ => (0, lanes),
-            };
-            for k in 0..a.r {
-                let src = S::load(qp.add((v * a.r + k) * lanes));
-                let dst = a.q.wrapping_add(k * a.cols + v * lanes).wrapping_offset(c0);
-                if valid == (0, lanes) {
-                    S::store(dst, src);
-                } else {
-                    S::store_lanes(dst, src, valid.0, valid.1);
-                }
-            }
-        }
+        write_back::<S>(a, qp, nv, nvec, shift, c0);
     }
 }
 
@@ -367,13 +352,44 @@ pub(super) unsafe fn mtp_stream_one_row<S: Simd>(a: &Mat, cols: Range<usize>) {
             }
             *a.q.add(jj) = s;
         }
-        for v in 0..nv {
-            let src = S::load(qp.add(v * lanes));
-            let dst = a.q.wrapping_add(v * lanes).wrapping_offset(c0);
-            match v {
-                0 if shift > 0 => S::store_lanes(dst, src, shift, lanes),
-                _ if shift > 0 && v == nvec => S::store_lanes(dst, src, 0, shift),
-                _ => S::store(dst, src),
+        write_back::<S>(a, qp, nv, nvec, shift, c0);
+    }
+}
+
+/// The packed `Q` at `qp` (`nv` vectors of columns from `c0`, `r` vectors each) written
+/// to `Q`: with a `shift`, the first vector only in its lanes from `shift` and the last
+/// (`nvec`) below it, the lanes outside the columns dropped.
+///
+/// # Safety
+/// `qp` holds `r * nv` vectors; the vectors from `c0` lie inside `Q`'s columns but for
+/// those edge lanes, which masked stores do not touch.
+#[inline(always)]
+unsafe fn write_back<S: Simd>(
+    a: &Mat,
+    qp: *const f32,
+    nv: usize,
+    nvec: usize,
+    shift: usize,
+    c0: isize,
+) {
+    let lanes = S::LANES;
+    for v in 0..nv {
+        let valid = match v {
+            0 if shift > 0 => (shift, lanes),
+            _ if shift > 0 && v == nvec => (0, shift),
+            _ => (0, lanes),
+        };
+        for k in 0..a.r {
+            // SAFETY: the caller's guarantees; pointers to the vectors' starts are formed
+            // with `wrapping_*` (with a shift the first starts before the columns).
+            unsafe {
+                let src = S::load(qp.add((v * a.r + k) * lanes));
+                let dst = a.q.wrapping_add(k * a.cols + v * lanes).wrapping_offset(c0);
+                if valid == (0, lanes) {
+                    S::store(dst, src);
+                } else {
+                    S::store_lanes(dst, src, valid.0, valid.1);
+                }
             }
         }
     }
