@@ -90,6 +90,20 @@ fn sweep_min_bytes(r: usize, lanes: usize, own: OwnRank) -> usize {
     }
 }
 
+/// Whether the kernels read a group's rows far apart rather than next to each other
+/// (where the rows' order does not change a bit: `mq`'s groups of rows over whole rows
+/// in cache). On AMD Zen 5 ([`zen5_or_later`]) a few rows read side by side stream from
+/// L2 at about half the rate of one row when they lie near each other, at the full rate
+/// when they lie 64 KiB or more apart. C loops (AMD EPYC, KVM, `M` of 128 x 1024 in L2,
+/// best of 15 rounds): two accumulators a row over 4 adjacent rows 120-160 GB/s, over 4
+/// rows 32 rows (128 KiB) apart 200-235, one row at a time 215-235; a plain read of 2
+/// streams 4 KiB apart 115-130 against 175-220 at 64-128 KiB and 200-230 for one. Not a
+/// set conflict (rows 64 bytes longer than 4 KiB read the same) and not a prefetch
+/// distance (software prefetches into L1 did not help).
+fn spaces_rows() -> bool {
+    zen5_or_later()
+}
+
 /// Whether the processor is AMD's family 0x1A (Zen 5) or later. Its hardware prefetchers
 /// stream a kernel's rows from memory at low rank better without the software sweep on
 /// top ([`sweep_min_bytes`]), and it streams one row at a time better than several side

@@ -28,6 +28,7 @@ unsafe fn mq_whole<S: Simd, const RB: usize, const KT: usize, const U: usize, co
         a,
         ap,
         i0,
+        gap,
         k0,
         vec_end_p,
         vec_end,
@@ -44,7 +45,10 @@ unsafe fn mq_whole<S: Simd, const RB: usize, const KT: usize, const U: usize, co
     // SAFETY: as in `mq_span` for the span 0..vec_end_p of the shifted rows (the caller's
     // guarantees for the group), then as in `mq_finish_regs`.
     unsafe {
-        let t = TileRows::new(ap, i0, FUSE, base, 0, vec_end_p);
+        let t = TileRows {
+            stride: gap * ap.cols,
+            ..TileRows::new(ap, i0, FUSE, base, 0, vec_end_p)
+        };
         let mut regs = [[[S::zero(); U]; KT]; RB];
         let group = U * lanes;
         let mut j = 0;
@@ -72,7 +76,7 @@ unsafe fn mq_whole<S: Simd, const RB: usize, const KT: usize, const U: usize, co
             j = hot.end;
         }
         mq_each::<S, RB, KT, U, FUSE>(sweep, &t, &mut regs, j..vec_end_p, q, ap.r, k0, edges);
-        mq_finish_regs::<S, RB, KT, U, FUSE>(a, i0, k0, vec_end, &regs);
+        mq_finish_regs::<S, RB, KT, U, FUSE>(a, i0, gap, k0, vec_end, &regs);
     }
 }
 
@@ -84,6 +88,7 @@ struct Whole<'a, S, const RB: usize, const KT: usize, const U: usize, const FUSE
     a: &'a Mat,
     ap: &'a Mat,
     i0: usize,
+    gap: usize,
     k0: usize,
     vec_end_p: usize,
     vec_end: usize,
@@ -113,6 +118,7 @@ pub(super) unsafe fn mq_group_whole<S: Simd, const RB: usize, const FUSE: bool>(
     a: &Mat,
     ap: &Mat,
     i0: usize,
+    gap: usize,
     vec_end_p: usize,
     vec_end: usize,
     q: *const f32,
@@ -128,6 +134,7 @@ pub(super) unsafe fn mq_group_whole<S: Simd, const RB: usize, const FUSE: bool>(
                     a,
                     ap,
                     i0,
+                    gap,
                     k0,
                     vec_end_p,
                     vec_end,
@@ -151,9 +158,19 @@ pub(super) unsafe fn mq_group_whole<S: Simd, const RB: usize, const FUSE: bool>(
 /// in-core limit). Not at r = 4 (AVX-512's 4 x 4 tile 0.97, eight pairs) or r = 8
 /// (the same), and not for the fused pass: a loop around every group's call there read
 /// 0.93 at AVX2's r = 4.
+///
+/// With `spaced` ([`spaces_rows`]) group `g` takes rows `i0 + g + s * groups`, rows far
+/// apart, instead of `i0 + g * RB + s`. `M` in L2 (AMD EPYC, Zen 5, KVM, `--roofline`,
+/// four alternated pairs): AVX-512 r = 2 (4-row groups) 0.50-0.53 -> 0.78-0.88 of the
+/// in-core limit (median ratio 1.56), from memory 1.08; AVX2 r = 1 (4-row groups)
+/// 0.49-0.56 -> 0.72-0.74 (1.42), from memory 1.16; AVX2 r = 2 (3 rows, FMA-bound) the
+/// same. The step and the gap are chosen once, outside the loop over groups: a branch
+/// between the two inside it left LLVM one register short in AVX2's 3 x 2 x 2 tile,
+/// which spilled an accumulator in the hot loop (0.44-0.48 of the limit).
 struct WholeRun<'a, S, const RB: usize, const KT: usize, const U: usize> {
     whole: Whole<'a, S, RB, KT, U, false>,
     groups: usize,
+    spaced: bool,
 }
 
 impl<S: Simd, const RB: usize, const KT: usize, const U: usize> Outlined
@@ -164,6 +181,11 @@ impl<S: Simd, const RB: usize, const KT: usize, const U: usize> Outlined
     unsafe fn run(self) {
         let first = self.whole.i0;
         let (a, ap) = (*self.whole.a, *self.whole.ap);
+        let (step, gap) = if self.spaced {
+            (1, self.groups)
+        } else {
+            (RB, 1)
+        };
         for g in 0..self.groups {
             // SAFETY: the guarantees of `mq_whole` for every group, which the creator of
             // the work gives.
@@ -171,7 +193,8 @@ impl<S: Simd, const RB: usize, const KT: usize, const U: usize> Outlined
                 mq_whole(Whole {
                     a: &a,
                     ap: &ap,
-                    i0: first + g * RB,
+                    i0: first + g * step,
+                    gap,
                     ..self.whole
                 })
             }
@@ -188,6 +211,7 @@ pub(super) unsafe fn mq_run_whole<S: Simd, const RB: usize>(
     ap: &Mat,
     i0: usize,
     groups: usize,
+    spaced: bool,
     vec_end_p: usize,
     vec_end: usize,
     q: *const f32,
@@ -203,6 +227,7 @@ pub(super) unsafe fn mq_run_whole<S: Simd, const RB: usize>(
                         a,
                         ap,
                         i0,
+                        gap: 1,
                         k0: 0,
                         vec_end_p,
                         vec_end,
@@ -212,6 +237,7 @@ pub(super) unsafe fn mq_run_whole<S: Simd, const RB: usize>(
                         isa: PhantomData,
                     },
                     groups,
+                    spaced,
                 })
             };
         }
