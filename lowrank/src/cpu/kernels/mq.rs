@@ -11,7 +11,7 @@
 use super::pack::{pack_q, pack_q_edges, QPack};
 use super::{
     l1_is_wide, spaces_rows, sweep_min_bytes, vector_lead, zen5_or_later, Mat,
-    MQ_OWN_PREFETCH_RANK, SWEEP_STRIDE,
+    MQ_OWN_PREFETCH_RANK, SWEEP_MIN_BYTES, SWEEP_STRIDE,
 };
 use crate::cpu::simd::{Outlined, Simd};
 use std::marker::PhantomData;
@@ -696,7 +696,8 @@ unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(
                 continue;
             }
             if spaced {
-                // The fused pass and r = 4 and 8, group by group. AVX-512, `M` in L2 (AMD
+                // The fused pass (2 rows at r = 1 and 2 in cache, [`group_rows`]) and
+                // r = 4 and 8, group by group. AVX-512, `M` in L2 (AMD
                 // Zen 5, four alternated pairs): `mq+e` r = 4 / 8 1.19 / 1.26 (0.46-0.55
                 // -> 0.52-0.71 of the in-core limit), `mq` 1.04 / 1.01.
                 for h in 0..all {
@@ -832,6 +833,7 @@ unsafe fn mq_rows_as<S: Simd, const FUSE: bool>(a: &Mat, rows: Range<usize>, spa
         wide: l1_is_wide(),
         whole: takes_whole_rows(a),
         zen5: zen5_or_later(),
+        cached: rows.len() * a.cols * 4 < SWEEP_MIN_BYTES,
     });
     // SAFETY: forwarded caller guarantees.
     unsafe {
@@ -963,16 +965,21 @@ mod tests {
 
     /// `$name` on instruction set `$simd` (compiled for `$feat`): [`mq_rows_as`], fused
     /// or not, with a group's rows far apart or next to each other.
+    ///
+    /// `spaces` with `fuse` at r <= 2 runs the fused pass in groups of two rows far apart
+    /// (what [`group_rows`] takes on some cores, in cache) against one row at a time
+    /// without it (what it takes elsewhere), on every machine.
     macro_rules! spacing {
         ($name:ident, $simd:ty $(, $feat:literal)?) => {
             $(#[target_feature(enable = $feat)])?
             unsafe fn $name(a: &Mat, rows: Range<usize>, spaces: bool, fuse: bool) {
                 // SAFETY: forwarded; the caller checked the instruction set.
                 unsafe {
-                    if fuse {
-                        mq_rows_as::<$simd, true>(a, rows, spaces)
-                    } else {
-                        mq_rows_as::<$simd, false>(a, rows, spaces)
+                    match (fuse, a.r <= 2, spaces) {
+                        (true, true, true) => mq_rows_rb::<$simd, 2, true>(a, rows, true),
+                        (true, true, false) => mq_rows_rb::<$simd, 1, true>(a, rows, false),
+                        (true, false, _) => mq_rows_as::<$simd, true>(a, rows, spaces),
+                        (false, ..) => mq_rows_as::<$simd, false>(a, rows, spaces),
                     }
                 }
             }

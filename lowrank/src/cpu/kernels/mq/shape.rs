@@ -96,6 +96,16 @@ pub(super) const fn tile(lanes: usize, kt: usize) -> (usize, usize) {
 ///   a row of 8-lane vectors is twice as many dependent multiply-adds a chain, more than
 ///   the core overlaps.
 ///
+/// - 2 for the fused pass at r = 1 and 2 over whole rows in cache (`cached`: the call
+///   streams less than [`SWEEP_MIN_BYTES`](super::SWEEP_MIN_BYTES)) on AMD Zen 5
+///   and later (`zen5`), where a group's rows lie far apart ([`spaces_rows`](super::spaces_rows)):
+///   one row at a time is two chains of dependent multiply-adds as long as the row (64
+///   deep at 1024 columns with 8 lanes), and two rows far apart do not share the L1 sets
+///   of rows next to each other any more than one does. With `M` in L2 (AMD EPYC, KVM,
+///   `--roofline`, three alternated pairs): AVX2 r = 1 / 2 1.37 / 1.29, AVX-512 1.09 /
+///   1.11; from memory and the LLC two rows read 0.92-0.96 of one, so calls that stream
+///   more keep one. Four rows: AVX2 r = 1 1.44, AVX-512 0.97.
+///
 /// Rows do not change how any `P[i, k]` is summed, so this choice keeps results
 /// bit-identical.
 pub(super) const fn group_rows(g: GroupOf) -> usize {
@@ -107,11 +117,14 @@ pub(super) const fn group_rows(g: GroupOf) -> usize {
         wide,
         whole,
         zen5,
+        cached,
     } = g;
     let kt = tile_width(lanes, r);
     let zen5_wide = zen5 && lanes == 16 && kt == 8 && regs >= 32 && !whole;
     if zen5 && lanes == 16 && r == 1 && whole && !fuse {
         1
+    } else if zen5 && fuse && whole && cached && kt <= 2 {
+        2
     } else if zen5_wide || (lanes == 8 && r >= 8) {
         3
     } else if fuse && wide && lanes == 8 && kt == 4 {
@@ -130,8 +143,9 @@ pub(super) const fn group_rows(g: GroupOf) -> usize {
 /// What [`group_rows`] chooses by: the instruction set's `lanes` and `regs`
 /// ([`Simd::REGS`](crate::cpu::simd::Simd::REGS)), the rank `r`, whether the pass fuses `M += E`, whether L1 is
 /// `wide` ([`l1_is_wide`](super::l1_is_wide)), whether the call reads `whole` rows
-/// ([`takes_whole_rows`](super::takes_whole_rows)) and whether the core is AMD's `zen5`
-/// or later ([`zen5_or_later`](super::zen5_or_later)).
+/// ([`takes_whole_rows`](super::takes_whole_rows)), whether the core is AMD's `zen5`
+/// or later ([`zen5_or_later`](super::zen5_or_later)) and whether the call is `cached`
+/// (streams less than [`SWEEP_MIN_BYTES`](super::SWEEP_MIN_BYTES) of `M`).
 #[derive(Clone, Copy)]
 pub(super) struct GroupOf {
     pub(super) lanes: usize,
@@ -141,6 +155,7 @@ pub(super) struct GroupOf {
     pub(super) wide: bool,
     pub(super) whole: bool,
     pub(super) zen5: bool,
+    pub(super) cached: bool,
 }
 
 /// Whether [`group_rows`] gives `rb` at rank `r` for some L1, register file, kind of
@@ -149,8 +164,9 @@ const fn takes_rows(lanes: usize, rb: usize, r: usize, fuse: bool) -> bool {
     let mut regs = 8;
     while regs <= 32 {
         let mut case = 0;
-        while case < 8 {
-            let (wide, whole, zen5) = (case & 1 == 1, case & 2 == 2, case & 4 == 4);
+        while case < 16 {
+            let (wide, whole, zen5, cached) =
+                (case & 1 == 1, case & 2 == 2, case & 4 == 4, case & 8 == 8);
             let g = GroupOf {
                 lanes,
                 regs,
@@ -159,6 +175,7 @@ const fn takes_rows(lanes: usize, rb: usize, r: usize, fuse: bool) -> bool {
                 wide,
                 whole,
                 zen5,
+                cached,
             };
             if rb == group_rows(g) {
                 return true;
