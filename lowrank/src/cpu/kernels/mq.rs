@@ -29,6 +29,16 @@ const MQ_WHOLE_ROW_BYTES: usize = 16 * 1024;
 /// in-core limit (AVX-512), 0.60-0.64 → 0.64-0.68 (AVX2); r = 4 at 2048 columns the
 /// same within noise.
 const MQ_WHOLE_ROW_BYTES_WIDE: usize = 32 * 1024;
+/// Bytes of `Q` up to which rows are read whole on AMD Zen 5 and later from L2, where a
+/// group reads at least `r` rows ([`takes_whole_rows`]): 4096 columns at r = 4, 8192 at
+/// r = 2. Cold (AMD EPYC, KVM, one thread, a probe's runs in turn): AVX-512 r = 4 at
+/// 4096 x 4096 15-16 -> 20-21 GB/s, r = 2 at 2048 x 16384 20-26 -> 31-32; AVX2 r = 2 at
+/// 2048 x 8192 18 -> 26-27, r = 1 at 2048 x 16384 24-37 -> 37-41. Where a group reads
+/// fewer rows than `r` the chunks stay: AVX-512 r = 8 (two rows) at 8192 x 2048 18-21 ->
+/// 15-19, AVX2 r = 4 (two rows) at 4096 x 4096 23 -> 22. `bench lowrank --quick`
+/// (4096 x 4096, four alternated pairs): AVX-512 r = 4 one thread 0.64-0.68 -> 0.71-0.78
+/// of the read bandwidth (median ratio 1.16), two threads 1.20.
+const MQ_WHOLE_ROW_BYTES_L2: usize = 64 * 1024;
 /// Bytes of `Q` per column chunk past that: the chunk's `r` columns stay in L1 while a
 /// block of rows passes over them. Cold, n = m = 4096, r = 8, Zen 4, AVX-512: 12 KiB
 /// chunks read 0.42-0.47 of the read bandwidth, 16 KiB 0.37-0.41. On a 48 KiB 12-way L1
@@ -579,14 +589,20 @@ unsafe fn mq_group_finish<S: Simd, const RB: usize, const FUSE: bool>(
 }
 
 /// Whether a call reads its rows whole rather than in column chunks: its `Q` within
-/// [`MQ_WHOLE_ROW_BYTES`] ([`MQ_WHOLE_ROW_BYTES_WIDE`] where L1 is [`l1_is_wide`]).
-fn takes_whole_rows(a: &Mat) -> bool {
+/// [`MQ_WHOLE_ROW_BYTES`] ([`MQ_WHOLE_ROW_BYTES_WIDE`] where L1 is [`l1_is_wide`]), or on
+/// AMD Zen 5 and later ([`zen5_or_later`]) within [`MQ_WHOLE_ROW_BYTES_L2`] where a group
+/// of rows read whole (`rows_whole`, [`group_rows`]) is at least `r` rows: then each
+/// vector of `Q` it reads from L2 serves `rows_whole` rows, and `Q` adds at most `M`'s
+/// own traffic to L2's.
+fn takes_whole_rows(a: &Mat, rows_whole: usize) -> bool {
     let whole_max = if l1_is_wide() {
         MQ_WHOLE_ROW_BYTES_WIDE
     } else {
         MQ_WHOLE_ROW_BYTES
     };
-    a.r * a.cols * 4 <= whole_max
+    let q_bytes = a.r * a.cols * 4;
+    q_bytes <= whole_max
+        || (zen5_or_later() && q_bytes <= MQ_WHOLE_ROW_BYTES_L2 && rows_whole >= a.r)
 }
 
 /// `P = M Q` (or with `FUSE`, `M += E; P = M Q`) for the given rows of one matrix, in
@@ -597,6 +613,7 @@ fn takes_whole_rows(a: &Mat) -> bool {
 unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(
     a: &Mat,
     rows: Range<usize>,
+    whole: bool,
     spaces: bool,
 ) {
     let lanes = S::LANES;
@@ -624,7 +641,7 @@ unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(
     // Whole vectors per chunk: a multiple of 8 vectors (of every U), so that every chunk
     // boundary keeps vector v in accumulator v mod U.
     let step = 8 * lanes;
-    let chunk = if takes_whole_rows(a) {
+    let chunk = if whole {
         vec_end_p.max(step)
     } else {
         (MQ_CHUNK_BYTES / 4 / a.r / step * step).max(step)
@@ -825,30 +842,32 @@ pub(crate) unsafe fn mq_rows<S: Simd, const FUSE: bool>(a: &Mat, rows: Range<usi
 /// same bits either way.
 #[inline(always)]
 unsafe fn mq_rows_as<S: Simd, const FUSE: bool>(a: &Mat, rows: Range<usize>, spaces: bool) {
-    let rb = group_rows(GroupOf {
+    let group = GroupOf {
         lanes: S::LANES,
         regs: S::REGS,
         r: a.r,
         fuse: FUSE,
         wide: l1_is_wide(),
-        whole: takes_whole_rows(a),
+        whole: true,
         zen5: zen5_or_later(),
         cached: rows.len() * a.cols * 4 < SWEEP_MIN_BYTES,
-    });
+    };
+    let whole = takes_whole_rows(a, group_rows(group));
+    let rb = group_rows(GroupOf { whole, ..group });
     // SAFETY: forwarded caller guarantees.
     unsafe {
         // Only the groups that occur are compiled ([`group_occurs`]).
         match rb {
             4 if const { group_occurs(S::LANES, 4, FUSE) } => {
-                mq_rows_rb::<S, 4, FUSE>(a, rows, spaces)
+                mq_rows_rb::<S, 4, FUSE>(a, rows, whole, spaces)
             }
             3 if const { group_occurs(S::LANES, 3, FUSE) } => {
-                mq_rows_rb::<S, 3, FUSE>(a, rows, spaces)
+                mq_rows_rb::<S, 3, FUSE>(a, rows, whole, spaces)
             }
             2 if const { group_occurs(S::LANES, 2, FUSE) } => {
-                mq_rows_rb::<S, 2, FUSE>(a, rows, spaces)
+                mq_rows_rb::<S, 2, FUSE>(a, rows, whole, spaces)
             }
-            1 => mq_rows_rb::<S, 1, FUSE>(a, rows, spaces),
+            1 => mq_rows_rb::<S, 1, FUSE>(a, rows, whole, spaces),
             _ => unreachable!("mq: no groups of {rb} rows"),
         }
     }
@@ -870,13 +889,13 @@ mod tests {
             $(#[target_feature(enable = $feat)])?
             unsafe fn $one(a: &Mat, rows: Range<usize>) {
                 // SAFETY: forwarded; the caller checked the instruction set.
-                unsafe { mq_rows_rb::<$simd, 1, false>(a, rows, spaces_rows()) }
+                unsafe { mq_rows_rb::<$simd, 1, false>(a, rows, takes_whole_rows(a, 1), spaces_rows()) }
             }
 
             $(#[target_feature(enable = $feat)])?
             unsafe fn $tiles(a: &Mat, rows: Range<usize>) {
                 // SAFETY: forwarded; the caller checked the instruction set.
-                unsafe { mq_rows_rb::<$simd, 4, false>(a, rows, spaces_rows()) }
+                unsafe { mq_rows_rb::<$simd, 4, false>(a, rows, takes_whole_rows(a, 4), spaces_rows()) }
             }
         };
     }
@@ -976,8 +995,12 @@ mod tests {
                 // SAFETY: forwarded; the caller checked the instruction set.
                 unsafe {
                     match (fuse, a.r <= 2, spaces) {
-                        (true, true, true) => mq_rows_rb::<$simd, 2, true>(a, rows, true),
-                        (true, true, false) => mq_rows_rb::<$simd, 1, true>(a, rows, false),
+                        (true, true, true) => {
+                            mq_rows_rb::<$simd, 2, true>(a, rows, takes_whole_rows(a, 2), true)
+                        }
+                        (true, true, false) => {
+                            mq_rows_rb::<$simd, 1, true>(a, rows, takes_whole_rows(a, 1), false)
+                        }
                         (true, false, _) => mq_rows_as::<$simd, true>(a, rows, spaces),
                         (false, ..) => mq_rows_as::<$simd, false>(a, rows, spaces),
                     }
@@ -1061,6 +1084,101 @@ mod tests {
                                 "{isa} {n} x {cols} r = {r}, offset {off}, rows {rows:?}, fused {fuse}: spaced groups differ"
                             );
                         }
+                    }
+                }
+            }
+        }
+    }
+
+    /// `$name` on instruction set `$simd` (compiled for `$feat`): groups of one row
+    /// (fused or not) and of two, whole or in column chunks.
+    macro_rules! chunking {
+        ($name:ident, $simd:ty $(, $feat:literal)?) => {
+            $(#[target_feature(enable = $feat)])?
+            unsafe fn $name(a: &Mat, rows: Range<usize>, whole: bool, walk: usize) {
+                // SAFETY: forwarded; the caller checked the instruction set.
+                unsafe {
+                    match walk {
+                        0 => mq_rows_rb::<$simd, 1, false>(a, rows, whole, false),
+                        1 => mq_rows_rb::<$simd, 2, false>(a, rows, whole, false),
+                        _ => mq_rows_rb::<$simd, 1, true>(a, rows, whole, false),
+                    }
+                }
+            }
+        };
+    }
+    chunking!(chunking_portable, Portable);
+    #[cfg(target_arch = "x86_64")]
+    chunking!(chunking_avx2, crate::cpu::simd::Avx2, "avx2,fma");
+    #[cfg(target_arch = "x86_64")]
+    chunking!(
+        chunking_avx512,
+        crate::cpu::simd::Avx512,
+        "avx512f,avx2,fma"
+    );
+
+    /// Rows read whole (what [`takes_whole_rows`] takes for a `Q` that L1 holds, and on
+    /// some cores for one that L2 holds) give the bits of rows read in column chunks, in
+    /// `P` and (fused) in `M`, on every instruction set the machine has: ranks of one
+    /// column tile and of several, rows with edges, ragged columns.
+    #[test]
+    fn whole_rows_give_the_bits_of_chunks() {
+        type Chunking = unsafe fn(&Mat, Range<usize>, bool, usize);
+        let mut kernels: Vec<(&str, Chunking)> = vec![("portable", chunking_portable)];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                kernels.push(("avx2", chunking_avx2));
+            }
+            if is_x86_feature_detected!("avx512f") {
+                kernels.push(("avx512", chunking_avx512));
+            }
+        }
+        let val = |i: usize, s: u32| {
+            ((i as u32).wrapping_mul(2654435761).wrapping_add(s) >> 8) as f32 / (1u32 << 24) as f32
+                - 0.5
+        };
+        for (n, cols, r) in [
+            (7, 8000, 2),
+            (6, 4000, 4),
+            (5, 16390, 1),
+            (5, 3000, 8),
+            (4, 5000, 3),
+        ] {
+            for off in [0, 5] {
+                for walk in 0..3 {
+                    for &(isa, kernel) in &kernels {
+                        let run = |whole: bool| {
+                            let mut m: Vec<f32> = (0..n * cols + off).map(|i| val(i, 1)).collect();
+                            let mut e: Vec<f32> = (0..n * cols).map(|i| val(i, 3)).collect();
+                            let mut q: Vec<f32> = (0..r * cols).map(|i| val(i, 7)).collect();
+                            let mut p = vec![f32::NAN; r * n];
+                            let a = Mat {
+                                m: m[off..].as_mut_ptr(),
+                                e: if walk == 2 {
+                                    e.as_mut_ptr()
+                                } else {
+                                    std::ptr::null_mut()
+                                },
+                                p: p.as_mut_ptr(),
+                                q: q.as_mut_ptr(),
+                                n,
+                                cols,
+                                r,
+                            };
+                            // SAFETY: `a` points at buffers of its shape, alive and not
+                            // shared; `kernel`'s instruction set was checked above.
+                            unsafe { kernel(&a, 0..n, whole, walk) };
+                            (p, m)
+                        };
+                        let (whole, chunks) = (run(true), run(false));
+                        let same = |x: &[f32], y: &[f32]| {
+                            x.iter().zip(y).all(|(x, y)| x.to_bits() == y.to_bits())
+                        };
+                        assert!(
+                            same(&whole.0, &chunks.0) && same(&whole.1, &chunks.1),
+                            "{isa} {n} x {cols} r = {r}, offset {off}, walk {walk}: whole rows and chunks differ"
+                        );
                     }
                 }
             }
