@@ -106,11 +106,13 @@ fn spaces_rows() -> bool {
 
 /// Whether the processor is AMD's family 0x1A (Zen 5) or later. Its hardware prefetchers
 /// stream a kernel's rows from memory at low rank better without the software sweep on
-/// top ([`sweep_min_bytes`]), and it streams one row at a time better than several side
-/// by side ([`mtp`]'s choices of the row stream with 8 lanes, of its strips' width and
-/// of one row at a time at r = 1 in cache, `mq`'s one-row walk at r = 1, and `pqt`'s two
-/// rows at r = 4); in cache its stores keep up without `pqt_error`'s L1 prefetch, and
-/// `pqt_error` at r = 1 goes one vector at a time there. With its multiply-add units busy it streams from memory
+/// top ([`sweep_min_bytes`]), and it streams one row at a time, or rows far apart
+/// ([`spaces_rows`]), better than rows next to each other side by side ([`mtp`]'s
+/// choices of the row stream with 8 lanes, of its strips' width and of one row at a time
+/// at r = 1 in cache, `mq`'s groups of rows far apart and its whole rows with `Q` in L2,
+/// and `pqt`'s two rows at r = 4); in cache its stores keep up without `pqt_error`'s L1
+/// prefetch, and `pqt_error` at r = 1 goes one vector at a time there. With its
+/// multiply-add units busy it streams from memory
 /// well only while its loads leave L1 room (`mq`'s 3-row groups at r = 8), and its
 /// 48 KiB L1 takes `mtp`'s sweep (`mtp`'s `sweep_prefetch`). On Zen 4 (family 0x19) the
 /// sweep took `mtp` r = 1 from 0.22-0.27 of the read bandwidth to 0.80-0.91

@@ -117,7 +117,7 @@ macro_rules! each_tile {
 mod shape;
 mod whole;
 use shape::{group_occurs, group_rows, group_vectors, tile, tile_occurs, tile_width, GroupOf};
-use whole::{mq_group_whole, mq_run_one_row, mq_run_whole};
+use whole::{mq_group_whole, mq_run_whole};
 
 /// Where a tile's rows are: row `ii` of `M` at `m + ii * stride` (of `E` at `e + ii *
 /// stride` when fused), and the prefetch for its column `jj` at
@@ -704,11 +704,7 @@ unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(
             if !FUSE && !chunked && !sweep && rb == RB && a.r <= 2 {
                 // Whole rows in cache at ranks 1 and 2 (one column tile): every whole
                 // group in one function ([`whole::WholeRun`]).
-                if RB == 1 && a.r == 1 {
-                    mq_run_one_row::<S>(a, &ap, i0, all, vec_end_p, vec_end, q, edges);
-                } else {
-                    mq_run_whole::<S, RB>(a, &ap, i0, all, spaced, vec_end_p, vec_end, q, edges);
-                }
+                mq_run_whole::<S, RB>(a, &ap, i0, all, spaced, vec_end_p, vec_end, q, edges);
                 i0 += all * RB;
                 continue;
             }
@@ -813,7 +809,7 @@ unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(
 /// 0.51-0.71): [`group_rows`] now takes one row for the fused pass at low rank and three
 /// rows for AVX2 at r = 8.
 ///
-/// From memory, a call that streams [`SWEEP_MIN_BYTES`](super::SWEEP_MIN_BYTES) or more
+/// From memory, a call that streams [`SWEEP_MIN_BYTES`] or more
 /// sweeps the rows [`MQ_AHEAD_BLOCKS`] blocks ahead into L2 ([`Ahead::Sweep`]). Cold, n = m
 /// = 4096, one thread, AMD Zen 4 (AVX-512), alternated runs against prefetches of the next
 /// group's span into L1 (and none for whole rows): r = 1 0.69-0.98 → 0.86-0.92 of the read
@@ -877,110 +873,6 @@ unsafe fn mq_rows_as<S: Simd, const FUSE: bool>(a: &Mat, rows: Range<usize>, spa
 mod tests {
     use super::*;
     use crate::cpu::simd::Portable;
-
-    /// `P` from `mq` over rows of `cols` floats at `off` floats into a buffer, with
-    /// groups of `rb` rows (1: the one-row walk at rank 1, [`mq_run_one_row`]).
-    type Rows = unsafe fn(&Mat, Range<usize>);
-
-    /// `$one` and `$tiles` on instruction set `$simd` (compiled for `$feat`): groups of
-    /// one row and of four.
-    macro_rules! walks {
-        ($one:ident, $tiles:ident, $simd:ty $(, $feat:literal)?) => {
-            $(#[target_feature(enable = $feat)])?
-            unsafe fn $one(a: &Mat, rows: Range<usize>) {
-                // SAFETY: forwarded; the caller checked the instruction set.
-                unsafe { mq_rows_rb::<$simd, 1, false>(a, rows, takes_whole_rows(a, 1), spaces_rows()) }
-            }
-
-            $(#[target_feature(enable = $feat)])?
-            unsafe fn $tiles(a: &Mat, rows: Range<usize>) {
-                // SAFETY: forwarded; the caller checked the instruction set.
-                unsafe { mq_rows_rb::<$simd, 4, false>(a, rows, takes_whole_rows(a, 4), spaces_rows()) }
-            }
-        };
-    }
-    walks!(one_portable, tiles_portable, Portable);
-    #[cfg(target_arch = "x86_64")]
-    walks!(one_avx2, tiles_avx2, crate::cpu::simd::Avx2, "avx2,fma");
-    #[cfg(target_arch = "x86_64")]
-    walks!(
-        one_avx512,
-        tiles_avx512,
-        crate::cpu::simd::Avx512,
-        "avx512f,avx2,fma"
-    );
-
-    /// `P = M Q` at rank 1 by `kernel` over all rows, `M`'s rows `off` floats into their
-    /// buffer.
-    fn run(
-        kernel: Rows,
-        m: &mut [f32],
-        q: &mut [f32],
-        n: usize,
-        cols: usize,
-        off: usize,
-    ) -> Vec<f32> {
-        let mut p = vec![f32::NAN; n];
-        let a = Mat {
-            m: m[off..].as_mut_ptr(),
-            e: std::ptr::null_mut(),
-            p: p.as_mut_ptr(),
-            q: q.as_mut_ptr(),
-            n,
-            cols,
-            r: 1,
-        };
-        // SAFETY: `a` points at buffers of its shape (`m` holds `off + n * cols`
-        // floats, `q` `cols`, `p` `n`), alive and not shared.
-        unsafe { kernel(&a, 0..n) };
-        p
-    }
-
-    /// The one-row walk at rank 1 ([`mq_run_one_row`], which [`group_rows`] takes on some
-    /// cores) gives the bits of the 4-row tiles it stands in for, on every instruction
-    /// set the machine has: whole rows with and without edges (every offset class from a
-    /// vector boundary), ragged columns, rows shorter than two vectors or than one, and
-    /// row counts that leave the tiles single rows.
-    #[test]
-    fn the_one_row_walk_gives_the_bits_of_the_tiles() {
-        let mut kernels: Vec<(&str, Rows, Rows)> = vec![("portable", one_portable, tiles_portable)];
-        #[cfg(target_arch = "x86_64")]
-        {
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-                kernels.push(("avx2", one_avx2, tiles_avx2));
-            }
-            if is_x86_feature_detected!("avx512f") {
-                kernels.push(("avx512", one_avx512, tiles_avx512));
-            }
-        }
-        // Values whose sums round differently in another order.
-        let val = |i: usize, s: u32| {
-            ((i as u32).wrapping_mul(2654435761).wrapping_add(s) >> 8) as f32 / (1u32 << 24) as f32
-                - 0.5
-        };
-        for (n, cols) in [
-            (9, 1024),
-            (64, 1000),
-            (7, 4111),
-            (13, 40),
-            (6, 20),
-            (5, 16),
-            (3, 7),
-        ] {
-            for off in [0, 1, 3, 4, 8, 12, 15] {
-                let mut m: Vec<f32> = (0..n * cols + off).map(|i| val(i, 1)).collect();
-                let mut q: Vec<f32> = (0..cols).map(|i| val(i, 7)).collect();
-                for &(isa, one, tiles) in &kernels {
-                    let a = run(one, &mut m, &mut q, n, cols, off);
-                    let b = run(tiles, &mut m, &mut q, n, cols, off);
-                    assert!(
-                        a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
-                        "{isa} {n} x {cols}, offset {off}: the one-row walk and the tiles differ"
-                    );
-                }
-            }
-        }
-    }
 
     /// `$name` on instruction set `$simd` (compiled for `$feat`): [`mq_rows_as`], fused
     /// or not, with a group's rows far apart or next to each other.

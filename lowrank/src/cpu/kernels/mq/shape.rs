@@ -84,18 +84,6 @@ pub(super) const fn tile(lanes: usize, kt: usize) -> (usize, usize) {
 ///   the third row's accumulators and `mq` r = 8 read half its in-L2 rate (as on the
 ///   Intel Xeons, the 3-row tile's note in [`tile`]).
 ///
-/// - 1 for `mq` at r = 1 over whole rows with AVX-512 on AMD Zen 5 and later
-///   (`zen5`), where rows read side by side stream from L2 worse than one row
-///   at a time: C loops of this step (two accumulators a row, AMD EPYC, KVM, 128 x 1024
-///   in L2) read 214-240 GB/s over one row and 130-160 over 2 or 4 side by side, in
-///   runs of 512 bytes a row or vector by vector. The rows then go through a loop of
-///   their own ([`mq_run_one_row`](super::whole::mq_run_one_row)), whose rows overlap in
-///   the core. `--roofline`, median ratio of four alternated pairs, three sets: in L2
-///   1.53, 1.37, 1.35 (0.51-0.52 -> 0.76-0.79 of the in-core limit in the first), from
-///   memory 1.09, 1.10, 1.00, from the LLC 1.23, 0.91, 0.94. Not with AVX2 (0.73 in L2):
-///   a row of 8-lane vectors is twice as many dependent multiply-adds a chain, more than
-///   the core overlaps.
-///
 /// - 2 for the fused pass at r = 1 and 2 over whole rows in cache (`cached`: the call
 ///   streams less than [`SWEEP_MIN_BYTES`](super::SWEEP_MIN_BYTES)) on AMD Zen 5
 ///   and later (`zen5`), where a group's rows lie far apart ([`spaces_rows`](super::spaces_rows)):
@@ -121,9 +109,7 @@ pub(super) const fn group_rows(g: GroupOf) -> usize {
     } = g;
     let kt = tile_width(lanes, r);
     let zen5_wide = zen5 && lanes == 16 && kt == 8 && regs >= 32 && !whole;
-    if zen5 && lanes == 16 && r == 1 && whole && !fuse {
-        1
-    } else if zen5 && fuse && whole && cached && kt <= 2 {
+    if zen5 && fuse && whole && cached && kt <= 2 {
         2
     } else if zen5_wide || (lanes == 8 && r >= 8) {
         3

@@ -164,7 +164,10 @@ pub(super) unsafe fn mq_group_whole<S: Simd, const RB: usize, const FUSE: bool>(
 /// four alternated pairs): AVX-512 r = 2 (4-row groups) 0.50-0.53 -> 0.78-0.88 of the
 /// in-core limit (median ratio 1.56), from memory 1.08; AVX2 r = 1 (4-row groups)
 /// 0.49-0.56 -> 0.72-0.74 (1.42), from memory 1.16; AVX2 r = 2 (3 rows, FMA-bound) the
-/// same. The step and the gap are chosen once, outside the loop over groups: a branch
+/// same; AVX-512 r = 1 (4-row groups far apart, where the previous build read one row
+/// at a time in a loop of its own, also to keep rows from streaming side by side) 1.08
+/// over ten pairs (0.72-0.78 -> 0.78-0.81), from memory 1.03, from the LLC 1.00. The
+/// step and the gap are chosen once, outside the loop over groups: a branch
 /// between the two inside it left LLVM one register short in AVX2's 3 x 2 x 2 tile,
 /// which spilled an accumulator in the hot loop (0.44-0.48 of the limit).
 struct WholeRun<'a, S, const RB: usize, const KT: usize, const U: usize> {
@@ -243,155 +246,5 @@ pub(super) unsafe fn mq_run_whole<S: Simd, const RB: usize>(
         }
         let mut k0 = 0;
         each_tile!(S::LANES, RB, false, a.r, k0, run);
-    }
-}
-
-/// `rows` rows of `mq` at rank 1 from `i0`, one row at a time over whole rows (a call
-/// whose `Q` fits L1, in cache): the one-column tile's walk ([`mq_whole`] with `RB = 1`,
-/// `KT = 1`, `U = 2`) as one tight loop, with the tile's two accumulators in registers
-/// and nothing else of the walk's between rows. The same operations on each accumulator
-/// in the same order (vector `v` into accumulator `v mod 2`, the edge vectors' lanes
-/// masked, [`Edges`]; the two added and reduced as [`mq_finish_regs`] does, the ragged
-/// columns one by one), so the same bits. For the cores where rows read side by side
-/// stream from L2 worse than one row at a time ([`group_rows`]).
-///
-/// A row's two chains of dependent multiply-adds take longer than its loads: the walk
-/// runs at the L2 rate only while the core overlaps one row's chains with the next
-/// row's, so the loop between rows must stay short. Through [`mq_whole`] (its `Edges`
-/// steps, its finish and the group's setup between rows) a probe (128 x 1024 in L2,
-/// AVX-512, AMD Zen 5) read 144-160 GB/s, this loop 200 and a plain loop of the same
-/// steps 220-240; in C, one row read 214-222 GB/s, 4 rows side by side 135-140.
-struct OneRow<'a, S> {
-    a: &'a Mat,
-    ap: &'a Mat,
-    i0: usize,
-    rows: usize,
-    vec_end_p: usize,
-    vec_end: usize,
-    q: *const f32,
-    edges: Edges,
-    isa: PhantomData<S>,
-}
-
-impl<S: Simd> Outlined for OneRow<'_, S> {
-    type Output = ();
-    #[inline(always)]
-    unsafe fn run(self) {
-        let OneRow {
-            a,
-            ap,
-            i0,
-            rows,
-            vec_end_p,
-            vec_end,
-            q,
-            edges,
-            isa: _,
-        } = self;
-        // Copies of the shapes: through the references, LLVM reloaded them after every
-        // store to `P`, which might have written them.
-        let (a, ap) = (*a, *ap);
-        let lanes = S::LANES;
-        let cols = a.cols;
-        // The pairs of vectors without an edge run from vector 2 (vector 0 is an edge
-        // with `lead`) to the last edge (`edges.last`), or over every vector.
-        let top = if edges.lead > 0 {
-            edges.last
-        } else {
-            vec_end_p
-        };
-        // SAFETY: the caller's guarantees (those of `mq_whole` for every row of
-        // i0..i0+rows as a group of one): row pointers formed with `wrapping_*` (a
-        // shifted row starts before its row); every vector read lies inside the shifted
-        // row's 0..vec_end_p, and the edge vectors' loads touch only their lanes inside
-        // the row (`Edges::at`, `load_lanes`); `q` holds `vec_end_p` packed floats (rank
-        // 1: the one column, 64-byte aligned); columns vec_end..cols lie inside every
-        // row, and `P` holds `n` floats. Nothing here waits, allocates or unwinds.
-        unsafe {
-            for i in i0..i0 + rows {
-                let m = ap.m.wrapping_add(i * cols).cast_const();
-                let (mut a0, mut a1) = (S::zero(), S::zero());
-                // Vector `j` (floats) alone on accumulator `$acc`, only its lanes inside
-                // the row when it is an edge. (The accumulator chosen by branches on
-                // values: through a reference or an index LLVM kept both on the stack.)
-                macro_rules! one {
-                    ($j:expr, $acc:ident) => {{
-                        let j = $j;
-                        $acc = match edges.at(j, lanes) {
-                            Some((e0, e1)) => S::fma_lanes(
-                                S::load_lanes(m.wrapping_add(j), e0, e1),
-                                S::load(q.add(j)),
-                                $acc,
-                                e0,
-                                e1,
-                            ),
-                            None => S::fma(S::load(m.wrapping_add(j)), S::load(q.add(j)), $acc),
-                        };
-                    }};
-                    ($j:expr) => {{
-                        if ($j / lanes) % 2 == 0 {
-                            one!($j, a0)
-                        } else {
-                            one!($j, a1)
-                        }
-                    }};
-                }
-                let mut j = 0;
-                if edges.lead > 0 {
-                    while j < (2 * lanes).min(vec_end_p) {
-                        one!(j);
-                        j += lanes;
-                    }
-                }
-                let hot_end = j + top.saturating_sub(j) / (2 * lanes) * (2 * lanes);
-                while j < hot_end {
-                    a0 = S::fma(S::load(m.wrapping_add(j)), S::load(q.add(j)), a0);
-                    let (m1, q1) = (m.wrapping_add(j + lanes), q.add(j + lanes));
-                    a1 = S::fma(S::load(m1), S::load(q1), a1);
-                    j += 2 * lanes;
-                }
-                while j < vec_end_p {
-                    one!(j);
-                    j += lanes;
-                }
-                let mut out = [0.0f32];
-                S::reduce_into(&[S::add(a0, a1)], &mut out);
-                let row = a.m.add(i * cols).cast_const();
-                for c in vec_end..cols {
-                    out[0] += *row.add(c) * *a.q.add(c);
-                }
-                *a.p.add(i) = out[0];
-            }
-        }
-    }
-}
-
-/// [`OneRow`] for rows `i0..i0 + rows` (rank 1, whole rows, in cache).
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-pub(super) unsafe fn mq_run_one_row<S: Simd>(
-    a: &Mat,
-    ap: &Mat,
-    i0: usize,
-    rows: usize,
-    vec_end_p: usize,
-    vec_end: usize,
-    q: *const f32,
-    edges: Edges,
-) {
-    debug_assert_eq!((a.r, tile(S::LANES, 1).1), (1, 2));
-    // SAFETY: forwarded caller guarantees.
-    unsafe {
-        S::outlined(OneRow::<S> {
-            a,
-            ap,
-            i0,
-            rows,
-            vec_end_p,
-            vec_end,
-            q,
-            edges,
-            isa: PhantomData,
-        })
     }
 }
