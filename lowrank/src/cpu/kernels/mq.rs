@@ -30,14 +30,16 @@ const MQ_WHOLE_ROW_BYTES: usize = 16 * 1024;
 /// same within noise.
 const MQ_WHOLE_ROW_BYTES_WIDE: usize = 32 * 1024;
 /// Bytes of `Q` up to which rows are read whole on AMD Zen 5 and later from L2, where a
-/// group reads at least `r` rows ([`takes_whole_rows`]): 4096 columns at r = 4, 8192 at
-/// r = 2. Cold (AMD EPYC, KVM, one thread, a probe's runs in turn): AVX-512 r = 4 at
-/// 4096 x 4096 15-16 -> 20-21 GB/s, r = 2 at 2048 x 16384 20-26 -> 31-32; AVX2 r = 2 at
-/// 2048 x 8192 18 -> 26-27, r = 1 at 2048 x 16384 24-37 -> 37-41. Where a group reads
-/// fewer rows than `r` the chunks stay: AVX-512 r = 8 (two rows) at 8192 x 2048 18-21 ->
-/// 15-19, AVX2 r = 4 (two rows) at 4096 x 4096 23 -> 22. `bench lowrank --quick`
-/// (4096 x 4096, four alternated pairs): AVX-512 r = 4 one thread 0.64-0.68 -> 0.71-0.78
-/// of the read bandwidth (median ratio 1.16), two threads 1.20.
+/// group reads at least 1.5 r rows ([`takes_whole_rows`]): 8192 columns at r = 2, 16384
+/// at r = 1. Cold (AMD EPYC, KVM, one thread, a probe's runs in turn): AVX-512 r = 2 at
+/// 2048 x 16384 20-26 -> 31-32 GB/s; AVX2 r = 2 (three rows) at 2048 x 8192 18 -> 26-27,
+/// r = 1 at 2048 x 16384 24-37 -> 37-41. Where a group reads fewer rows the chunks
+/// stay: AVX-512 r = 8 (two rows) at 8192 x 2048 18-21 -> 15-19, AVX2 r = 4 (two rows)
+/// at 4096 x 4096 23 -> 22; AVX-512 r = 4 (four rows, `Q` as much L2 traffic as `M`)
+/// gained from memory (`bench lowrank --quick`, 4096 x 4096, four alternated pairs: one
+/// thread 0.64-0.68 -> 0.71-0.78 of the read bandwidth, two threads 1.20; `--roofline`
+/// 1.14-1.18) but lost from the last-level cache (8 MiB of `M`, 0.82 and 0.86 in two
+/// sets), the sizes of most models' layers, so it keeps the chunks.
 const MQ_WHOLE_ROW_BYTES_L2: usize = 64 * 1024;
 /// Bytes of `Q` per column chunk past that: the chunk's `r` columns stay in L1 while a
 /// block of rows passes over them. Cold, n = m = 4096, r = 8, Zen 4, AVX-512: 12 KiB
@@ -591,9 +593,9 @@ unsafe fn mq_group_finish<S: Simd, const RB: usize, const FUSE: bool>(
 /// Whether a call reads its rows whole rather than in column chunks: its `Q` within
 /// [`MQ_WHOLE_ROW_BYTES`] ([`MQ_WHOLE_ROW_BYTES_WIDE`] where L1 is [`l1_is_wide`]), or on
 /// AMD Zen 5 and later ([`zen5_or_later`]) within [`MQ_WHOLE_ROW_BYTES_L2`] where a group
-/// of rows read whole (`rows_whole`, [`group_rows`]) is at least `r` rows: then each
-/// vector of `Q` it reads from L2 serves `rows_whole` rows, and `Q` adds at most `M`'s
-/// own traffic to L2's.
+/// of rows read whole (`rows_whole`, [`group_rows`]) is at least 1.5 `r` rows: then
+/// each vector of `Q` it reads from L2 serves `rows_whole` rows, and `Q` adds at most
+/// two thirds of `M`'s traffic to L2's.
 fn takes_whole_rows(a: &Mat, rows_whole: usize) -> bool {
     let whole_max = if l1_is_wide() {
         MQ_WHOLE_ROW_BYTES_WIDE
@@ -602,7 +604,7 @@ fn takes_whole_rows(a: &Mat, rows_whole: usize) -> bool {
     };
     let q_bytes = a.r * a.cols * 4;
     q_bytes <= whole_max
-        || (zen5_or_later() && q_bytes <= MQ_WHOLE_ROW_BYTES_L2 && rows_whole >= a.r)
+        || (zen5_or_later() && q_bytes <= MQ_WHOLE_ROW_BYTES_L2 && 2 * rows_whole >= 3 * a.r)
 }
 
 /// `P = M Q` (or with `FUSE`, `M += E; P = M Q`) for the given rows of one matrix, in
