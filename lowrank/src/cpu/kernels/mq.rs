@@ -908,6 +908,65 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     spacing!(spacing_avx512, crate::cpu::simd::Avx512, "avx512f,avx2,fma");
 
+    /// The instruction sets the machine has, each with its function.
+    fn supported<F>(portable: F, avx2: F, avx512: F) -> Vec<(&'static str, F)> {
+        let mut isas = vec![("portable", portable)];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                isas.push(("avx2", avx2));
+            }
+            if is_x86_feature_detected!("avx512f") {
+                isas.push(("avx512", avx512));
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (avx2, avx512);
+        isas
+    }
+
+    /// Values whose sums round differently in another order.
+    fn val(i: usize, s: u32) -> f32 {
+        ((i as u32).wrapping_mul(2654435761).wrapping_add(s) >> 8) as f32 / (1u32 << 24) as f32
+            - 0.5
+    }
+
+    /// `P` and `M` after `kernel` on an `n x cols` matrix `off` floats into its buffer at
+    /// rank `r`, with `E` when `fuse` (then `M += E`); `P` starts as NaN.
+    fn outputs(
+        n: usize,
+        cols: usize,
+        r: usize,
+        off: usize,
+        fuse: bool,
+        kernel: impl FnOnce(&Mat),
+    ) -> (Vec<f32>, Vec<f32>) {
+        let mut m: Vec<f32> = (0..n * cols + off).map(|i| val(i, 1)).collect();
+        let mut e: Vec<f32> = (0..n * cols).map(|i| val(i, 3)).collect();
+        let mut q: Vec<f32> = (0..r * cols).map(|i| val(i, 7)).collect();
+        let mut p = vec![f32::NAN; r * n];
+        kernel(&Mat {
+            m: m[off..].as_mut_ptr(),
+            e: if fuse {
+                e.as_mut_ptr()
+            } else {
+                std::ptr::null_mut()
+            },
+            p: p.as_mut_ptr(),
+            q: q.as_mut_ptr(),
+            n,
+            cols,
+            r,
+        });
+        (p, m)
+    }
+
+    /// Whether two [`outputs`] agree bit for bit.
+    fn same_bits(x: &(Vec<f32>, Vec<f32>), y: &(Vec<f32>, Vec<f32>)) -> bool {
+        let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(a, b)| a.to_bits() == b.to_bits());
+        same(&x.0, &y.0) && same(&x.1, &y.1)
+    }
+
     /// Groups whose rows lie far apart ([`spaces_rows`]) give the bits of groups of
     /// rows next to each other, in `P` and (fused) in `M`, on every instruction set the
     /// machine has: every rank's tiles (r = 1 to 8, one column tile and several), rows
@@ -916,20 +975,7 @@ mod tests {
     #[test]
     fn spaced_groups_give_the_bits_of_adjacent_ones() {
         type Spacing = unsafe fn(&Mat, Range<usize>, bool, bool);
-        let mut kernels: Vec<(&str, Spacing)> = vec![("portable", spacing_portable)];
-        #[cfg(target_arch = "x86_64")]
-        {
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-                kernels.push(("avx2", spacing_avx2));
-            }
-            if is_x86_feature_detected!("avx512f") {
-                kernels.push(("avx512", spacing_avx512));
-            }
-        }
-        let val = |i: usize, s: u32| {
-            ((i as u32).wrapping_mul(2654435761).wrapping_add(s) >> 8) as f32 / (1u32 << 24) as f32
-                - 0.5
-        };
+        let isas: Vec<(&str, Spacing)> = supported(spacing_portable, spacing_avx2, spacing_avx512);
         for (n, cols, r) in [
             (64, 1024, 1),
             (64, 1024, 2),
@@ -944,37 +990,16 @@ mod tests {
             for off in [0, 3, 8] {
                 for rows in [0..n, 5..n - 2] {
                     for fuse in [false, true] {
-                        for &(isa, kernel) in &kernels {
+                        for &(isa, kernel) in &isas {
                             let run = |spaces: bool| {
-                                let mut m: Vec<f32> =
-                                    (0..n * cols + off).map(|i| val(i, 1)).collect();
-                                let mut e: Vec<f32> = (0..n * cols).map(|i| val(i, 3)).collect();
-                                let mut q: Vec<f32> = (0..r * cols).map(|i| val(i, 7)).collect();
-                                let mut p = vec![f32::NAN; r * n];
-                                let a = Mat {
-                                    m: m[off..].as_mut_ptr(),
-                                    e: if fuse {
-                                        e.as_mut_ptr()
-                                    } else {
-                                        std::ptr::null_mut()
-                                    },
-                                    p: p.as_mut_ptr(),
-                                    q: q.as_mut_ptr(),
-                                    n,
-                                    cols,
-                                    r,
-                                };
-                                // SAFETY: `a` points at buffers of its shape, alive and not
-                                // shared; `kernel`'s instruction set was checked above.
-                                unsafe { kernel(&a, rows.clone(), spaces, fuse) };
-                                (p, m)
-                            };
-                            let (near, far) = (run(false), run(true));
-                            let same = |x: &[f32], y: &[f32]| {
-                                x.iter().zip(y).all(|(x, y)| x.to_bits() == y.to_bits())
+                                // SAFETY: `outputs` gives a `Mat` of buffers of its shape,
+                                // alive and not shared; the instruction set was checked.
+                                outputs(n, cols, r, off, fuse, |a| unsafe {
+                                    kernel(a, rows.clone(), spaces, fuse)
+                                })
                             };
                             assert!(
-                                same(&near.0, &far.0) && same(&near.1, &far.1),
+                                same_bits(&run(false), &run(true)),
                                 "{isa} {n} x {cols} r = {r}, offset {off}, rows {rows:?}, fused {fuse}: spaced groups differ"
                             );
                         }
@@ -1018,20 +1043,8 @@ mod tests {
     #[test]
     fn whole_rows_give_the_bits_of_chunks() {
         type Chunking = unsafe fn(&Mat, Range<usize>, bool, usize);
-        let mut kernels: Vec<(&str, Chunking)> = vec![("portable", chunking_portable)];
-        #[cfg(target_arch = "x86_64")]
-        {
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-                kernels.push(("avx2", chunking_avx2));
-            }
-            if is_x86_feature_detected!("avx512f") {
-                kernels.push(("avx512", chunking_avx512));
-            }
-        }
-        let val = |i: usize, s: u32| {
-            ((i as u32).wrapping_mul(2654435761).wrapping_add(s) >> 8) as f32 / (1u32 << 24) as f32
-                - 0.5
-        };
+        let isas: Vec<(&str, Chunking)> =
+            supported(chunking_portable, chunking_avx2, chunking_avx512);
         for (n, cols, r) in [
             (7, 8000, 2),
             (6, 4000, 4),
@@ -1041,36 +1054,16 @@ mod tests {
         ] {
             for off in [0, 5] {
                 for walk in 0..3 {
-                    for &(isa, kernel) in &kernels {
+                    for &(isa, kernel) in &isas {
                         let run = |whole: bool| {
-                            let mut m: Vec<f32> = (0..n * cols + off).map(|i| val(i, 1)).collect();
-                            let mut e: Vec<f32> = (0..n * cols).map(|i| val(i, 3)).collect();
-                            let mut q: Vec<f32> = (0..r * cols).map(|i| val(i, 7)).collect();
-                            let mut p = vec![f32::NAN; r * n];
-                            let a = Mat {
-                                m: m[off..].as_mut_ptr(),
-                                e: if walk == 2 {
-                                    e.as_mut_ptr()
-                                } else {
-                                    std::ptr::null_mut()
-                                },
-                                p: p.as_mut_ptr(),
-                                q: q.as_mut_ptr(),
-                                n,
-                                cols,
-                                r,
-                            };
-                            // SAFETY: `a` points at buffers of its shape, alive and not
-                            // shared; `kernel`'s instruction set was checked above.
-                            unsafe { kernel(&a, 0..n, whole, walk) };
-                            (p, m)
-                        };
-                        let (whole, chunks) = (run(true), run(false));
-                        let same = |x: &[f32], y: &[f32]| {
-                            x.iter().zip(y).all(|(x, y)| x.to_bits() == y.to_bits())
+                            // SAFETY: `outputs` gives a `Mat` of buffers of its shape, alive
+                            // and not shared; the instruction set was checked.
+                            outputs(n, cols, r, off, walk == 2, |a| unsafe {
+                                kernel(a, 0..n, whole, walk)
+                            })
                         };
                         assert!(
-                            same(&whole.0, &chunks.0) && same(&whole.1, &chunks.1),
+                            same_bits(&run(true), &run(false)),
                             "{isa} {n} x {cols} r = {r}, offset {off}, walk {walk}: whole rows and chunks differ"
                         );
                     }
