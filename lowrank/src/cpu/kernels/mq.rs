@@ -475,7 +475,8 @@ unsafe fn mq_finish<S: Simd, const RB: usize, const KT: usize, const U: usize, c
 }
 
 /// The end of one tile: its accumulators `regs` added (a fixed tree) and reduced, the
-/// ragged columns past `vec_end` added one by one (fusing `M += E`), and `P` written.
+/// ragged columns past `vec_end` added one by one (fusing `M += E`), and `P` written;
+/// the tile's rows are `i0 + ii * gap` (`gap` 1 but for groups of rows far apart).
 #[inline(always)]
 unsafe fn mq_finish_regs<
     S: Simd,
@@ -492,8 +493,9 @@ unsafe fn mq_finish_regs<
     regs: &[[[S::V; U]; KT]; RB],
 ) {
     let cols = a.cols;
-    // SAFETY: as in `mq_span`; columns vec_end..cols are inside every row, and Q holds r
-    // columns of `cols` floats.
+    // SAFETY: as in `mq_span` (the caller guarantees rows `i0 + ii * gap`, ii < RB,
+    // inside 0..n); columns vec_end..cols are inside every row, and Q holds r columns of
+    // `cols` floats.
     unsafe {
         let row = |ii: usize| a.m.add((i0 + ii * gap) * cols);
         let erow = |ii: usize| a.e.add((i0 + ii * gap) * cols);
@@ -677,7 +679,8 @@ unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(
         };
         dst.cast_const()
     };
-    // SAFETY: every group lies inside `rows` (inside 0..n, the caller); spans are whole
+    // SAFETY: every group lies inside `rows` (inside 0..n, the caller; a spaced group's
+    // rows `i0 + h + s * all`, h < all and s < RB, inside i0..i0 + all * RB); spans are whole
     // vectors inside 0..cols (of the shifted rows with edges, whose edge vectors touch
     // only their lanes inside the row) starting at multiples of 8 vectors; accumulator
     // slices lie inside `acc`; `q` is the packed Q.

@@ -43,7 +43,8 @@ unsafe fn mq_whole<S: Simd, const RB: usize, const KT: usize, const U: usize, co
         Ahead::Sweep(base, _) => (true, base),
     };
     // SAFETY: as in `mq_span` for the span 0..vec_end_p of the shifted rows (the caller's
-    // guarantees for the group), then as in `mq_finish_regs`.
+    // guarantees for the group: its rows `i0 + ii * gap`, ii < RB, inside 0..n), then as
+    // in `mq_finish_regs` for the same rows.
     unsafe {
         let t = TileRows {
             stride: gap * ap.cols,
@@ -191,7 +192,10 @@ impl<S: Simd, const RB: usize, const KT: usize, const U: usize> Outlined
         };
         for g in 0..self.groups {
             // SAFETY: the guarantees of `mq_whole` for every group, which the creator of
-            // the work gives.
+            // the work gives for the `groups * RB` rows from `first`: group g's rows
+            // `first + g * step + ii * gap` (ii < RB) are the g-th block of RB rows with
+            // (RB, 1), and `first + g + ii * groups < first + RB * groups` with
+            // (1, groups); either way inside them.
             unsafe {
                 mq_whole(Whole {
                     a: &a,
