@@ -1,0 +1,199 @@
+//! Bit-for-bit checks of `mq`'s walks against each other: groups of rows far apart
+//! against adjacent ones, whole rows against column chunks.
+
+use super::*;
+use crate::cpu::simd::Portable;
+
+/// `$name` on instruction set `$simd` (compiled for `$feat`): [`mq_rows_as`], fused
+/// or not, with a group's rows far apart or next to each other.
+///
+/// `spaces` with `fuse` at r <= 2 runs the fused pass in groups of two rows far apart
+/// (what [`group_rows`] takes on some cores, in cache) against one row at a time
+/// without it (what it takes elsewhere), on every machine.
+macro_rules! spacing {
+    ($name:ident, $simd:ty $(, $feat:literal)?) => {
+        $(#[target_feature(enable = $feat)])?
+        unsafe fn $name(a: &Mat, rows: Range<usize>, spaces: bool, fuse: bool) {
+            // SAFETY: forwarded; the caller checked the instruction set.
+            unsafe {
+                match (fuse, a.r <= 2, spaces) {
+                    (true, true, true) => {
+                        mq_rows_rb::<$simd, 2, true>(a, rows, takes_whole_rows(a, 2), true)
+                    }
+                    (true, true, false) => {
+                        mq_rows_rb::<$simd, 1, true>(a, rows, takes_whole_rows(a, 1), false)
+                    }
+                    (true, false, _) => mq_rows_as::<$simd, true>(a, rows, spaces),
+                    (false, ..) => mq_rows_as::<$simd, false>(a, rows, spaces),
+                }
+            }
+        }
+    };
+}
+spacing!(spacing_portable, Portable);
+#[cfg(target_arch = "x86_64")]
+spacing!(spacing_avx2, crate::cpu::simd::Avx2, "avx2,fma");
+#[cfg(target_arch = "x86_64")]
+spacing!(spacing_avx512, crate::cpu::simd::Avx512, "avx512f,avx2,fma");
+
+/// The instruction sets the machine has, each with its function.
+fn supported<F>(portable: F, avx2: F, avx512: F) -> Vec<(&'static str, F)> {
+    let mut isas = vec![("portable", portable)];
+    #[cfg(target_arch = "x86_64")]
+    {
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            isas.push(("avx2", avx2));
+        }
+        if is_x86_feature_detected!("avx512f") {
+            isas.push(("avx512", avx512));
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (avx2, avx512);
+    isas
+}
+
+/// Values whose sums round differently in another order.
+fn val(i: usize, s: u32) -> f32 {
+    ((i as u32).wrapping_mul(2654435761).wrapping_add(s) >> 8) as f32 / (1u32 << 24) as f32 - 0.5
+}
+
+/// `P` and `M` after `kernel` on an `n x cols` matrix `off` floats into its buffer at
+/// rank `r`, with `E` when `fuse` (then `M += E`); `P` starts as NaN.
+fn outputs(
+    n: usize,
+    cols: usize,
+    r: usize,
+    off: usize,
+    fuse: bool,
+    kernel: impl FnOnce(&Mat),
+) -> (Vec<f32>, Vec<f32>) {
+    let mut m: Vec<f32> = (0..n * cols + off).map(|i| val(i, 1)).collect();
+    let mut e: Vec<f32> = (0..n * cols).map(|i| val(i, 3)).collect();
+    let mut q: Vec<f32> = (0..r * cols).map(|i| val(i, 7)).collect();
+    let mut p = vec![f32::NAN; r * n];
+    kernel(&Mat {
+        m: m[off..].as_mut_ptr(),
+        e: if fuse {
+            e.as_mut_ptr()
+        } else {
+            std::ptr::null_mut()
+        },
+        p: p.as_mut_ptr(),
+        q: q.as_mut_ptr(),
+        n,
+        cols,
+        r,
+    });
+    (p, m)
+}
+
+/// Whether two [`outputs`] agree bit for bit.
+fn same_bits(x: &(Vec<f32>, Vec<f32>), y: &(Vec<f32>, Vec<f32>)) -> bool {
+    let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(a, b)| a.to_bits() == b.to_bits());
+    same(&x.0, &y.0) && same(&x.1, &y.1)
+}
+
+/// Groups whose rows lie far apart ([`spaces_rows`]) give the bits of groups of
+/// rows next to each other, in `P` and (fused) in `M`, on every instruction set the
+/// machine has: every rank's tiles (r = 1 to 8, one column tile and several), rows
+/// with and without edges, ragged columns, row counts that leave single rows, and
+/// row ranges that start inside the matrix (a thread's share).
+#[test]
+fn spaced_groups_give_the_bits_of_adjacent_ones() {
+    type Spacing = unsafe fn(&Mat, Range<usize>, bool, bool);
+    let isas: Vec<(&str, Spacing)> = supported(spacing_portable, spacing_avx2, spacing_avx512);
+    for (n, cols, r) in [
+        (64, 1024, 1),
+        (64, 1024, 2),
+        (37, 1000, 2),
+        (40, 1024, 4),
+        (33, 512, 8),
+        (50, 264, 3),
+        (21, 100, 5),
+        (9, 16, 2),
+        (7, 7, 1),
+    ] {
+        for off in [0, 3, 8] {
+            for rows in [0..n, 5..n - 2] {
+                for fuse in [false, true] {
+                    for &(isa, kernel) in &isas {
+                        let run = |spaces: bool| {
+                            // SAFETY: `outputs` gives a `Mat` of buffers of its shape,
+                            // alive and not shared; the instruction set was checked.
+                            outputs(n, cols, r, off, fuse, |a| unsafe {
+                                kernel(a, rows.clone(), spaces, fuse)
+                            })
+                        };
+                        assert!(
+                            same_bits(&run(false), &run(true)),
+                            "{isa} {n} x {cols} r = {r}, offset {off}, rows {rows:?}, fused {fuse}: spaced groups differ"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `$name` on instruction set `$simd` (compiled for `$feat`): groups of one row
+/// (fused or not) and of two, whole or in column chunks.
+macro_rules! chunking {
+    ($name:ident, $simd:ty $(, $feat:literal)?) => {
+        $(#[target_feature(enable = $feat)])?
+        unsafe fn $name(a: &Mat, rows: Range<usize>, whole: bool, walk: usize) {
+            // SAFETY: forwarded; the caller checked the instruction set.
+            unsafe {
+                match walk {
+                    0 => mq_rows_rb::<$simd, 1, false>(a, rows, whole, false),
+                    1 => mq_rows_rb::<$simd, 2, false>(a, rows, whole, false),
+                    _ => mq_rows_rb::<$simd, 1, true>(a, rows, whole, false),
+                }
+            }
+        }
+    };
+}
+chunking!(chunking_portable, Portable);
+#[cfg(target_arch = "x86_64")]
+chunking!(chunking_avx2, crate::cpu::simd::Avx2, "avx2,fma");
+#[cfg(target_arch = "x86_64")]
+chunking!(
+    chunking_avx512,
+    crate::cpu::simd::Avx512,
+    "avx512f,avx2,fma"
+);
+
+/// Rows read whole (what [`takes_whole_rows`] takes for a `Q` that L1 holds, and on
+/// some cores for one that L2 holds) give the bits of rows read in column chunks, in
+/// `P` and (fused) in `M`, on every instruction set the machine has: ranks of one
+/// column tile and of several, rows with edges, ragged columns.
+#[test]
+fn whole_rows_give_the_bits_of_chunks() {
+    type Chunking = unsafe fn(&Mat, Range<usize>, bool, usize);
+    let isas: Vec<(&str, Chunking)> = supported(chunking_portable, chunking_avx2, chunking_avx512);
+    for (n, cols, r) in [
+        (7, 8000, 2),
+        (6, 4000, 4),
+        (5, 16390, 1),
+        (5, 3000, 8),
+        (4, 5000, 3),
+    ] {
+        for off in [0, 5] {
+            for walk in 0..3 {
+                for &(isa, kernel) in &isas {
+                    let run = |whole: bool| {
+                        // SAFETY: `outputs` gives a `Mat` of buffers of its shape, alive
+                        // and not shared; the instruction set was checked.
+                        outputs(n, cols, r, off, walk == 2, |a| unsafe {
+                            kernel(a, 0..n, whole, walk)
+                        })
+                    };
+                    assert!(
+                        same_bits(&run(true), &run(false)),
+                        "{isa} {n} x {cols} r = {r}, offset {off}, walk {walk}: whole rows and chunks differ"
+                    );
+                }
+            }
+        }
+    }
+}
