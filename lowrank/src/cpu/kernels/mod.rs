@@ -14,6 +14,37 @@
 //! (`M = P Qᵀ`), [`gram_schmidt`](mod@gram_schmidt) (with its [`vector`] helpers); [`pack`] packs `Q` for
 //! the first three.
 
+/// For the kernels' tests: `(name, value)` for every instruction set the machine has,
+/// `$portable` always, `$avx2` and `$avx512` (named only on x86_64, where their
+/// functions exist) where `is_x86_feature_detected!` finds them; each value has type `$t`.
+#[cfg(test)]
+macro_rules! supported_isas {
+    ($t:ty; $portable:expr, $avx2:expr, $avx512:expr) => {{
+        let portable: $t = $portable;
+        #[allow(unused_mut)]
+        let mut isas: Vec<(&'static str, $t)> = vec![("portable", portable)];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                let avx2: $t = $avx2;
+                isas.push(("avx2", avx2));
+            }
+            if is_x86_feature_detected!("avx512f") {
+                let avx512: $t = $avx512;
+                isas.push(("avx512", avx512));
+            }
+        }
+        isas
+    }};
+}
+
+/// For the kernels' tests: values whose sums and products round differently in another
+/// order (element `i` of series `s`, in -0.5..0.5).
+#[cfg(test)]
+fn test_value(i: usize, s: u32) -> f32 {
+    ((i as u32).wrapping_mul(2654435761).wrapping_add(s) >> 8) as f32 / (1u32 << 24) as f32 - 0.5
+}
+
 mod gram_schmidt;
 mod mq;
 mod mtp;

@@ -633,12 +633,7 @@ mod tests {
 
     impl Case {
         fn new(n: usize, cols: usize, r: usize, off: usize) -> Case {
-            // Values whose sums round differently in another order.
-            let val = |i: usize, s: u32| {
-                ((i as u32).wrapping_mul(2654435761).wrapping_add(s) >> 8) as f32
-                    / (1u32 << 24) as f32
-                    - 0.5
-            };
+            let val = crate::cpu::kernels::test_value;
             Case {
                 m: (0..n * cols + off).map(|i| val(i, 1)).collect(),
                 p: (0..n * r).map(|i| val(i, 7)).collect(),
@@ -733,17 +728,12 @@ mod tests {
     /// that start inside a row (as a thread's do), blocks in cache and sweeping.
     #[test]
     fn the_one_row_stream_gives_the_bits_of_the_strips() {
-        let mut kernels: Vec<(&str, Kernel, Kernel)> =
-            vec![("portable", one_row_portable, strips_portable)];
-        #[cfg(target_arch = "x86_64")]
-        {
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-                kernels.push(("avx2", one_row_avx2, strips_avx2));
-            }
-            if is_x86_feature_detected!("avx512f") {
-                kernels.push(("avx512", one_row_avx512, strips_avx512));
-            }
-        }
+        let kernels = supported_isas!(
+            (Kernel, Kernel);
+            (one_row_portable, strips_portable),
+            (one_row_avx2, strips_avx2),
+            (one_row_avx512, strips_avx512)
+        );
         for (n, cols) in [
             (70, 1024),
             (9, 4111),
@@ -754,7 +744,7 @@ mod tests {
         ] {
             for off in [0, 1, 3, 4, 8, 12, 15] {
                 let mut case = Case::new(n, cols, 1, off);
-                for &(isa, one, strips) in &kernels {
+                for &(isa, (one, strips)) in &kernels {
                     for range in [0..cols, cols / 3..cols] {
                         let (a, b) = (
                             case.run_on(one, range.clone()),

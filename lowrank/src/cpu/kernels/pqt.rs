@@ -465,21 +465,8 @@ mod tests {
     /// shorter than a vector, and `E` at another offset than `M`.
     #[test]
     fn the_one_vector_walk_gives_the_bits_of_the_tiles() {
-        let mut walks: Vec<(&str, Walk)> = vec![("portable", walk_portable)];
-        #[cfg(target_arch = "x86_64")]
-        {
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-                walks.push(("avx2", walk_avx2));
-            }
-            if is_x86_feature_detected!("avx512f") {
-                walks.push(("avx512", walk_avx512));
-            }
-        }
-        // Values whose products and differences round differently in another order.
-        let val = |i: usize, s: u32| {
-            ((i as u32).wrapping_mul(2654435761).wrapping_add(s) >> 8) as f32 / (1u32 << 24) as f32
-                - 0.5
-        };
+        let walks = supported_isas!(Walk; walk_portable, walk_avx2, walk_avx512);
+        let val = crate::cpu::kernels::test_value;
         let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
         for (n, cols) in [(9, 1024), (13, 1000), (5, 4111), (6, 40), (4, 16), (3, 7)] {
             for off in [0, 1, 3, 4, 8, 12, 15] {

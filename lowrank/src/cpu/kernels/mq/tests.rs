@@ -2,6 +2,7 @@
 //! against adjacent ones, whole rows against column chunks.
 
 use super::*;
+use crate::cpu::kernels::test_value;
 use crate::cpu::simd::Portable;
 
 /// `$name` on instruction set `$simd` (compiled for `$feat`): [`mq_rows_as`], fused
@@ -36,28 +37,6 @@ spacing!(spacing_avx2, crate::cpu::simd::Avx2, "avx2,fma");
 #[cfg(target_arch = "x86_64")]
 spacing!(spacing_avx512, crate::cpu::simd::Avx512, "avx512f,avx2,fma");
 
-/// The instruction sets the machine has, each with its function.
-fn supported<F>(portable: F, avx2: F, avx512: F) -> Vec<(&'static str, F)> {
-    let mut isas = vec![("portable", portable)];
-    #[cfg(target_arch = "x86_64")]
-    {
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-            isas.push(("avx2", avx2));
-        }
-        if is_x86_feature_detected!("avx512f") {
-            isas.push(("avx512", avx512));
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (avx2, avx512);
-    isas
-}
-
-/// Values whose sums round differently in another order.
-fn val(i: usize, s: u32) -> f32 {
-    ((i as u32).wrapping_mul(2654435761).wrapping_add(s) >> 8) as f32 / (1u32 << 24) as f32 - 0.5
-}
-
 /// `P` and `M` after `kernel` on an `n x cols` matrix `off` floats into its buffer at
 /// rank `r`, with `E` when `fuse` (then `M += E`); `P` starts as NaN.
 fn outputs(
@@ -68,9 +47,9 @@ fn outputs(
     fuse: bool,
     kernel: impl FnOnce(&Mat),
 ) -> (Vec<f32>, Vec<f32>) {
-    let mut m: Vec<f32> = (0..n * cols + off).map(|i| val(i, 1)).collect();
-    let mut e: Vec<f32> = (0..n * cols).map(|i| val(i, 3)).collect();
-    let mut q: Vec<f32> = (0..r * cols).map(|i| val(i, 7)).collect();
+    let mut m: Vec<f32> = (0..n * cols + off).map(|i| test_value(i, 1)).collect();
+    let mut e: Vec<f32> = (0..n * cols).map(|i| test_value(i, 3)).collect();
+    let mut q: Vec<f32> = (0..r * cols).map(|i| test_value(i, 7)).collect();
     let mut p = vec![f32::NAN; r * n];
     kernel(&Mat {
         m: m[off..].as_mut_ptr(),
@@ -102,7 +81,7 @@ fn same_bits(x: &(Vec<f32>, Vec<f32>), y: &(Vec<f32>, Vec<f32>)) -> bool {
 #[test]
 fn spaced_groups_give_the_bits_of_adjacent_ones() {
     type Spacing = unsafe fn(&Mat, Range<usize>, bool, bool);
-    let isas: Vec<(&str, Spacing)> = supported(spacing_portable, spacing_avx2, spacing_avx512);
+    let isas = supported_isas!(Spacing; spacing_portable, spacing_avx2, spacing_avx512);
     for (n, cols, r) in [
         (64, 1024, 1),
         (64, 1024, 2),
@@ -170,7 +149,7 @@ chunking!(
 #[test]
 fn whole_rows_give_the_bits_of_chunks() {
     type Chunking = unsafe fn(&Mat, Range<usize>, bool, usize);
-    let isas: Vec<(&str, Chunking)> = supported(chunking_portable, chunking_avx2, chunking_avx512);
+    let isas = supported_isas!(Chunking; chunking_portable, chunking_avx2, chunking_avx512);
     for (n, cols, r) in [
         (7, 8000, 2),
         (6, 4000, 4),
