@@ -62,6 +62,27 @@ const MQ_AHEAD_BLOCKS: usize = 2;
 /// rows (one row of 16 KiB for the fused pass at r = 1 and 4096 columns), and two of
 /// them are too near for a prefetch from memory to arrive in time.
 const MQ_AHEAD_MIN_BYTES: usize = 128 * 1024;
+/// [`MQ_BLOCK_ROWS`] for chunked calls that sweep on AMD Zen 5 and later
+/// ([`zen5_or_later`]), which sweep chunk by chunk ([`Ahead::Sweep`]): each block reads
+/// all of `Q` from L2 once, and with 8 rows a block that is more traffic than `M`'s.
+/// With `M` from memory the core then streams far below its read bandwidth: C loops of
+/// `mq`'s r = 8 step (3 rows, 8192 x 4096, one thread) read 30 GB/s where `Q` stayed in
+/// L1 and 18-21 where each block read it anew, at any prefetch hint or distance; 48-row
+/// blocks swept a chunk ahead 28. In the kernel (`M` 16 bytes past a line, cold after a
+/// 512 MiB write, median of 8 calls, three alternated rounds): r = 8 at 4096 x 4096
+/// 19.6 -> 25.4 GB/s; 24-row blocks 25.2, 12 rows 22.8.
+const MQ_BLOCK_ROWS_ZEN5: usize = 48;
+/// [`MQ_CHUNK_BYTES`] for the calls of [`MQ_BLOCK_ROWS_ZEN5`]: 512 columns at r = 8.
+/// The kernel at r = 8 (8192 x 4096, one thread, cold, three alternated rounds, 48-row
+/// blocks): 8 KiB chunks 21.2 GB/s, 12 KiB 17.5, 16 KiB 22.5 (24.8 and 26.6 in a
+/// second set). In C loops a `Q` of 32 KiB or more in L1 beside a stream from memory
+/// halved the stream (16 KiB or less: 30-34 GB/s, 32 KiB 17-18).
+const MQ_CHUNK_BYTES_ZEN5: usize = 16 * 1024;
+/// The lowest rank that takes [`MQ_BLOCK_ROWS_ZEN5`]: at r = 4 (with AVX2; AVX-512 does
+/// not sweep there) a block's `Q` is half the traffic it is at r = 8, and the tall
+/// blocks read 0.87-0.91 of the short ones (4096 x 4096, one thread, cold, four
+/// alternated rounds; `--roofline`'s `cold` 0.96, its `llc` 1.14).
+const MQ_TALL_MIN_RANK: usize = 5;
 
 /// What a span prefetches (only a group's first column tile; the others reread the span
 /// from L1).
@@ -69,11 +90,15 @@ const MQ_AHEAD_MIN_BYTES: usize = 128 * 1024;
 enum Ahead {
     /// Nothing.
     No,
-    /// The span's image [`MQ_AHEAD_BLOCKS`] row blocks ahead, into L2: a block's tiles
-    /// (group by group, span by span) map one to one onto the later block read as one
-    /// run, so the prefetches walk memory in order, as far ahead as the loads consume.
-    /// Element offset into `M` (and `E`) of the image of the span's first row, and the
-    /// span's length (the image's row stride).
+    /// The span's image ahead, into L2. Element offset into `M` (and `E`) of the image of
+    /// the span's first row, and the image's row stride. Two images:
+    /// - [`MQ_AHEAD_BLOCKS`] row blocks ahead, the span's length the stride: a block's
+    ///   tiles (group by group, span by span) map one to one onto the later block read
+    ///   as one run, so the prefetches walk memory in order, as far ahead as the loads
+    ///   consume;
+    /// - on AMD Zen 5 and later, in chunked calls ([`MQ_BLOCK_ROWS_ZEN5`]), the same rows'
+    ///   span one column chunk on (after a block's last chunk, the next block's first),
+    ///   the row stride `M`'s: a block then need not fit in L2 twice over.
     Sweep(usize, usize),
 }
 
@@ -609,16 +634,37 @@ fn takes_whole_rows(a: &Mat, rows_whole: usize) -> bool {
         || (zen5_or_later() && q_bytes <= MQ_WHOLE_ROW_BYTES_L2 && 2 * rows_whole >= 3 * a.r)
 }
 
+/// The walks a core takes where the bits do not depend on them: each `P[i, k]` is
+/// summed in the same order either way.
+#[derive(Clone, Copy)]
+struct Walk {
+    /// Whole rows in cache go in groups whose rows lie far apart ([`spaces_rows`]).
+    spaces: bool,
+    /// Chunked calls that sweep, from rank [`MQ_TALL_MIN_RANK`], take blocks of
+    /// [`MQ_BLOCK_ROWS_ZEN5`] rows and sweep chunk by chunk ([`Ahead::Sweep`]) with
+    /// chunks of [`MQ_CHUNK_BYTES_ZEN5`].
+    tall: bool,
+}
+
+impl Walk {
+    /// This core's walks: both on AMD Zen 5 and later ([`zen5_or_later`]).
+    fn of_core() -> Walk {
+        Walk {
+            spaces: spaces_rows(),
+            tall: zen5_or_later(),
+        }
+    }
+}
+
 /// `P = M Q` (or with `FUSE`, `M += E; P = M Q`) for the given rows of one matrix, in
 /// groups of `RB` rows (the widest tile's row count; leftover rows one at a time, summed
-/// the same way). With `spaces`, whole rows in cache go in groups whose rows lie far
-/// apart ([`spaces_rows`]).
+/// the same way), by the walks of `walk`.
 #[inline(always)]
 unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(
     a: &Mat,
     rows: Range<usize>,
     whole: bool,
-    spaces: bool,
+    walk: Walk,
 ) {
     let lanes = S::LANES;
     let vec_end = a.cols / lanes * lanes;
@@ -645,16 +691,28 @@ unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(
     // Whole vectors per chunk: a multiple of 8 vectors (of every U), so that every chunk
     // boundary keeps vector v in accumulator v mod U.
     let step = 8 * lanes;
+    let sweep = rows.len() * a.cols * 4 >= sweep_min_bytes(a.r, S::LANES, MQ_OWN_PREFETCH_RANK);
+    // Tall blocks swept chunk by chunk where the sweep runs ([`Walk::tall`]).
+    let by_chunk = sweep && walk.tall && a.r >= MQ_TALL_MIN_RANK;
+    let chunk_bytes = if by_chunk {
+        MQ_CHUNK_BYTES_ZEN5
+    } else {
+        MQ_CHUNK_BYTES
+    };
     let chunk = if whole {
         vec_end_p.max(step)
     } else {
-        (MQ_CHUNK_BYTES / 4 / a.r / step * step).max(step)
+        (chunk_bytes / 4 / a.r / step * step).max(step)
     };
     let chunked = chunk < vec_end_p;
+    let chunks = vec_end_p.div_ceil(chunk);
     let per_group = group_vectors(lanes, a.r, RB);
     let per_row = group_vectors(lanes, a.r, 1);
-    let block = if chunked { MQ_BLOCK_ROWS } else { RB };
-    let sweep = rows.len() * a.cols * 4 >= sweep_min_bytes(a.r, S::LANES, MQ_OWN_PREFETCH_RANK);
+    let block = match (chunked, by_chunk) {
+        (true, true) => MQ_BLOCK_ROWS_ZEN5,
+        (true, false) => MQ_BLOCK_ROWS,
+        (false, _) => RB,
+    };
     // SAFETY: S::zero has no preconditions beyond the instruction set, which the entry
     // point guarantees.
     let zero = unsafe { S::zero() };
@@ -705,7 +763,7 @@ unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(
             // by side ([`spaces_rows`]): every whole group at once, a group's rows
             // `all` rows apart (group `h` takes rows `i0 + h + s * all`).
             let all = left / RB;
-            let spaced = spaces && RB > 1 && !chunked && !sweep && rb == RB;
+            let spaced = walk.spaces && RB > 1 && !chunked && !sweep && rb == RB;
             if !FUSE && !chunked && !sweep && rb == RB && a.r <= 2 {
                 // Whole rows in cache at ranks 1 and 2 (one column tile): every whole
                 // group in one function ([`whole::WholeRun`]).
@@ -762,17 +820,23 @@ unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(
             acc[..groups * per].fill(zero);
             let base = acc.as_mut_ptr();
             let mut j0 = 0;
+            // The chunk after this one, counted from the block's first.
+            let mut next = 1;
             while j0 < vec_end_p {
                 let span = j0..(j0 + chunk).min(vec_end_p);
                 for g in 0..groups {
                     let (i, slot) = (i0 + g * rb, base.add(g * per));
-                    // This tile's image in the block MQ_AHEAD_BLOCKS ahead: the block's
-                    // spans before this one, then its groups before this one.
                     let span_len = span.end - span.start;
-                    let image = (i0 + blocks * block_rows) * a.cols
-                        + span.start * block_rows
-                        + g * rb * span_len;
-                    let ahead = if sweep {
+                    let ahead = if by_chunk {
+                        // The same rows one chunk on (the next block's after the last).
+                        let rows_on = next / chunks * block_rows;
+                        Ahead::Sweep((i + rows_on) * a.cols + next % chunks * chunk, a.cols)
+                    } else if sweep {
+                        // This tile's image in the block MQ_AHEAD_BLOCKS ahead: the
+                        // block's spans before this one, then its groups before this one.
+                        let image = (i0 + blocks * block_rows) * a.cols
+                            + span.start * block_rows
+                            + g * rb * span_len;
                         Ahead::Sweep(image, span_len)
                     } else {
                         Ahead::No
@@ -784,6 +848,7 @@ unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(
                     }
                 }
                 j0 = span.end;
+                next += 1;
             }
             for g in 0..groups {
                 let (i, slot) = (i0 + g * rb, base.add(g * per));
@@ -815,7 +880,8 @@ unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(
 /// rows for AVX2 at r = 8.
 ///
 /// From memory, a call that streams [`SWEEP_MIN_BYTES`] or more
-/// sweeps the rows [`MQ_AHEAD_BLOCKS`] blocks ahead into L2 ([`Ahead::Sweep`]). Cold, n = m
+/// sweeps the rows [`MQ_AHEAD_BLOCKS`] blocks ahead into L2 ([`Ahead::Sweep`]; on AMD
+/// Zen 5 from r = 5 in tall blocks a chunk ahead, [`MQ_BLOCK_ROWS_ZEN5`]). Cold, n = m
 /// = 4096, one thread, AMD Zen 4 (AVX-512), alternated runs against prefetches of the next
 /// group's span into L1 (and none for whole rows): r = 1 0.69-0.98 → 0.86-0.92 of the read
 /// bandwidth, r = 2 0.49-0.58 → 0.77-0.88, r = 4 0.50-0.56 → 0.63-0.84, r = 8 (where the
@@ -836,13 +902,12 @@ unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(
 #[inline(always)]
 pub(crate) unsafe fn mq_rows<S: Simd, const FUSE: bool>(a: &Mat, rows: Range<usize>) {
     // SAFETY: forwarded caller guarantees.
-    unsafe { mq_rows_as::<S, FUSE>(a, rows, spaces_rows()) }
+    unsafe { mq_rows_as::<S, FUSE>(a, rows, Walk::of_core()) }
 }
 
-/// [`mq_rows`], with a group's rows far apart (`spaces`) or next to each other: the
-/// same bits either way.
+/// [`mq_rows`] by the walks of `walk`: the same bits with any.
 #[inline(always)]
-unsafe fn mq_rows_as<S: Simd, const FUSE: bool>(a: &Mat, rows: Range<usize>, spaces: bool) {
+unsafe fn mq_rows_as<S: Simd, const FUSE: bool>(a: &Mat, rows: Range<usize>, walk: Walk) {
     let group = GroupOf {
         lanes: S::LANES,
         regs: S::REGS,
@@ -860,15 +925,15 @@ unsafe fn mq_rows_as<S: Simd, const FUSE: bool>(a: &Mat, rows: Range<usize>, spa
         // Only the groups that occur are compiled ([`group_occurs`]).
         match rb {
             4 if const { group_occurs(S::LANES, 4, FUSE) } => {
-                mq_rows_rb::<S, 4, FUSE>(a, rows, whole, spaces)
+                mq_rows_rb::<S, 4, FUSE>(a, rows, whole, walk)
             }
             3 if const { group_occurs(S::LANES, 3, FUSE) } => {
-                mq_rows_rb::<S, 3, FUSE>(a, rows, whole, spaces)
+                mq_rows_rb::<S, 3, FUSE>(a, rows, whole, walk)
             }
             2 if const { group_occurs(S::LANES, 2, FUSE) } => {
-                mq_rows_rb::<S, 2, FUSE>(a, rows, whole, spaces)
+                mq_rows_rb::<S, 2, FUSE>(a, rows, whole, walk)
             }
-            1 => mq_rows_rb::<S, 1, FUSE>(a, rows, whole, spaces),
+            1 => mq_rows_rb::<S, 1, FUSE>(a, rows, whole, walk),
             _ => unreachable!("mq: no groups of {rb} rows"),
         }
     }

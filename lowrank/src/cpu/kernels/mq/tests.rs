@@ -1,5 +1,6 @@
 //! Bit-for-bit checks of `mq`'s walks against each other: groups of rows far apart
-//! against adjacent ones, whole rows against column chunks.
+//! against adjacent ones, whole rows against column chunks, tall blocks swept chunk by
+//! chunk against short ones.
 
 use super::*;
 use crate::cpu::kernels::test_value;
@@ -17,15 +18,16 @@ macro_rules! spacing {
         unsafe fn $name(a: &Mat, rows: Range<usize>, spaces: bool, fuse: bool) {
             // SAFETY: forwarded; the caller checked the instruction set.
             unsafe {
+                let walk = Walk { spaces, tall: false };
                 match (fuse, a.r <= 2, spaces) {
                     (true, true, true) => {
-                        mq_rows_rb::<$simd, 2, true>(a, rows, takes_whole_rows(a, 2), true)
+                        mq_rows_rb::<$simd, 2, true>(a, rows, takes_whole_rows(a, 2), walk)
                     }
                     (true, true, false) => {
-                        mq_rows_rb::<$simd, 1, true>(a, rows, takes_whole_rows(a, 1), false)
+                        mq_rows_rb::<$simd, 1, true>(a, rows, takes_whole_rows(a, 1), walk)
                     }
-                    (true, false, _) => mq_rows_as::<$simd, true>(a, rows, spaces),
-                    (false, ..) => mq_rows_as::<$simd, false>(a, rows, spaces),
+                    (true, false, _) => mq_rows_as::<$simd, true>(a, rows, walk),
+                    (false, ..) => mq_rows_as::<$simd, false>(a, rows, walk),
                 }
             }
         }
@@ -123,10 +125,14 @@ macro_rules! chunking {
         unsafe fn $name(a: &Mat, rows: Range<usize>, whole: bool, walk: usize) {
             // SAFETY: forwarded; the caller checked the instruction set.
             unsafe {
+                let plain = Walk {
+                    spaces: false,
+                    tall: false,
+                };
                 match walk {
-                    0 => mq_rows_rb::<$simd, 1, false>(a, rows, whole, false),
-                    1 => mq_rows_rb::<$simd, 2, false>(a, rows, whole, false),
-                    _ => mq_rows_rb::<$simd, 1, true>(a, rows, whole, false),
+                    0 => mq_rows_rb::<$simd, 1, false>(a, rows, whole, plain),
+                    1 => mq_rows_rb::<$simd, 2, false>(a, rows, whole, plain),
+                    _ => mq_rows_rb::<$simd, 1, true>(a, rows, whole, plain),
                 }
             }
         }
@@ -170,6 +176,72 @@ fn whole_rows_give_the_bits_of_chunks() {
                     assert!(
                         same_bits(&run(true), &run(false)),
                         "{isa} {n} x {cols} r = {r}, offset {off}, walk {walk}: whole rows and chunks differ"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// `$name` on instruction set `$simd` (compiled for `$feat`): [`mq_rows_as`], fused or
+/// not, in tall blocks swept chunk by chunk (`tall`) or not.
+macro_rules! blocking {
+    ($name:ident, $simd:ty $(, $feat:literal)?) => {
+        $(#[target_feature(enable = $feat)])?
+        unsafe fn $name(a: &Mat, rows: Range<usize>, tall: bool, fuse: bool) {
+            let walk = Walk {
+                spaces: false,
+                tall,
+            };
+            // SAFETY: forwarded; the caller checked the instruction set.
+            unsafe {
+                if fuse {
+                    mq_rows_as::<$simd, true>(a, rows, walk)
+                } else {
+                    mq_rows_as::<$simd, false>(a, rows, walk)
+                }
+            }
+        }
+    };
+}
+blocking!(blocking_portable, Portable);
+#[cfg(target_arch = "x86_64")]
+blocking!(blocking_avx2, crate::cpu::simd::Avx2, "avx2,fma");
+#[cfg(target_arch = "x86_64")]
+blocking!(
+    blocking_avx512,
+    crate::cpu::simd::Avx512,
+    "avx512f,avx2,fma"
+);
+
+/// Calls that sweep (at least [`SWEEP_MIN_BYTES`] of `M`, past the rank at which a
+/// core leaves the rows to its own prefetchers) in tall blocks swept chunk by chunk
+/// ([`Walk::tall`], what AMD Zen 5 takes from r = 5) give the bits of short blocks swept a block
+/// ahead, in `P` and (fused) in `M`, on every instruction set the machine has: ranks
+/// of one column tile and of several, row counts that leave a short block and single
+/// rows, rows with edges, ragged columns, and a thread's share of the rows.
+#[test]
+fn tall_blocks_give_the_bits_of_short_ones() {
+    type Blocking = unsafe fn(&Mat, Range<usize>, bool, bool);
+    let isas = supported_isas!(Blocking; blocking_portable, blocking_avx2, blocking_avx512);
+    for (n, cols, r) in [(101, 2760, 8), (70, 4100, 5), (80, 3500, 6)] {
+        for (off, rows) in [(0, 0..n), (3, 2..n - 1)] {
+            assert!(
+                rows.len() * cols * 4 >= SWEEP_MIN_BYTES,
+                "{rows:?} would not sweep"
+            );
+            for fuse in [false, true] {
+                for &(isa, kernel) in &isas {
+                    let run = |tall: bool| {
+                        // SAFETY: `outputs` gives a `Mat` of buffers of its shape, alive
+                        // and not shared; the instruction set was checked.
+                        outputs(n, cols, r, off, fuse, |a| unsafe {
+                            kernel(a, rows.clone(), tall, fuse)
+                        })
+                    };
+                    assert!(
+                        same_bits(&run(false), &run(true)),
+                        "{isa} {n} x {cols} r = {r}, offset {off}, rows {rows:?}, fused {fuse}: tall blocks differ"
                     );
                 }
             }
