@@ -215,8 +215,29 @@ fn l1_is_wide() -> bool {
     *WIDE.get_or_init(|| l1d().is_some_and(|(ways, bytes)| ways >= 12 && bytes >= 48 << 10))
 }
 
+/// The last-level cache's bytes (the highest level `cpuid`'s cache leaves list, data
+/// or unified), read once; `usize::MAX` when they say nothing. A matrix larger than
+/// this comes from memory whatever ran before, so a kernel may choose its walk for
+/// memory (`mq`'s whole rows at r = 3 and 4).
+fn llc_bytes() -> usize {
+    static LLC: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *LLC.get_or_init(|| {
+        (1..=4)
+            .rev()
+            .find_map(|level| cache(level, &[1, 3]))
+            .map_or(usize::MAX, |(_, bytes)| bytes as usize)
+    })
+}
+
 /// The L1 data cache's ways and bytes, from `cpuid`'s deterministic cache parameters.
 fn l1d() -> Option<(u32, u32)> {
+    cache(1, &[1])
+}
+
+/// The ways and bytes of the cache at `level` whose type is one of `kinds` (1 data, 2
+/// instruction, 3 unified), from `cpuid`'s deterministic cache parameters (leaf 4,
+/// AMD's 0x8000001D).
+fn cache(level: u32, kinds: &[u32]) -> Option<(u32, u32)> {
     #[cfg(target_arch = "x86_64")]
     {
         use core::arch::x86_64::{__cpuid, __cpuid_count};
@@ -237,18 +258,20 @@ fn l1d() -> Option<(u32, u32)> {
             };
             for sub in 0..16 {
                 let c = __cpuid_count(leaf, sub);
-                let (kind, level) = (c.eax & 0x1f, (c.eax >> 5) & 0x7);
+                let (kind, at) = (c.eax & 0x1f, (c.eax >> 5) & 0x7);
                 if kind == 0 {
                     break;
                 }
-                // Type 1 is a data cache: ways, partitions, line bytes and sets, each
-                // stored less one.
-                if kind == 1 && level == 1 {
+                // Ways, partitions, line bytes and sets, each stored less one.
+                if kinds.contains(&kind) && at == level {
                     let ways = (c.ebx >> 22) + 1;
                     let parts = ((c.ebx >> 12) & 0x3ff) + 1;
                     let line = (c.ebx & 0xfff) + 1;
                     let sets = c.ecx.wrapping_add(1);
-                    return Some((ways, ways * parts * line * sets));
+                    let bytes = [parts, line, sets]
+                        .iter()
+                        .fold(u64::from(ways), |b, &x| b * u64::from(x));
+                    return Some((ways, u32::try_from(bytes).unwrap_or(u32::MAX)));
                 }
             }
             None
@@ -473,5 +496,40 @@ mod tests {
             }
         }
         println!("skipped: sysfs lists no L1 data cache");
+    }
+
+    /// The last-level cache's size read from `cpuid` agrees with the kernel's (sysfs:
+    /// its highest-level data or unified cache), where the kernel says.
+    #[test]
+    #[cfg(all(target_os = "linux", target_arch = "x86_64"))]
+    fn llc_is_read_from_cpuid() {
+        let dir = std::path::Path::new("/sys/devices/system/cpu/cpu0/cache");
+        let read = |p: std::path::PathBuf| std::fs::read_to_string(p).ok();
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            println!("skipped: no {}", dir.display());
+            return;
+        };
+        // (level, bytes) of each data or unified cache; sizes read "32768K".
+        let caches: Vec<(u32, usize)> = entries
+            .flatten()
+            .filter_map(|e| {
+                let p = e.path();
+                let kind = read(p.join("type"))?;
+                if !matches!(kind.trim(), "Data" | "Unified") {
+                    return None;
+                }
+                let level = read(p.join("level"))?.trim().parse().ok()?;
+                let kib: usize = read(p.join("size"))?
+                    .trim()
+                    .strip_suffix('K')?
+                    .parse()
+                    .ok()?;
+                Some((level, kib << 10))
+            })
+            .collect();
+        match caches.iter().max() {
+            Some(&(_, bytes)) => assert_eq!(super::llc_bytes(), bytes),
+            None => println!("skipped: sysfs lists no data or unified cache"),
+        }
     }
 }

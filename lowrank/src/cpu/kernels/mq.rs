@@ -10,7 +10,7 @@
 
 use super::pack::{pack_q, pack_q_edges, QPack};
 use super::{
-    l1_is_wide, spaces_rows, sweep_min_bytes, vector_lead, zen5_or_later, Mat,
+    l1_is_wide, llc_bytes, spaces_rows, sweep_min_bytes, vector_lead, zen5_or_later, Mat,
     MQ_OWN_PREFETCH_RANK, SWEEP_MIN_BYTES, SWEEP_STRIDE,
 };
 use crate::cpu::simd::{Outlined, Simd};
@@ -41,6 +41,19 @@ const MQ_WHOLE_ROW_BYTES_WIDE: usize = 32 * 1024;
 /// 1.14-1.18) but lost from the last-level cache (8 MiB of `M`, 0.82 and 0.86 in two
 /// sets), the sizes of most models' layers, so it keeps the chunks.
 const MQ_WHOLE_ROW_BYTES_L2: usize = 64 * 1024;
+/// The highest rank at which `mq` with 16 lanes on AMD Zen 5 reads whole rows with `Q`
+/// from L2 ([`MQ_WHOLE_ROW_BYTES_L2`]) whatever its group's rows, where `M` is larger
+/// than the last-level cache ([`llc_bytes`]), so comes from memory: the column chunks'
+/// 8-row blocks each read all of `Q` from L2 again, and beside that traffic the core
+/// streams `M` well below its read bandwidth (see [`MQ_BLOCK_ROWS_ZEN5`]). AMD EPYC
+/// (Zen 5, KVM), one thread, 4096 x 4096 cold: `bench lowrank --roofline`'s `cold`
+/// (four alternated pairs) `mq` r = 4 0.62-0.66 -> 0.72-0.77 of the read bandwidth,
+/// `mq+e` 0.61-0.64 -> 0.72-0.79; `--quick` one thread 0.63 -> 0.76, two 0.89 -> 0.86
+/// (four rounds); a probe (three rounds) r = 3 20.9 -> 29.3 GB/s, fused 13.7 -> 14.5.
+/// From the last-level cache (8 MiB) the same walk read 0.91 (0.96 fused) of the
+/// chunks, so `M` that fits there keeps them. With AVX2 the fused pass at r = 4 read
+/// 0.81 of the chunks from memory.
+const MQ_WHOLE_FROM_MEMORY_RANK: usize = 4;
 /// Bytes of `Q` per column chunk past that: the chunk's `r` columns stay in L1 while a
 /// block of rows passes over them. Cold, n = m = 4096, r = 8, Zen 4, AVX-512: 12 KiB
 /// chunks read 0.42-0.47 of the read bandwidth, 16 KiB 0.37-0.41. On a 48 KiB 12-way L1
@@ -622,8 +635,10 @@ unsafe fn mq_group_finish<S: Simd, const RB: usize, const FUSE: bool>(
 /// AMD Zen 5 and later ([`zen5_or_later`]) within [`MQ_WHOLE_ROW_BYTES_L2`] where a group
 /// of rows read whole (`rows_whole`, [`group_rows`]) is at least 1.5 `r` rows: then
 /// each vector of `Q` it reads from L2 serves `rows_whole` rows, and `Q` adds at most
-/// two thirds of `M`'s traffic to L2's.
-fn takes_whole_rows(a: &Mat, rows_whole: usize) -> bool {
+/// two thirds of `M`'s traffic to L2's. And there with 16 `lanes` up to rank
+/// [`MQ_WHOLE_FROM_MEMORY_RANK`] where `M` is larger than the last-level cache
+/// ([`llc_bytes`]).
+fn takes_whole_rows(a: &Mat, rows_whole: usize, lanes: usize) -> bool {
     let whole_max = if l1_is_wide() {
         MQ_WHOLE_ROW_BYTES_WIDE
     } else {
@@ -631,7 +646,12 @@ fn takes_whole_rows(a: &Mat, rows_whole: usize) -> bool {
     };
     let q_bytes = a.r * a.cols * 4;
     q_bytes <= whole_max
-        || (zen5_or_later() && q_bytes <= MQ_WHOLE_ROW_BYTES_L2 && 2 * rows_whole >= 3 * a.r)
+        || (zen5_or_later()
+            && q_bytes <= MQ_WHOLE_ROW_BYTES_L2
+            && (2 * rows_whole >= 3 * a.r
+                || (lanes >= 16
+                    && a.r <= MQ_WHOLE_FROM_MEMORY_RANK
+                    && a.n * a.cols * 4 > llc_bytes())))
 }
 
 /// The walks a core takes where the bits do not depend on them: each `P[i, k]` is
@@ -918,7 +938,7 @@ unsafe fn mq_rows_as<S: Simd, const FUSE: bool>(a: &Mat, rows: Range<usize>, wal
         zen5: zen5_or_later(),
         cached: rows.len() * a.cols * 4 < SWEEP_MIN_BYTES,
     };
-    let whole = takes_whole_rows(a, group_rows(group));
+    let whole = takes_whole_rows(a, group_rows(group), S::LANES);
     let rb = group_rows(GroupOf { whole, ..group });
     // SAFETY: forwarded caller guarantees.
     unsafe {

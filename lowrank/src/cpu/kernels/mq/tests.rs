@@ -21,10 +21,10 @@ macro_rules! spacing {
                 let walk = Walk { spaces, tall: false };
                 match (fuse, a.r <= 2, spaces) {
                     (true, true, true) => {
-                        mq_rows_rb::<$simd, 2, true>(a, rows, takes_whole_rows(a, 2), walk)
+                        mq_rows_rb::<$simd, 2, true>(a, rows, takes_whole_rows(a, 2, <$simd>::LANES), walk)
                     }
                     (true, true, false) => {
-                        mq_rows_rb::<$simd, 1, true>(a, rows, takes_whole_rows(a, 1), walk)
+                        mq_rows_rb::<$simd, 1, true>(a, rows, takes_whole_rows(a, 1, <$simd>::LANES), walk)
                     }
                     (true, false, _) => mq_rows_as::<$simd, true>(a, rows, walk),
                     (false, ..) => mq_rows_as::<$simd, false>(a, rows, walk),
