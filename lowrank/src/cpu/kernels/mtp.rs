@@ -437,23 +437,6 @@ fn zen5_takes_stream(sweep: bool, r: usize) -> bool {
 /// `cold` (4096 x 4096) and 1.17 from the LLC (four pairs). Calls that sweep (a tile of
 /// 4 at r >= 5) keep 4.
 const MTP_ZEN5_TILE_VECTORS: usize = 6;
-/// Vectors a strip of 8 columns of `Q` takes with 16 lanes in calls that sweep on AMD
-/// Zen 5 and later ([`zen5_or_later`]; [`mtp_strips_as`]'s `zen5_sweep`): 3 (24
-/// accumulators) where the other cores take 2, so a vector of `M` costs 3.7 loads (its
-/// own and 8 broadcasts of `P` shared by 3) instead of 5. Beside a stream from memory
-/// that core's 512-bit loads from L1 cost it dearly (the README's Zen 5 section: 4 more
-/// a vector of `M` are free, 6 halve the stream). In cache the 2-wide strips keep up
-/// (the 3-wide read 0.93 of them in L2).
-const MTP_ZEN5_SWEEP_VECTORS: usize = 3;
-/// [`MTP_BLOCK_FLOATS`] for the calls of [`MTP_ZEN5_SWEEP_VECTORS`]: 256 KiB (16 rows of
-/// 4096 columns), swept one block ahead (two blocks elsewhere). Each block's strips load
-/// and store their part of `Q` once, so at r = 8 and 4096 columns an 8-row block moves
-/// as much of `Q` through L1 as it reads of `M`. AMD EPYC (Zen 5, KVM), `bench lowrank
-/// --quick --op mtp --rank 8`, alternated pairs against the build before: one thread 1.09
-/// for these blocks alone (six pairs), 1.20 for the 3-wide strips alone (six), 1.32 for
-/// both (eight: 0.41-0.47 -> 0.55-0.59 of the read bandwidth), two threads 1.41;
-/// `--roofline`'s `cold` 1.22, from the LLC 1.02 (four pairs).
-const MTP_BLOCK_FLOATS_ZEN5: usize = 65536;
 /// Whether [`mtp_cols`] takes the one-row stream ([`mtp_stream_one_row`]) for a call of
 /// rank `r` on `lanes` lanes over `bytes` of `M`: at rank 1 with AVX-512 on AMD Zen 5
 /// and later (`zen5`, [`zen5_or_later`]), for calls in cache (less than
@@ -549,19 +532,8 @@ pub(crate) unsafe fn mtp_cols<S: Simd>(a: &Mat, cols: Range<usize>) {
 /// The strips of [`mtp_cols`] (see there) over the columns `cols`, `a.n` > 0.
 #[inline(always)]
 unsafe fn mtp_strips<S: Simd>(a: &Mat, cols: Range<usize>) {
-    // SAFETY: forwarded caller guarantees.
-    unsafe { mtp_strips_as::<S>(a, cols, zen5_or_later()) }
-}
-
-/// [`mtp_strips`], with calls that sweep at 16 lanes in 3-wide strips and 16-row blocks
-/// where `zen5_sweep` ([`MTP_ZEN5_SWEEP_VECTORS`], [`MTP_BLOCK_FLOATS_ZEN5`]): the same
-/// bits either way (each element of `Q` is summed over the rows in order, in one
-/// accumulator, whatever the strip's width and the blocks).
-#[inline(always)]
-unsafe fn mtp_strips_as<S: Simd>(a: &Mat, cols: Range<usize>, zen5_sweep: bool) {
     let lanes = S::LANES;
     let sweep = mtp_sweeps::<S>(a, &cols);
-    let zen5_sweep = zen5_sweep && sweep && lanes == 16;
     let accs = tile_accumulators(lanes);
     let next_row = strips_prefetch_next_row();
     // Tiles of 4 columns of `Q` by 6 vectors (24 accumulators) in cache on Zen 5: see
@@ -571,9 +543,7 @@ unsafe fn mtp_strips_as<S: Simd>(a: &Mat, cols: Range<usize>, zen5_sweep: bool) 
     let mut c0 = cols.start;
     while c0 < cols.end {
         let panel = c0..(c0 + width).min(cols.end);
-        let block_floats = if zen5_sweep {
-            MTP_BLOCK_FLOATS_ZEN5
-        } else if sweep {
+        let block_floats = if sweep {
             MTP_BLOCK_FLOATS
         } else {
             MTP_BLOCK_FLOATS_CACHED
@@ -587,7 +557,6 @@ unsafe fn mtp_strips_as<S: Simd>(a: &Mat, cols: Range<usize>, zen5_sweep: bool) 
             let ahead_rows = match (sweep, a.r) {
                 (false, _) => 0,
                 (true, 1) => block,
-                (true, _) if zen5_sweep => block,
                 (true, _) => 2 * block,
             };
             let mut k0 = 0;
@@ -610,14 +579,6 @@ unsafe fn mtp_strips_as<S: Simd>(a: &Mat, cols: Range<usize>, zen5_sweep: bool) 
                 // caller), tile columns inside 0..r.
                 unsafe {
                     match (kt, accs) {
-                        (8, 16) if zen5_sweep => mtp_block::<S, MTP_ZEN5_SWEEP_VECTORS, 8>(
-                            a,
-                            rows.clone(),
-                            &panel,
-                            k0,
-                            ahead,
-                            next_row,
-                        ),
                         (8, 16) => {
                             mtp_block::<S, 2, 8>(a, rows.clone(), &panel, k0, ahead, next_row)
                         }
@@ -690,18 +651,6 @@ mod tests {
 
         /// `Q` from `kernel` over the columns `cols` (NaN elsewhere).
         fn run_on(&mut self, kernel: Kernel, cols: Range<usize>) -> Vec<f32> {
-            // SAFETY: `run_with` passes a `Mat` of buffers of its shape, alive and not
-            // shared, and columns inside it; the callers checked the instruction set.
-            self.run_with(&|a: &Mat, c: Range<usize>| unsafe { kernel(a, c) }, cols)
-        }
-
-        /// `Q` from `kernel` over the columns `cols` (NaN elsewhere), given a `Mat` of
-        /// this case's buffers (alive and not shared) and columns inside it.
-        fn run_with(
-            &mut self,
-            kernel: &dyn Fn(&Mat, Range<usize>),
-            cols: Range<usize>,
-        ) -> Vec<f32> {
             let mut q = vec![f32::NAN; self.r * self.cols];
             let a = Mat {
                 m: self.m[self.off..].as_mut_ptr(),
@@ -712,7 +661,9 @@ mod tests {
                 cols: self.cols,
                 r: self.r,
             };
-            kernel(&a, cols);
+            // SAFETY: `a` points at buffers of its shape, alive and not shared; `cols`
+            // lies inside its columns.
+            unsafe { kernel(&a, cols) };
             q
         }
     }
@@ -768,64 +719,6 @@ mod tests {
     unsafe fn strips_avx512(a: &Mat, cols: Range<usize>) {
         // SAFETY: forwarded; the caller checked the instruction set.
         unsafe { mtp_strips::<crate::cpu::simd::Avx512>(a, cols) }
-    }
-
-    /// [`mtp_strips_as`] on each instruction set, with the Zen 5 sweep's strips and
-    /// blocks or without.
-    unsafe fn zen5_portable(a: &Mat, cols: Range<usize>, zen5: bool) {
-        // SAFETY: forwarded.
-        unsafe { mtp_strips_as::<Portable>(a, cols, zen5) }
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn zen5_avx2(a: &Mat, cols: Range<usize>, zen5: bool) {
-        // SAFETY: forwarded; the caller checked the instruction set.
-        unsafe { mtp_strips_as::<crate::cpu::simd::Avx2>(a, cols, zen5) }
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx512f,avx2,fma")]
-    unsafe fn zen5_avx512(a: &Mat, cols: Range<usize>, zen5: bool) {
-        // SAFETY: forwarded; the caller checked the instruction set.
-        unsafe { mtp_strips_as::<crate::cpu::simd::Avx512>(a, cols, zen5) }
-    }
-
-    /// Calls that sweep (at least [`SWEEP_MIN_BYTES`](super::super::SWEEP_MIN_BYTES) of
-    /// `M`, past the rank at which a core leaves the rows to its own prefetchers) give
-    /// the same bits in the strips and blocks AMD Zen 5 takes (3-wide strips at 8 columns
-    /// of `Q`, 16-row blocks: [`MTP_ZEN5_SWEEP_VECTORS`]; AVX-512 only) as in the others'
-    /// (the other instruction sets run the same walk twice), whatever the machine: ranks
-    /// of one tile and of two, leftover strips, ragged columns, edges, a thread's columns.
-    #[test]
-    fn the_zen5_sweep_gives_the_bits_of_the_others() {
-        type Zen5 = unsafe fn(&Mat, Range<usize>, bool);
-        let kernels = supported_isas!(Zen5; zen5_portable, zen5_avx2, zen5_avx512);
-        for (n, cols, r) in [(70, 4100, 8), (140, 2000, 8), (90, 3030, 6)] {
-            for off in [0, 3] {
-                let mut case = Case::new(n, cols, r, off);
-                for &(isa, kernel) in &kernels {
-                    for range in [0..cols, 37..cols - 5] {
-                        assert!(n * range.len() * 4 >= super::super::SWEEP_MIN_BYTES);
-                        let run = |case: &mut Case, zen5: bool| {
-                            let k = move |a: &Mat, c: Range<usize>| {
-                                // SAFETY: `run_with` passes a `Mat` of buffers of its
-                                // shape, alive and not shared, and columns inside it;
-                                // the instruction set was checked.
-                                unsafe { kernel(a, c, zen5) }
-                            };
-                            case.run_with(&k, range.clone())
-                        };
-                        let (a, b) = (run(&mut case, false), run(&mut case, true));
-                        assert!(
-                            a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
-                            "{isa} {n} x {cols}, r = {r}, offset {off}, columns {range:?}: \
-                             the Zen 5 sweep's strips differ"
-                        );
-                    }
-                }
-            }
-        }
     }
 
     /// The one-row stream at rank 1 ([`mtp_stream_one_row`], which
