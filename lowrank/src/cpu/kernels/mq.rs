@@ -94,7 +94,10 @@ const MQ_CHUNK_BYTES_ZEN5: usize = 16 * 1024;
 /// The lowest rank that takes [`MQ_BLOCK_ROWS_ZEN5`]: at r = 4 (with AVX2; AVX-512 does
 /// not sweep there) a block's `Q` is half the traffic it is at r = 8, and the tall
 /// blocks read 0.87-0.91 of the short ones (4096 x 4096, one thread, cold, four
-/// alternated rounds; `--roofline`'s `cold` 0.96, its `llc` 1.14).
+/// alternated rounds; `--roofline`'s `cold` 0.96, its `llc` 1.14). With 8 lanes the
+/// fused pass keeps the short blocks at every rank: at r = 8 the tall ones read 1.06-1.11
+/// from memory but 0.84-0.88 from the LLC (8 MiB, `--roofline`, two sets of six and
+/// eight alternated pairs).
 const MQ_TALL_MIN_RANK: usize = 5;
 
 /// What a span prefetches (only a group's first column tile; the others reread the span
@@ -660,7 +663,8 @@ fn takes_whole_rows(a: &Mat, rows_whole: usize, lanes: usize) -> bool {
 struct Walk {
     /// Whole rows in cache go in groups whose rows lie far apart ([`spaces_rows`]).
     spaces: bool,
-    /// Chunked calls that sweep, from rank [`MQ_TALL_MIN_RANK`], take blocks of
+    /// Chunked calls that sweep, from rank [`MQ_TALL_MIN_RANK`] (not the fused pass
+    /// with 8 lanes), take blocks of
     /// [`MQ_BLOCK_ROWS_ZEN5`] rows and sweep chunk by chunk ([`Ahead::Sweep`]) with
     /// chunks of [`MQ_CHUNK_BYTES_ZEN5`].
     tall: bool,
@@ -713,7 +717,7 @@ unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(
     let step = 8 * lanes;
     let sweep = rows.len() * a.cols * 4 >= sweep_min_bytes(a.r, S::LANES, MQ_OWN_PREFETCH_RANK);
     // Tall blocks swept chunk by chunk where the sweep runs ([`Walk::tall`]).
-    let by_chunk = sweep && walk.tall && a.r >= MQ_TALL_MIN_RANK;
+    let by_chunk = sweep && walk.tall && a.r >= MQ_TALL_MIN_RANK && (lanes >= 16 || !FUSE);
     let chunk_bytes = if by_chunk {
         MQ_CHUNK_BYTES_ZEN5
     } else {
