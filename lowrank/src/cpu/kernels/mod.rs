@@ -465,37 +465,47 @@ mod tests {
         );
     }
 
+    /// The caches the kernel lists for cpu 0 (sysfs): `(level, type, ways, bytes)` of
+    /// each, or `None` where it lists none.
+    #[cfg(all(target_os = "linux", target_arch = "x86_64"))]
+    fn sysfs_caches() -> Option<Vec<(u32, String, u32, usize)>> {
+        let dir = std::path::Path::new("/sys/devices/system/cpu/cpu0/cache");
+        let read = |p: std::path::PathBuf| std::fs::read_to_string(p).ok();
+        let entries = std::fs::read_dir(dir).ok()?;
+        let caches: Vec<_> = entries
+            .flatten()
+            .filter_map(|e| {
+                let p = e.path();
+                let level = read(p.join("level"))?.trim().parse().ok()?;
+                let kind = read(p.join("type"))?.trim().to_string();
+                let ways = read(p.join("ways_of_associativity"))?.trim().parse().ok()?;
+                // "48K", "32768K"
+                let kib: usize = read(p.join("size"))?
+                    .trim()
+                    .strip_suffix('K')?
+                    .parse()
+                    .ok()?;
+                Some((level, kind, ways, kib << 10))
+            })
+            .collect();
+        (!caches.is_empty()).then_some(caches)
+    }
+
     /// The L1 data cache's ways and size read from `cpuid` agree with the kernel's
     /// (sysfs), where the kernel says.
     #[test]
     #[cfg(all(target_os = "linux", target_arch = "x86_64"))]
     fn l1d_is_read_from_cpuid() {
-        let dir = std::path::Path::new("/sys/devices/system/cpu/cpu0/cache");
-        let read = |p: std::path::PathBuf| std::fs::read_to_string(p).ok();
-        let Ok(entries) = std::fs::read_dir(dir) else {
-            println!("skipped: no {}", dir.display());
+        let l1d = sysfs_caches()
+            .into_iter()
+            .flatten()
+            .find(|(level, kind, ..)| *level == 1 && kind == "Data");
+        let Some((_, _, ways, bytes)) = l1d else {
+            println!("skipped: sysfs lists no L1 data cache");
             return;
         };
-        for e in entries.flatten() {
-            let p = e.path();
-            let level = read(p.join("level"));
-            let kind = read(p.join("type"));
-            if level.as_deref().map(str::trim) == Some("1")
-                && kind.as_deref().map(str::trim) == Some("Data")
-            {
-                let ways: u32 = read(p.join("ways_of_associativity"))
-                    .and_then(|w| w.trim().parse().ok())
-                    .expect("ways_of_associativity");
-                // "48K"
-                let kib: u32 = read(p.join("size"))
-                    .and_then(|w| w.trim().strip_suffix('K')?.parse().ok())
-                    .expect("size in KiB");
-                assert_eq!(super::l1d(), Some((ways, kib << 10)));
-                assert_eq!(super::l1_is_wide(), ways >= 12 && kib >= 48);
-                return;
-            }
-        }
-        println!("skipped: sysfs lists no L1 data cache");
+        assert_eq!(super::l1d(), Some((ways, bytes as u32)));
+        assert_eq!(super::l1_is_wide(), ways >= 12 && bytes >= 48 << 10);
     }
 
     /// The last-level cache's size read from `cpuid` agrees with the kernel's (sysfs:
@@ -503,32 +513,13 @@ mod tests {
     #[test]
     #[cfg(all(target_os = "linux", target_arch = "x86_64"))]
     fn llc_is_read_from_cpuid() {
-        let dir = std::path::Path::new("/sys/devices/system/cpu/cpu0/cache");
-        let read = |p: std::path::PathBuf| std::fs::read_to_string(p).ok();
-        let Ok(entries) = std::fs::read_dir(dir) else {
-            println!("skipped: no {}", dir.display());
-            return;
-        };
-        // (level, bytes) of each data or unified cache; sizes read "32768K".
-        let caches: Vec<(u32, usize)> = entries
+        let llc = sysfs_caches()
+            .into_iter()
             .flatten()
-            .filter_map(|e| {
-                let p = e.path();
-                let kind = read(p.join("type"))?;
-                if !matches!(kind.trim(), "Data" | "Unified") {
-                    return None;
-                }
-                let level = read(p.join("level"))?.trim().parse().ok()?;
-                let kib: usize = read(p.join("size"))?
-                    .trim()
-                    .strip_suffix('K')?
-                    .parse()
-                    .ok()?;
-                Some((level, kib << 10))
-            })
-            .collect();
-        match caches.iter().max() {
-            Some(&(_, bytes)) => assert_eq!(super::llc_bytes(), bytes),
+            .filter(|(_, kind, ..)| kind == "Data" || kind == "Unified")
+            .max_by_key(|&(level, ..)| level);
+        match llc {
+            Some((.., bytes)) => assert_eq!(super::llc_bytes(), bytes),
             None => println!("skipped: sysfs lists no data or unified cache"),
         }
     }
