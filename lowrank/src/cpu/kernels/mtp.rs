@@ -493,7 +493,6 @@ const fn tile_accumulators(lanes: usize) -> usize {
 /// (AMD Zen 4, AVX-512), 0.37-0.66 of the read bandwidth from memory.
 #[inline(always)]
 pub(crate) unsafe fn mtp_cols<S: Simd>(a: &Mat, cols: Range<usize>) {
-    let lanes = S::LANES;
     if a.n == 0 {
         // An empty sum: Q is zero.
         for k in 0..a.r {
@@ -504,6 +503,129 @@ pub(crate) unsafe fn mtp_cols<S: Simd>(a: &Mat, cols: Range<usize>) {
         }
         return;
     }
+    if let Some(mut far) = QScratch::wanted(a, &cols, S::LANES) {
+        // SAFETY: `far.mat` is `a` with `Q` in the scratch, which holds every index `a`
+        // names in `Q`; forwarded caller guarantees otherwise.
+        unsafe { mtp_cols_in::<S>(&far.mat, cols.clone()) };
+        // SAFETY: `cols` is this call's share of `Q`'s columns (the caller).
+        unsafe { far.copy_to(a, cols) };
+        return;
+    }
+    // SAFETY: forwarded caller guarantees.
+    unsafe { mtp_cols_in::<S>(a, cols) }
+}
+
+/// Bytes within which `Q`'s offset from `M` modulo 4 KiB (either way) makes `mtp` store
+/// `Q` into the L1 sets that its rows of `M` stream through ([`QScratch`]).
+const Q_NEAR_M_BYTES: usize = 256;
+/// The lowest rank at which [`QScratch`] is taken with `lanes` lanes: 8 with 16, 4 with 8:
+/// where a tile of `Q` is 8 columns wide (AVX-512 at r = 8) or 4 (AVX2 from
+/// r = 4). The probe of [`QScratch`], alternating the scratch and `Q` in place on the
+/// same buffers (`Q` 16 bytes past `M` modulo 4 KiB): AVX-512 r = 8 1.28 (16.7-16.9 ->
+/// 21.4-21.6 GB/s), r = 1-7 0.97-1.03; AVX2 r = 4 1.31-1.34, r = 6 1.13, r = 7 1.10,
+/// r = 8 1.14, r = 1-3 and 5 0.98-1.03.
+const fn q_scratch_min_rank(lanes: usize) -> usize {
+    if lanes >= 16 {
+        8
+    } else {
+        4
+    }
+}
+/// Rows of `M` a call needs per column of `Q` to take [`QScratch`]: its copy of `Q` (zeroed,
+/// written, copied out) then costs at most about 5% of the traffic of `M`.
+const Q_SCRATCH_MIN_ROWS_PER_RANK: usize = 64;
+
+/// Whether `Q` at `q` lies within [`Q_NEAR_M_BYTES`] of `M` at `m` modulo 4 KiB.
+fn q_near_m(m: *const f32, q: *const f32) -> bool {
+    let apart = (q as usize).wrapping_sub(m as usize) % 4096;
+    !(Q_NEAR_M_BYTES..=4096 - Q_NEAR_M_BYTES).contains(&apart)
+}
+
+/// `Q` written through a scratch copy 2 KiB away from `M` modulo 4 KiB, for an `mtp` call
+/// whose `Q` lies within [`Q_NEAR_M_BYTES`] of it, on AMD Zen 5 and later
+/// ([`zen5_or_later`]) for calls from memory ([`SWEEP_MIN_BYTES`](super::SWEEP_MIN_BYTES)
+/// or more). There each tile of `Q` shares its L1 sets with the lines of `M` that its
+/// strip reads and has in flight (rows 4 KiB apart at power-of-two widths all fall in
+/// the same sets), and its loads and stores miss. Two buffers from the system allocator
+/// (`mmap`) both lie 16 bytes past a page, so that is the common case. AMD EPYC (Zen 5,
+/// KVM), a probe of one thread (8192 x 4096 from memory, medians of 8 calls), `Q` moved
+/// through 4 KiB against `M`, r = 8 (AVX-512): 16-19 GB/s from 128 bytes before `M` to
+/// 224 bytes past it, 21-25 elsewhere; r = 4 23-24 against 25-26, with AVX2 18 against
+/// 23-25; r = 1 and 2, `mq` and `pqt` the same wherever `Q` lies.
+struct QScratch {
+    /// `a` with `q` in `buf`.
+    mat: Mat,
+    /// Holds the scratch `Q` at `mat.q`.
+    _buf: Vec<f32>,
+}
+
+impl QScratch {
+    /// The scratch for the call `a` over `cols`, where it is wanted (see [`QScratch`]) and
+    /// its allocation succeeds.
+    fn wanted(a: &Mat, cols: &Range<usize>, lanes: usize) -> Option<QScratch> {
+        let from_memory = a.n * cols.len() * 4 >= super::SWEEP_MIN_BYTES;
+        let tall = a.n >= Q_SCRATCH_MIN_ROWS_PER_RANK * a.r;
+        // Rows of `M` and of `Q` a multiple of 4 KiB long: one offset between them
+        // throughout. Elsewhere it changes from row to row (and `Q`'s place mattered
+        // less in the probe: width 768 1.00, 1000 0.95).
+        let aligned = (a.cols * 4).is_multiple_of(4096);
+        if a.r >= q_scratch_min_rank(lanes)
+            && zen5_or_later()
+            && from_memory
+            && tall
+            && aligned
+            && q_near_m(a.m, a.q)
+        {
+            QScratch::new(a)
+        } else {
+            None
+        }
+    }
+
+    /// A zeroed scratch `Q` for `a`, 2 KiB from `M` modulo 4 KiB; `None` where the
+    /// allocation fails (the caller then writes `Q` in place).
+    fn new(a: &Mat) -> Option<QScratch> {
+        // Room for `Q` and for the shift that places it.
+        let len = a.r.checked_mul(a.cols)?.checked_add(1024)?;
+        let mut buf: Vec<f32> = Vec::new();
+        buf.try_reserve_exact(len).ok()?;
+        // Zeroed, so that every float a vector load of a part (whose other lanes belong
+        // to no strip of this call) reads is initialised.
+        buf.resize(len, 0.0);
+        let at = buf.as_mut_ptr() as usize;
+        let shift = ((a.m as usize).wrapping_add(2048).wrapping_sub(at) % 4096) / 4;
+        Some(QScratch {
+            // `shift` < 1024, so `shift + r * cols` floats lie inside `buf`.
+            mat: Mat {
+                q: buf.as_mut_ptr().wrapping_add(shift),
+                ..*a
+            },
+            _buf: buf,
+        })
+    }
+
+    /// The scratch's columns `cols` copied to `a`'s `Q`.
+    ///
+    /// # Safety
+    /// `cols` lies inside `a`'s columns, and this call owns those columns of `Q`.
+    unsafe fn copy_to(&mut self, a: &Mat, cols: Range<usize>) {
+        for k in 0..a.r {
+            let at = k * a.cols + cols.start;
+            // SAFETY: row k's columns `cols` lie inside both `Q`s (the scratch holds
+            // `r * cols` floats from `mat.q`), which do not overlap; no other call
+            // touches these columns of `a.q`.
+            unsafe { std::ptr::copy_nonoverlapping(self.mat.q.add(at), a.q.add(at), cols.len()) };
+        }
+    }
+}
+
+/// [`mtp_cols`] with `Q` where `a` has it.
+///
+/// # Safety
+/// As [`mtp_cols`].
+#[inline(always)]
+unsafe fn mtp_cols_in<S: Simd>(a: &Mat, cols: Range<usize>) {
+    let lanes = S::LANES;
     let sweep = mtp_sweeps::<S>(a, &cols);
     let wide = l1_is_wide();
     let stream = lanes == 8
@@ -649,10 +771,10 @@ mod tests {
             self.run_on(kernel, 0..self.cols)
         }
 
-        /// `Q` from `kernel` over the columns `cols` (NaN elsewhere).
-        fn run_on(&mut self, kernel: Kernel, cols: Range<usize>) -> Vec<f32> {
-            let mut q = vec![f32::NAN; self.r * self.cols];
-            let a = Mat {
+        /// The case's matrix with `Q` in `q`.
+        fn mat(&mut self, q: &mut [f32]) -> Mat {
+            assert_eq!(q.len(), self.r * self.cols);
+            Mat {
                 m: self.m[self.off..].as_mut_ptr(),
                 e: std::ptr::null_mut(),
                 p: self.p.as_mut_ptr(),
@@ -660,10 +782,29 @@ mod tests {
                 n: self.n,
                 cols: self.cols,
                 r: self.r,
-            };
+            }
+        }
+
+        /// `Q` from `kernel` over the columns `cols` (NaN elsewhere).
+        fn run_on(&mut self, kernel: Kernel, cols: Range<usize>) -> Vec<f32> {
+            let mut q = vec![f32::NAN; self.r * self.cols];
+            let a = self.mat(&mut q);
             // SAFETY: `a` points at buffers of its shape, alive and not shared; `cols`
             // lies inside its columns.
             unsafe { kernel(&a, cols) };
+            q
+        }
+
+        /// [`Case::run_on`] with `kernel` writing a [`QScratch`], copied out.
+        fn run_through_scratch(&mut self, kernel: Kernel, cols: Range<usize>) -> Vec<f32> {
+            let mut q = vec![f32::NAN; self.r * self.cols];
+            let a = self.mat(&mut q);
+            let mut far = QScratch::new(&a).expect("a small allocation");
+            // SAFETY: as in `run_on`; the scratch holds every index `a` names in `Q`.
+            unsafe {
+                kernel(&far.mat, cols.clone());
+                far.copy_to(&a, cols);
+            }
             q
         }
     }
@@ -758,6 +899,89 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    unsafe fn cols_in_portable(a: &Mat, cols: Range<usize>) {
+        // SAFETY: forwarded.
+        unsafe { mtp_cols_in::<Portable>(a, cols) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn cols_in_avx2(a: &Mat, cols: Range<usize>) {
+        // SAFETY: forwarded; the caller checked the instruction set.
+        unsafe { mtp_cols_in::<crate::cpu::simd::Avx2>(a, cols) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    unsafe fn cols_in_avx512(a: &Mat, cols: Range<usize>) {
+        // SAFETY: forwarded; the caller checked the instruction set.
+        unsafe { mtp_cols_in::<crate::cpu::simd::Avx512>(a, cols) }
+    }
+
+    /// `Q` written through the scratch ([`QScratch`], which [`mtp_cols`] takes on some
+    /// cores where `Q` lies near `M`) holds the bits of `Q` written in place, and only
+    /// the call's columns: on every instruction set the machine has, for whichever
+    /// walk this core takes (strips, stream), over all columns and over a thread's
+    /// share (whose part vectors load columns outside it), with row blocks in cache and
+    /// sweeping, at several offsets of `M` from a line.
+    #[test]
+    fn q_through_the_scratch_gives_the_bits_of_q_in_place() {
+        let kernels = supported_isas!(
+            Kernel;
+            cols_in_portable,
+            cols_in_avx2,
+            cols_in_avx512
+        );
+        for (n, cols, r) in [(300, 1024, 8), (520, 1024, 4), (70, 1000, 8), (9, 4111, 5)] {
+            for off in [0, 3, 4] {
+                let mut case = Case::new(n, cols, r, off);
+                for &(isa, kernel) in &kernels {
+                    for range in [0..cols, cols / 3..cols - 5] {
+                        let in_place = case.run_on(kernel, range.clone());
+                        let through = case.run_through_scratch(kernel, range.clone());
+                        assert!(
+                            in_place
+                                .iter()
+                                .zip(&through)
+                                .all(|(x, y)| x.to_bits() == y.to_bits()),
+                            "{isa} {n} x {cols}, r = {r}, offset {off}, columns {range:?}: \
+                             the scratch and Q in place differ"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// The scratch lies 2 KiB from `M` modulo 4 KiB, and [`q_near_m`] calls `Q` near
+    /// within [`Q_NEAR_M_BYTES`] either way and only there.
+    #[test]
+    fn the_scratch_lies_away_from_m() {
+        let mut case = Case::new(64, 1024, 4, 3);
+        let mut q = vec![0.0f32; 4 * 1024];
+        let a = case.mat(&mut q);
+        let far = QScratch::new(&a).expect("a small allocation");
+        let apart = (far.mat.q as usize).wrapping_sub(a.m as usize) % 4096;
+        assert_eq!(apart, 2048);
+        assert!(!q_near_m(a.m, far.mat.q));
+        let m = a.m.cast_const();
+        for (bytes, near) in [
+            (0, true),
+            (16, true),
+            (Q_NEAR_M_BYTES - 4, true),
+            (Q_NEAR_M_BYTES, false),
+            (2048, false),
+            (4096 - Q_NEAR_M_BYTES, false),
+            (4096 - Q_NEAR_M_BYTES + 4, true),
+            (4096 - 16, true),
+            (4096 + 16, true),
+            (8192 + 1024, false),
+        ] {
+            let q = m.wrapping_byte_add(bytes);
+            assert_eq!(q_near_m(m, q), near, "Q {bytes} bytes past M");
         }
     }
 
