@@ -1105,7 +1105,9 @@ fn blocked_mtp_and_pqt_match_the_reference_and_every_thread_count() {
         // two-row tiles and a leftover row (r = 8), single rows (r = 4, ragged). With 8
         // lanes `Mᵀ P` takes the strips on one thread and the row-streaming kernel on two
         // or three (less than 1 MiB each) at r = 4 to 7, the two must give the same bits;
-        // at r <= 3 and r >= 8 the stream on every thread count, sweeping on one.
+        // at r <= 3 and r >= 8 the stream on every thread count, sweeping on one. On AMD
+        // Zen 5 with AVX-512, `Mᵀ P` at r = 4 takes 512 KiB row blocks on one thread (1
+        // MiB or more from memory) and 256 KiB on two.
         (1, 67, 4100, 8),
         (1, 65, 4107, 4),
         (1, 64, 4096, 5),

@@ -30,6 +30,20 @@ const MTP_BLOCK_FLOATS: usize = 32768;
 /// plain loop of the 16 x 1 and 8 x 2 tiles read 0.90-0.92 and 0.84-0.87 of the read sum
 /// with 64 rows, 0.90 and 0.78-0.80 with 32.
 const MTP_BLOCK_FLOATS_CACHED: usize = 65536;
+/// [`MTP_BLOCK_FLOATS`] for a call on AMD Zen 5 and later ([`zen5_or_later`]) that
+/// streams [`SWEEP_MIN_BYTES`](super::SWEEP_MIN_BYTES) or more but leaves the rows to the
+/// hardware prefetchers ([`MTP_OWN_PREFETCH_RANK`]) in tiles of 4 columns of `Q` by
+/// [`MTP_ZEN5_TILE_VECTORS`] (r = 4 with AVX-512): 512 KiB, 32 rows at 4096 columns
+/// where [`MTP_BLOCK_FLOATS_CACHED`] makes 16. Each strip then loads and stores its
+/// tile of `Q` half as often, and walks twice as far down a row's columns before the next
+/// strip. AMD EPYC (Zen 5, KVM), a probe of one thread alternating groups of four calls
+/// on the same buffers (the first of each group dropped), median GB/s against 256 KiB
+/// blocks, `M` from memory: 4096 columns 23.2-23.9 -> 25.5-25.7 (two sets), 2048 22.8 ->
+/// 24.8, 3072 22.7 -> 25.0, 8192 23.0 -> 25.3; 1024 and 1000 columns (64 rows a block
+/// already, [`MTP_BLOCK_ROWS_MAX`]) 1.00-1.02; two threads 35.5 -> 37.5-39.4; from the
+/// LLC (512 x 4096) 74.7 -> 83.7. 1 MiB blocks read the same as 512 KiB. At r = 1-3
+/// (other tiles) 512 KiB read 0.97-0.98, so they keep 256 KiB.
+const MTP_BLOCK_FLOATS_ZEN5_FROM_MEMORY: usize = 131072;
 /// Rows per block: at least this many (the accumulators are loaded and stored once a
 /// block; fewer rows would make that traffic count), at most [`MTP_BLOCK_ROWS_MAX`].
 const MTP_BLOCK_ROWS_MIN: usize = 8;
@@ -661,12 +675,15 @@ unsafe fn mtp_strips<S: Simd>(a: &Mat, cols: Range<usize>) {
     // Tiles of 4 columns of `Q` by 6 vectors (24 accumulators) in cache on Zen 5: see
     // [`MTP_ZEN5_TILE_VECTORS`].
     let six_wide = !sweep && zen5_or_later();
+    let from_memory = a.n * cols.len() * 4 >= super::SWEEP_MIN_BYTES;
     let width = MTP_PANEL_COLS.max(lanes);
     let mut c0 = cols.start;
     while c0 < cols.end {
         let panel = c0..(c0 + width).min(cols.end);
         let block_floats = if sweep {
             MTP_BLOCK_FLOATS
+        } else if six_wide && from_memory && a.r.is_multiple_of(4) {
+            MTP_BLOCK_FLOATS_ZEN5_FROM_MEMORY
         } else {
             MTP_BLOCK_FLOATS_CACHED
         };
