@@ -170,6 +170,18 @@ unsafe fn part_load<S: Simd, const KT: usize, const N: usize>(
 /// 0.96; with AVX2 1.07 from memory, 1.00 from the LLC. The same hint for `mq`'s and
 /// `pqt_error`'s sweeps read 0.98-1.07, so they keep L2.
 ///
+/// Timed otherwise, L2 wins, but only there: a probe timing the same call in groups of
+/// four on the same buffers (the first of each group dropped), `M` from memory, read
+/// with AVX-512 at r = 8 19.7-22.1 GB/s (4096 columns, four sets) sweeping into L1 and
+/// 25.8-28.7 into L2 1.5 blocks ahead (1.08-1.45 at 1024-8192 columns, r = 5-7
+/// 1.02-1.05), where `--quick` (each call after the flush and the read reference) then
+/// read 0.74 (six pairs, one thread; 0.68-0.72 -> 0.42-0.54 of the read bandwidth). A
+/// call sweeping into L2 reads fast only after calls like it: in C, the first such call
+/// after calls that swept into L1 read 17-20 GB/s against 34 for the next ones. The
+/// lines swept into L1 are gone from it before the strips reach them (they walk the
+/// panel twice first) but reach L2 as well, and that sweep reads the same whatever ran
+/// before.
+///
 /// # Safety
 /// The caller's instruction set; a prefetch never faults, whatever the address.
 #[inline(always)]
