@@ -21,6 +21,20 @@ pub(crate) trait Simd: Copy {
     unsafe fn splat(x: f32) -> Self::V;
     unsafe fn load(p: *const f32) -> Self::V;
     unsafe fn store(p: *mut f32, v: Self::V);
+    /// Stores `v` at `p` around the caches (a non-temporal store: no read for ownership,
+    /// the line written to memory whole), where the instruction set has one; a plain
+    /// [`Simd::store`] otherwise. `p` must be aligned to the vector (`LANES * 4` bytes),
+    /// and the thread must call [`Simd::fence_nt`] before anything else reads or writes
+    /// that memory (the stores are weakly ordered).
+    #[inline(always)]
+    unsafe fn store_nt(p: *mut f32, v: Self::V) {
+        // SAFETY: forwarded caller guarantees.
+        unsafe { Self::store(p, v) }
+    }
+    /// Orders this thread's [`Simd::store_nt`] stores before its later memory operations
+    /// (`sfence`); nothing where those are plain stores.
+    #[inline(always)]
+    unsafe fn fence_nt() {}
     /// `a * b + c`, fused where the hardware can.
     unsafe fn fma(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
     /// One lane of [`Simd::fma`]: the same rounding, for the columns a kernel takes one
@@ -252,6 +266,15 @@ mod x86 {
             unsafe { _mm256_storeu_ps(p, v) }
         }
         #[inline(always)]
+        unsafe fn store_nt(p: *mut f32, v: __m256) {
+            debug_assert!((p as usize).is_multiple_of(32));
+            unsafe { _mm256_stream_ps(p, v) }
+        }
+        #[inline(always)]
+        unsafe fn fence_nt() {
+            unsafe { _mm_sfence() }
+        }
+        #[inline(always)]
         unsafe fn fma(a: __m256, b: __m256, c: __m256) -> __m256 {
             unsafe { _mm256_fmadd_ps(a, b, c) }
         }
@@ -393,6 +416,15 @@ mod x86 {
         #[inline(always)]
         unsafe fn store(p: *mut f32, v: __m512) {
             unsafe { _mm512_storeu_ps(p, v) }
+        }
+        #[inline(always)]
+        unsafe fn store_nt(p: *mut f32, v: __m512) {
+            debug_assert!((p as usize).is_multiple_of(64));
+            unsafe { _mm512_stream_ps(p, v) }
+        }
+        #[inline(always)]
+        unsafe fn fence_nt() {
+            unsafe { _mm_sfence() }
         }
         #[inline(always)]
         unsafe fn fma(a: __m512, b: __m512, c: __m512) -> __m512 {
