@@ -67,7 +67,7 @@ unsafe fn pqt_block<
     const U: usize,
     const RC: usize,
     const FUSE: bool,
-    const ENT: bool,
+    const NT: bool,
 >(
     a: &Mat,
     i0: usize,
@@ -122,17 +122,19 @@ unsafe fn pqt_block<
             for (ii, acc_i) in acc.iter().enumerate() {
                 for (u, &a_u) in acc_i.iter().enumerate() {
                     let dst = row(ii).add(j + u * lanes);
-                    if pfon {
+                    // The plain pass writes `M` whole: around the caches with `NT`.
+                    let m_nt = NT && !FUSE;
+                    if pfon && !m_nt {
                         S::prefetch(dst.wrapping_add(pf));
                     }
                     let swept = sweep && (u * lanes).is_multiple_of(SWEEP_STRIDE);
-                    if swept {
+                    if swept && !m_nt {
                         S::prefetch_l2(dst.wrapping_add(PQT_AHEAD));
                     }
                     if FUSE {
                         let edst = erow(ii).add(j + u * lanes);
                         let x = S::load(dst);
-                        if ENT {
+                        if NT {
                             // Around the caches: no prefetch, no read for ownership.
                             S::store_nt(edst, S::sub(x, a_u));
                         } else {
@@ -145,7 +147,11 @@ unsafe fn pqt_block<
                             S::store(edst, S::sub(x, a_u));
                         }
                     }
-                    S::store(dst, a_u);
+                    if m_nt {
+                        S::store_nt(dst, a_u);
+                    } else {
+                        S::store(dst, a_u);
+                    }
                 }
             }
             j += U * lanes;
@@ -163,13 +169,17 @@ unsafe fn pqt_block<
                 let dst = row(ii).add(j);
                 if FUSE {
                     let x = S::load(dst);
-                    if ENT {
+                    if NT {
                         S::store_nt(erow(ii).add(j), S::sub(x, acc_i));
                     } else {
                         S::store(erow(ii).add(j), S::sub(x, acc_i));
                     }
                 }
-                S::store(dst, acc_i);
+                if NT && !FUSE {
+                    S::store_nt(dst, acc_i);
+                } else {
+                    S::store(dst, acc_i);
+                }
             }
             j += lanes;
         }
@@ -215,7 +225,7 @@ unsafe fn pqt_edges<S: Simd, const RB: usize, const RC: usize, const FUSE: bool>
 /// prefetch and sweep branches in its loop) read less than a loop of its steps.
 #[allow(clippy::needless_range_loop)]
 #[inline(always)]
-unsafe fn pqt_row<S: Simd, const RC: usize, const FUSE: bool, const ENT: bool>(
+unsafe fn pqt_row<S: Simd, const RC: usize, const FUSE: bool, const NT: bool>(
     a: &Mat,
     i: usize,
     qpack: *const f32,
@@ -249,7 +259,7 @@ unsafe fn pqt_row<S: Simd, const RC: usize, const FUSE: bool, const ENT: bool>(
             let dst = row.add(j);
             if FUSE {
                 let x = S::load(dst);
-                if ENT {
+                if NT {
                     S::store_nt(erow.add(j), S::sub(x, acc));
                 } else {
                     S::store(erow.add(j), S::sub(x, acc));
@@ -336,11 +346,13 @@ fn vector_start<S: Simd>(a: &Mat) -> usize {
 #[inline(always)]
 unsafe fn pqt_rows_rc<S: Simd, const RC: usize, const FUSE: bool>(a: &Mat, rows: Range<usize>) {
     let lead = vector_start::<S>(a);
-    let e_nt = FUSE && writes_e_around_caches::<S>(a, &rows, lead, zen5_or_later());
+    // The stream written whole: `E` in the fused pass, `M` in the plain one.
+    let whole = if FUSE { a.e } else { a.m };
+    let nt = writes_around_caches::<S>(a, whole, &rows, lead, zen5_or_later());
     // SAFETY: forwarded caller guarantees; `E` around the caches only where every vector
     // of `E` the walk stores lies on a vector boundary.
     unsafe {
-        if e_nt {
+        if nt {
             pqt_rows_with::<S, RC, FUSE, true>(a, rows)
         } else {
             pqt_rows_with::<S, RC, FUSE, false>(a, rows)
@@ -348,14 +360,14 @@ unsafe fn pqt_rows_rc<S: Simd, const RC: usize, const FUSE: bool>(a: &Mat, rows:
     }
 }
 
-/// [`pqt_rows_rc`] with `E` written around the caches or not (`ENT`,
-/// [`writes_e_around_caches`]).
+/// [`pqt_rows_rc`] with the stream written whole (`E` in the fused pass, `M` in the
+/// plain one) around the caches or not (`NT`, [`writes_around_caches`]).
 ///
 /// # Safety
-/// As [`pqt_rows_rc`]; with `ENT`, every vector of `E` from column
+/// As [`pqt_rows_rc`]; with `NT`, every vector of that stream from column
 /// [`vector_start`] of each row lies on a vector boundary.
 #[inline(always)]
-unsafe fn pqt_rows_with<S: Simd, const RC: usize, const FUSE: bool, const ENT: bool>(
+unsafe fn pqt_rows_with<S: Simd, const RC: usize, const FUSE: bool, const NT: bool>(
     a: &Mat,
     rows: Range<usize>,
 ) {
@@ -394,7 +406,7 @@ unsafe fn pqt_rows_with<S: Simd, const RC: usize, const FUSE: bool, const ENT: b
     let qpack = pack.aligned();
     let mut i = rows.start;
     let sweep = rows.len() * a.cols * 4 >= sweep_min_bytes(a.r, S::LANES, PQT_OWN_PREFETCH_RANK);
-    let _fence = ENT.then(|| FenceNt::<S>(std::marker::PhantomData));
+    let _fence = NT.then(|| FenceNt::<S>(std::marker::PhantomData));
     // SAFETY: the pack holds r * nvec vectors from its aligned start; blocks stay inside
     // `rows`, inside 0..n.
     unsafe {
@@ -402,31 +414,31 @@ unsafe fn pqt_rows_with<S: Simd, const RC: usize, const FUSE: bool, const ENT: b
         let wide_sweep = sweep && l1_is_wide();
         if a.r > 4 && wide_sweep {
             while i + 4 <= rows.end {
-                pqt_block::<S, 4, 2, RC, FUSE, ENT>(a, i, qpack, lead, sweep);
+                pqt_block::<S, 4, 2, RC, FUSE, NT>(a, i, qpack, lead, sweep);
                 i += 4;
             }
         }
         if (2..=4).contains(&a.r) && wide_sweep {
             while i + 2 <= rows.end {
-                pqt_block::<S, 2, 4, RC, FUSE, ENT>(a, i, qpack, lead, sweep);
+                pqt_block::<S, 2, 4, RC, FUSE, NT>(a, i, qpack, lead, sweep);
                 i += 2;
             }
         }
         // Two rows of four at r = 4 in cache too on Zen 5: [`PQT_ZEN5_TWO_ROWS_RANK`].
         if a.r > 4 || (a.r == PQT_ZEN5_TWO_ROWS_RANK && zen5_or_later()) {
             while i + 2 <= rows.end {
-                pqt_block::<S, 2, 4, RC, FUSE, ENT>(a, i, qpack, lead, sweep);
+                pqt_block::<S, 2, 4, RC, FUSE, NT>(a, i, qpack, lead, sweep);
                 i += 2;
             }
         }
         if RC == 1 && pqt_one_vector_walk(FUSE, S::LANES, a.r, sweep, zen5_or_later()) {
             while i < rows.end {
-                pqt_row::<S, 1, FUSE, ENT>(a, i, qpack, lead);
+                pqt_row::<S, 1, FUSE, NT>(a, i, qpack, lead);
                 i += 1;
             }
         }
         while i < rows.end {
-            pqt_block::<S, 1, 8, RC, FUSE, ENT>(a, i, qpack, lead, sweep);
+            pqt_block::<S, 1, 8, RC, FUSE, NT>(a, i, qpack, lead, sweep);
             i += 1;
         }
     }
@@ -444,30 +456,40 @@ impl<S: Simd> Drop for FenceNt<S> {
     }
 }
 
-/// Whether the fused pass writes `E` around the caches ([`Simd::store_nt`]) for the
-/// rows `rows` of `a`, its vectors from column `lead`: on AMD Zen 5 and later (`zen5`,
-/// [`zen5_or_later`]) for calls that stream [`SWEEP_MIN_BYTES`](super::SWEEP_MIN_BYTES)
-/// or more, where every vector of `E` the walk stores lies on a vector boundary (`E`
-/// lies as `M` does modulo the vector, as two buffers of one allocator and one layout
-/// do; rows a whole number of vectors long). `E` is written whole and not read back by
-/// the pass, and a plain store first reads each line for ownership: from memory a
-/// fourth stream beside `X`'s read and the writes of `M` and `E`. Without that read the
-/// line goes to memory whole. The pass's other readers of `E` come a step later (the
-/// hook's next `add_mq`), after the rest of a training step has passed through the
-/// caches. AMD EPYC (Zen 5, KVM), a probe of one thread alternating groups of four
-/// calls on the same buffers (the first of each group dropped), `pqt_error` from memory
-/// (8192 x 4096), GB/s of `M`, AVX-512 r = 1 / 2 / 4 / 8: 16.6 / 13.0 / 11.9 / 12.5 ->
-/// 17.4 / 16.9 / 14.5 / 17.8; AVX2 17.7 / 13.4 / 12.9 / 14.7 -> 24.3 / 20.4 / 21.2 /
-/// 21.9; two threads (AVX-512) r = 2 / 4 / 8 17.3 / 17.8 / 17.3 -> 25.0 / 25.5 / 25.8;
-/// from the LLC (512 x 4096, repeated) 1.27-1.44. `M` written around the caches too read
-/// 1.04-1.28 more with AVX-512 and one thread, the same with two, 0.72 with AVX2 at r = 8
-/// and 0.82-0.85 from the LLC (where the next call reads `M` back), so `M` keeps plain
-/// stores. Other cores were not measured and keep plain stores.
-fn writes_e_around_caches<S: Simd>(a: &Mat, rows: &Range<usize>, lead: usize, zen5: bool) -> bool {
+/// Whether a pass writes the stream it writes whole (`whole`: `E` in the fused pass, `M`
+/// in the plain one) around the caches ([`Simd::store_nt`]) for the rows `rows` of `a`,
+/// its vectors from column `lead`: on AMD Zen 5 and later (`zen5`, [`zen5_or_later`])
+/// for calls that stream [`SWEEP_MIN_BYTES`](super::SWEEP_MIN_BYTES) or more, where every
+/// vector of that stream the walk stores lies on a vector boundary (`E` lies as `M` does
+/// modulo the vector, as two buffers of one allocator and one layout do; rows a whole
+/// number of vectors long). A plain store first reads each line for ownership: from
+/// memory a stream more (the fused pass reads `X` and writes `M` and `E`; the plain one
+/// only writes `M`). Around the caches the line goes to memory whole. The stream's
+/// readers come later: `E` at the hook's next step (`add_mq`), `M` after the hook's
+/// other matrices (the optimizer), past what the caches hold in training. AMD EPYC
+/// (Zen 5, KVM), a probe of one thread alternating groups of four calls on the same
+/// buffers (the first of each group dropped), from memory (8192 x 4096), GB/s of `M`,
+/// r = 1 / 2 / 4 / 8: `pqt_error` AVX-512 16.6 / 13.0 / 11.9 / 12.5 -> 17.4 / 16.9 /
+/// 14.5 / 17.8, AVX2 17.7 / 13.4 / 12.9 / 14.7 -> 24.3 / 20.4 / 21.2 / 21.9, two threads
+/// (AVX-512) r = 2 / 4 / 8 17.3 / 17.8 / 17.3 -> 25.0 / 25.5 / 25.8, from the LLC (512 x
+/// 4096, repeated) 1.27-1.44; `pqt` AVX-512 20.8 / 23.9 / 22.4 / 23.6 -> 30.1 / 33.7 /
+/// 28.7 / 32.9, AVX2 26.6 / 23.5 / 21.9 / 24.2 -> 34.4 / 36.4 / 32.6 / 26.8, two threads
+/// r = 2 / 8 30.9 / 29.4 -> 40.7 / 37.7. The fused pass's `M` (read, then written)
+/// around the caches too read 1.04-1.28 more with AVX-512 and one thread, the same with
+/// two, 0.72 with AVX2 at r = 8 and 0.82-0.85 from the LLC (where the next call reads
+/// `M` back), so it keeps plain stores. Other cores were not measured and keep plain
+/// stores.
+fn writes_around_caches<S: Simd>(
+    a: &Mat,
+    whole: *mut f32,
+    rows: &Range<usize>,
+    lead: usize,
+    zen5: bool,
+) -> bool {
     let vector_bytes = S::LANES * 4;
     zen5 && rows.len() * a.cols * 4 >= super::SWEEP_MIN_BYTES
         && a.cols.is_multiple_of(S::LANES)
-        && (a.e.wrapping_add(rows.start * a.cols + lead) as usize).is_multiple_of(vector_bytes)
+        && (whole.wrapping_add(rows.start * a.cols + lead) as usize).is_multiple_of(vector_bytes)
 }
 
 /// The rank at which a call in cache reads two rows of four vectors on AMD Zen 5 and
@@ -543,57 +565,64 @@ mod tests {
     }
 
     /// [`pqt_rows_with`] at ranks 1, 2, 4, 8 and 5 (its tiles: one row of eight vectors,
-    /// two of four, four of two where it sweeps on a wide L1, the one-vector walk).
-    unsafe fn fused<S: Simd>(a: &Mat, e_nt: bool) {
+    /// two of four, four of two where it sweeps on a wide L1, the one-vector walk), the
+    /// fused pass (`fuse`) or the plain one.
+    unsafe fn passes<S: Simd>(a: &Mat, fuse: bool, nt: bool) {
+        macro_rules! walk {
+            ($rc:literal) => {
+                match (fuse, nt) {
+                    (true, false) => pqt_rows_with::<S, $rc, true, false>(a, 0..a.n),
+                    (true, true) => pqt_rows_with::<S, $rc, true, true>(a, 0..a.n),
+                    (false, false) => pqt_rows_with::<S, $rc, false, false>(a, 0..a.n),
+                    (false, true) => pqt_rows_with::<S, $rc, false, true>(a, 0..a.n),
+                }
+            };
+        }
         // SAFETY: forwarded caller guarantees.
         unsafe {
-            match (a.r, e_nt) {
-                (1, false) => pqt_rows_with::<S, 1, true, false>(a, 0..a.n),
-                (1, true) => pqt_rows_with::<S, 1, true, true>(a, 0..a.n),
-                (2, false) => pqt_rows_with::<S, 2, true, false>(a, 0..a.n),
-                (2, true) => pqt_rows_with::<S, 2, true, true>(a, 0..a.n),
-                (4, false) => pqt_rows_with::<S, 4, true, false>(a, 0..a.n),
-                (4, true) => pqt_rows_with::<S, 4, true, true>(a, 0..a.n),
-                (8, false) => pqt_rows_with::<S, 8, true, false>(a, 0..a.n),
-                (8, true) => pqt_rows_with::<S, 8, true, true>(a, 0..a.n),
-                (_, false) => pqt_rows_with::<S, 0, true, false>(a, 0..a.n),
-                (_, true) => pqt_rows_with::<S, 0, true, true>(a, 0..a.n),
+            match a.r {
+                1 => walk!(1),
+                2 => walk!(2),
+                4 => walk!(4),
+                8 => walk!(8),
+                _ => walk!(0),
             }
         }
     }
 
-    /// [`fused`] on an instruction set.
-    type Fused = unsafe fn(&Mat, bool);
+    /// [`passes`] on an instruction set.
+    type Passes = unsafe fn(&Mat, bool, bool);
 
-    unsafe fn fused_portable(a: &Mat, e_nt: bool) {
+    unsafe fn passes_portable(a: &Mat, fuse: bool, nt: bool) {
         // SAFETY: forwarded.
-        unsafe { fused::<Portable>(a, e_nt) }
+        unsafe { passes::<Portable>(a, fuse, nt) }
     }
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn fused_avx2(a: &Mat, e_nt: bool) {
+    unsafe fn passes_avx2(a: &Mat, fuse: bool, nt: bool) {
         // SAFETY: forwarded; the caller checked the instruction set.
-        unsafe { fused::<crate::cpu::simd::Avx2>(a, e_nt) }
+        unsafe { passes::<crate::cpu::simd::Avx2>(a, fuse, nt) }
     }
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx2,fma")]
-    unsafe fn fused_avx512(a: &Mat, e_nt: bool) {
+    unsafe fn passes_avx512(a: &Mat, fuse: bool, nt: bool) {
         // SAFETY: forwarded; the caller checked the instruction set.
-        unsafe { fused::<crate::cpu::simd::Avx512>(a, e_nt) }
+        unsafe { passes::<crate::cpu::simd::Avx512>(a, fuse, nt) }
     }
 
-    /// `E` written around the caches ([`writes_e_around_caches`]) holds the bits of `E`
-    /// written through them, and `M` the same, on every instruction set the machine has:
-    /// every tile of the walk, in cache and sweeping (1 MiB or more), `M` and `E` on a
-    /// line or 16 bytes past one (alike, as the stores around the caches need), edges
-    /// before the first line boundary and ragged columns past the last whole vector
-    /// (plain stores either way). Where the stores go around the caches they must be
-    /// aligned, which the vector types' stores check in debug builds.
+    /// The stream written whole around the caches ([`writes_around_caches`]: `E` in the
+    /// fused pass, `M` in the plain one) holds the bits it holds written through them,
+    /// and the other stream the same, on every instruction set the machine has: every
+    /// tile of the walk, in cache and sweeping (1 MiB or more), `M` and `E` on a line or
+    /// 16 bytes past one (alike, as the stores around the caches need), edges before the
+    /// first line boundary and ragged columns past the last whole vector (plain stores
+    /// either way). Where the stores go around the caches they must be aligned, which
+    /// the vector types' stores check in debug builds.
     #[test]
-    fn e_around_the_caches_gives_the_bits_of_e_through_them() {
-        let walks = supported_isas!(Fused; fused_portable, fused_avx2, fused_avx512);
+    fn stores_around_the_caches_give_the_bits_of_stores_through_them() {
+        let walks = supported_isas!(Passes; passes_portable, passes_avx2, passes_avx512);
         let val = crate::cpu::kernels::test_value;
         let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
         for (n, cols, r) in [
@@ -604,7 +633,7 @@ mod tests {
             (6, 528, 5),
         ] {
             for off in [0, 4] {
-                let run = |walk: Fused, e_nt: bool| {
+                let run = |walk: Passes, fuse: bool, nt: bool| {
                     // Both buffers start on a line (the pack's alignment), `off` floats on.
                     let mut mbuf = vec![0.0f32; n * cols + 32];
                     let mut ebuf = vec![f32::NAN; n * cols + 32];
@@ -617,7 +646,11 @@ mod tests {
                     let mut q: Vec<f32> = (0..cols * r).map(|i| val(i, 7)).collect();
                     let a = Mat {
                         m: mbuf[mo..].as_mut_ptr(),
-                        e: ebuf[eo..].as_mut_ptr(),
+                        e: if fuse {
+                            ebuf[eo..].as_mut_ptr()
+                        } else {
+                            std::ptr::null_mut()
+                        },
                         p: p.as_mut_ptr(),
                         q: q.as_mut_ptr(),
                         n,
@@ -625,49 +658,53 @@ mod tests {
                         r,
                     };
                     // SAFETY: `a` points at buffers of its shape, alive and not shared;
-                    // `E` lies as `M` does modulo a line, so its vectors from the walk's
-                    // start lie on vector boundaries.
-                    unsafe { walk(&a, e_nt) };
+                    // `E` lies as `M` does modulo a line, so the vectors of either from
+                    // the walk's start lie on vector boundaries.
+                    unsafe { walk(&a, fuse, nt) };
                     (
                         bits(&mbuf[mo..mo + n * cols]),
                         bits(&ebuf[eo..eo + n * cols]),
                     )
                 };
                 for &(isa, walk) in &walks {
-                    assert!(
-                        run(walk, true) == run(walk, false),
-                        "{isa} {n} x {cols}, r = {r}, offset {off}: E around the caches differs"
-                    );
+                    for fuse in [true, false] {
+                        assert!(
+                            run(walk, fuse, true) == run(walk, fuse, false),
+                            "{isa} {n} x {cols}, r = {r}, offset {off}, fused {fuse}: the \
+                             stores around the caches differ"
+                        );
+                    }
                 }
             }
         }
     }
 
-    /// [`writes_e_around_caches`] asks for `E` on vector boundaries where the walk
+    /// [`writes_around_caches`] asks for the stream on vector boundaries where the walk
     /// stores, whole-vector rows, 1 MiB or more, and the core.
     #[test]
-    fn e_goes_around_the_caches_only_where_it_may() {
-        let mut ebuf = vec![0.0f32; 300 * 1024 + 32];
-        let start = ebuf.as_ptr().align_offset(64);
-        let mut mat = |off: usize, n: usize, cols: usize| Mat {
+    fn stores_go_around_the_caches_only_where_they_may() {
+        let mut buf = vec![0.0f32; 300 * 1024 + 32];
+        let start = buf.as_ptr().align_offset(64);
+        let at = buf[start..].as_mut_ptr();
+        let mat = |n: usize, cols: usize| Mat {
             m: std::ptr::null_mut(),
-            e: ebuf[start + off..].as_mut_ptr(),
+            e: std::ptr::null_mut(),
             p: std::ptr::null_mut(),
             q: std::ptr::null_mut(),
             n,
             cols,
             r: 4,
         };
-        let big = mat(0, 300, 1024);
-        let yes = |a: &Mat, lead: usize, zen5: bool| {
-            writes_e_around_caches::<Portable>(a, &(0..a.n), lead, zen5)
+        let yes = |a: &Mat, off: usize, lead: usize, zen5: bool| {
+            writes_around_caches::<Portable>(a, at.wrapping_add(off), &(0..a.n), lead, zen5)
         };
-        assert!(yes(&big, 0, true));
-        assert!(!yes(&big, 0, false), "only where measured");
-        assert!(!yes(&mat(0, 100, 1024), 0, true), "in cache");
-        assert!(!yes(&mat(4, 300, 1024), 0, true), "E off its vectors");
-        assert!(yes(&mat(4, 300, 1024), 4, true), "from the walk's start");
-        assert!(!yes(&mat(0, 300, 1020), 0, true), "rows not whole vectors");
+        let big = mat(300, 1024);
+        assert!(yes(&big, 0, 0, true));
+        assert!(!yes(&big, 0, 0, false), "only where measured");
+        assert!(!yes(&mat(100, 1024), 0, 0, true), "in cache");
+        assert!(!yes(&big, 4, 0, true), "off its vectors");
+        assert!(yes(&big, 4, 4, true), "from the walk's start");
+        assert!(!yes(&mat(300, 1020), 0, 0, true), "rows not whole vectors");
     }
 
     /// The one-vector walk at rank 1 ([`pqt_row`], which [`pqt_one_vector_walk`] takes on
