@@ -53,7 +53,9 @@ const MTP_BLOCK_ROWS_MAX: usize = 64;
 /// [`MTP_BLOCK_FLOATS`].
 const MTP_PANEL_COLS: usize = MTP_BLOCK_FLOATS / MTP_BLOCK_ROWS_MIN;
 
+mod scratch;
 mod stream;
+use scratch::QScratch;
 use stream::{mtp_stream, mtp_stream_one_row};
 
 /// `Q[k0..k0+KT][strip] (+)= Σ_{i in rows} P[i, k] M[i, strip]`, where the strip is `VW`
@@ -477,6 +479,11 @@ const MTP_ZEN5_TILE_VECTORS: usize = 6;
 fn takes_one_row_stream(lanes: usize, r: usize, bytes: usize, zen5: bool) -> bool {
     zen5 && lanes == 16 && r == 1 && bytes < super::SWEEP_MIN_BYTES
 }
+/// Whether an `mtp` call over the columns `cols` streams `M` from memory: reads
+/// [`SWEEP_MIN_BYTES`](super::SWEEP_MIN_BYTES) or more (whether it sweeps or not).
+fn streams_from_memory(a: &Mat, cols: &Range<usize>) -> bool {
+    a.n * cols.len() * 4 >= super::SWEEP_MIN_BYTES
+}
 /// Whether an `mtp` call over the columns `cols` sweeps `M` ahead into L2 (the strips
 /// and the stream alike): [`sweep_min_bytes`] at the call's rank.
 fn mtp_sweeps<S: Simd>(a: &Mat, cols: &Range<usize>) -> bool {
@@ -529,7 +536,7 @@ pub(crate) unsafe fn mtp_cols<S: Simd>(a: &Mat, cols: Range<usize>) {
         }
         return;
     }
-    if let Some(mut far) = QScratch::wanted(a, &cols, S::LANES) {
+    if let Some(far) = QScratch::wanted(a, &cols, S::LANES) {
         // SAFETY: `far.mat` is `a` with `Q` in the scratch, which holds every index `a`
         // names in `Q`; forwarded caller guarantees otherwise.
         unsafe { mtp_cols_in::<S>(&far.mat, cols.clone()) };
@@ -539,110 +546,6 @@ pub(crate) unsafe fn mtp_cols<S: Simd>(a: &Mat, cols: Range<usize>) {
     }
     // SAFETY: forwarded caller guarantees.
     unsafe { mtp_cols_in::<S>(a, cols) }
-}
-
-/// Bytes within which `Q`'s offset from `M` modulo 4 KiB (either way) makes `mtp` store
-/// `Q` into the L1 sets that its rows of `M` stream through ([`QScratch`]).
-const Q_NEAR_M_BYTES: usize = 256;
-/// The lowest rank at which [`QScratch`] is taken with `lanes` lanes: 8 with 16, 4 with 8:
-/// where a tile of `Q` is 8 columns wide (AVX-512 at r = 8) or 4 (AVX2 from
-/// r = 4). The probe of [`QScratch`], alternating the scratch and `Q` in place on the
-/// same buffers (`Q` 16 bytes past `M` modulo 4 KiB): AVX-512 r = 8 1.28 (16.7-16.9 ->
-/// 21.4-21.6 GB/s), r = 1-7 0.97-1.03; AVX2 r = 4 1.31-1.34, r = 6 1.13, r = 7 1.10,
-/// r = 8 1.14, r = 1-3 and 5 0.98-1.03.
-const fn q_scratch_min_rank(lanes: usize) -> usize {
-    if lanes >= 16 {
-        8
-    } else {
-        4
-    }
-}
-/// Rows of `M` a call needs per column of `Q` to take [`QScratch`]: its copy of `Q` (zeroed,
-/// written, copied out) then costs at most about 5% of the traffic of `M`.
-const Q_SCRATCH_MIN_ROWS_PER_RANK: usize = 64;
-
-/// Whether `Q` at `q` lies within [`Q_NEAR_M_BYTES`] of `M` at `m` modulo 4 KiB.
-fn q_near_m(m: *const f32, q: *const f32) -> bool {
-    let apart = (q as usize).wrapping_sub(m as usize) % 4096;
-    !(Q_NEAR_M_BYTES..=4096 - Q_NEAR_M_BYTES).contains(&apart)
-}
-
-/// `Q` written through a scratch copy 2 KiB away from `M` modulo 4 KiB, for an `mtp` call
-/// whose `Q` lies within [`Q_NEAR_M_BYTES`] of it, on AMD Zen 5 and later
-/// ([`zen5_or_later`]) for calls from memory ([`SWEEP_MIN_BYTES`](super::SWEEP_MIN_BYTES)
-/// or more). There each tile of `Q` shares its L1 sets with the lines of `M` that its
-/// strip reads and has in flight (rows 4 KiB apart at power-of-two widths all fall in
-/// the same sets), and its loads and stores miss. Two buffers from the system allocator
-/// (`mmap`) both lie 16 bytes past a page, so that is the common case. AMD EPYC (Zen 5,
-/// KVM), a probe of one thread (8192 x 4096 from memory, medians of 8 calls), `Q` moved
-/// through 4 KiB against `M`, r = 8 (AVX-512): 16-19 GB/s from 128 bytes before `M` to
-/// 224 bytes past it, 21-25 elsewhere; r = 4 23-24 against 25-26, with AVX2 18 against
-/// 23-25; r = 1 and 2, `mq` and `pqt` the same wherever `Q` lies.
-struct QScratch {
-    /// `a` with `q` in `buf`.
-    mat: Mat,
-    /// Holds the scratch `Q` at `mat.q`.
-    _buf: Vec<f32>,
-}
-
-impl QScratch {
-    /// The scratch for the call `a` over `cols`, where it is wanted (see [`QScratch`]) and
-    /// its allocation succeeds.
-    fn wanted(a: &Mat, cols: &Range<usize>, lanes: usize) -> Option<QScratch> {
-        let from_memory = a.n * cols.len() * 4 >= super::SWEEP_MIN_BYTES;
-        let tall = a.n >= Q_SCRATCH_MIN_ROWS_PER_RANK * a.r;
-        // Rows of `M` and of `Q` a multiple of 4 KiB long: one offset between them
-        // throughout. Elsewhere it changes from row to row (and `Q`'s place mattered
-        // less in the probe: width 768 1.00, 1000 0.95).
-        let aligned = (a.cols * 4).is_multiple_of(4096);
-        if a.r >= q_scratch_min_rank(lanes)
-            && zen5_or_later()
-            && from_memory
-            && tall
-            && aligned
-            && q_near_m(a.m, a.q)
-        {
-            QScratch::new(a)
-        } else {
-            None
-        }
-    }
-
-    /// A zeroed scratch `Q` for `a`, 2 KiB from `M` modulo 4 KiB; `None` where the
-    /// allocation fails (the caller then writes `Q` in place).
-    fn new(a: &Mat) -> Option<QScratch> {
-        // Room for `Q` and for the shift that places it.
-        let len = a.r.checked_mul(a.cols)?.checked_add(1024)?;
-        let mut buf: Vec<f32> = Vec::new();
-        buf.try_reserve_exact(len).ok()?;
-        // Zeroed, so that every float a vector load of a part (whose other lanes belong
-        // to no strip of this call) reads is initialised.
-        buf.resize(len, 0.0);
-        let at = buf.as_mut_ptr() as usize;
-        let shift = ((a.m as usize).wrapping_add(2048).wrapping_sub(at) % 4096) / 4;
-        Some(QScratch {
-            // `shift` < 1024, so `shift + r * cols` floats lie inside `buf`.
-            mat: Mat {
-                q: buf.as_mut_ptr().wrapping_add(shift),
-                ..*a
-            },
-            _buf: buf,
-        })
-    }
-
-    /// The scratch's columns `cols` copied to `a`'s `Q`.
-    ///
-    /// # Safety
-    /// `cols` lies inside `a`'s columns, and this call owns those columns of `Q`.
-    unsafe fn copy_to(&mut self, a: &Mat, cols: Range<usize>) {
-        for k in 0..a.r {
-            let at = k * a.cols + cols.start;
-            // SAFETY: row k's columns `cols` lie inside both `Q`s (the scratch holds
-            // `r * cols` floats from `mat.q`), which do not overlap; no other call
-            // touches these columns of `a.q`.
-            unsafe { std::ptr::copy_nonoverlapping(self.mat.q.add(at), a.q.add(at), cols.len()) };
-        }
-    }
 }
 
 /// [`mtp_cols`] with `Q` where `a` has it.
@@ -687,7 +590,7 @@ unsafe fn mtp_strips<S: Simd>(a: &Mat, cols: Range<usize>) {
     // Tiles of 4 columns of `Q` by 6 vectors (24 accumulators) in cache on Zen 5: see
     // [`MTP_ZEN5_TILE_VECTORS`].
     let six_wide = !sweep && zen5_or_later();
-    let from_memory = a.n * cols.len() * 4 >= super::SWEEP_MIN_BYTES;
+    let from_memory = streams_from_memory(a, &cols);
     let width = MTP_PANEL_COLS.max(lanes);
     let mut c0 = cols.start;
     while c0 < cols.end {
@@ -769,6 +672,7 @@ unsafe fn mtp_strips<S: Simd>(a: &Mat, cols: Range<usize>) {
 
 #[cfg(test)]
 mod tests {
+    use super::scratch::{q_near_m, Q_NEAR_M_BYTES};
     use super::*;
     use crate::cpu::simd::Portable;
 
@@ -828,7 +732,7 @@ mod tests {
         fn run_through_scratch(&mut self, kernel: Kernel, cols: Range<usize>) -> Vec<f32> {
             let mut q = vec![f32::NAN; self.r * self.cols];
             let a = self.mat(&mut q);
-            let mut far = QScratch::new(&a).expect("a small allocation");
+            let far = QScratch::new(&a).expect("a small allocation");
             // SAFETY: as in `run_on`; the scratch holds every index `a` names in `Q`.
             unsafe {
                 kernel(&far.mat, cols.clone());

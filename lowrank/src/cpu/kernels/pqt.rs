@@ -81,6 +81,8 @@ unsafe fn pqt_block<
     let pf = PQT_PREFETCH;
     // The L1 prefetch of what the pass writes ([`PQT_PREFETCH`], [`pqt_prefetches_l1`]).
     let pfon = pqt_prefetches_l1(FUSE, sweep, zen5_or_later());
+    // The plain pass writes `M` whole: around the caches with `NT` (the fused one `E`).
+    let m_nt = NT && !FUSE;
     // SAFETY: the caller guarantees rows i0..i0+RB < n. Prefetch addresses are formed
     // with `wrapping_add` (they may lie past the buffers) and a prefetch never faults.
     unsafe {
@@ -122,8 +124,6 @@ unsafe fn pqt_block<
             for (ii, acc_i) in acc.iter().enumerate() {
                 for (u, &a_u) in acc_i.iter().enumerate() {
                     let dst = row(ii).add(j + u * lanes);
-                    // The plain pass writes `M` whole: around the caches with `NT`.
-                    let m_nt = NT && !FUSE;
                     if pfon && !m_nt {
                         S::prefetch(dst.wrapping_add(pf));
                     }
@@ -175,7 +175,7 @@ unsafe fn pqt_block<
                         S::store(erow(ii).add(j), S::sub(x, acc_i));
                     }
                 }
-                if NT && !FUSE {
+                if m_nt {
                     S::store_nt(dst, acc_i);
                 } else {
                     S::store(dst, acc_i);
@@ -349,8 +349,8 @@ unsafe fn pqt_rows_rc<S: Simd, const RC: usize, const FUSE: bool>(a: &Mat, rows:
     // The stream written whole: `E` in the fused pass, `M` in the plain one.
     let whole = if FUSE { a.e } else { a.m };
     let nt = writes_around_caches::<S>(a, whole, &rows, lead, zen5_or_later());
-    // SAFETY: forwarded caller guarantees; `E` around the caches only where every vector
-    // of `E` the walk stores lies on a vector boundary.
+    // SAFETY: forwarded caller guarantees; the stream written whole goes around the
+    // caches only where every vector of it the walk stores lies on a vector boundary.
     unsafe {
         if nt {
             pqt_rows_with::<S, RC, FUSE, true>(a, rows)
