@@ -2,7 +2,8 @@
 
 use super::pack::{pack_q_from, QPack};
 use super::{
-    l1_is_wide, line_lead, sweep_min_bytes, zen5_or_later, Mat, PQT_OWN_PREFETCH_RANK, SWEEP_STRIDE,
+    l1_is_wide, line_lead, llc_bytes, sweep_min_bytes, zen5_or_later, Mat, PQT_OWN_PREFETCH_RANK,
+    SWEEP_STRIDE,
 };
 use crate::cpu::simd::Simd;
 use std::ops::Range;
@@ -58,6 +59,73 @@ fn pqt_prefetches_l1(fuse: bool, sweep: bool, zen5: bool) -> bool {
     !(fuse && zen5 && !sweep)
 }
 
+/// The columns a [`pqt_block`] call writes in each of its rows: the whole vectors
+/// `from..to` (vector boundaries counted from the row's first line boundary, `lead`),
+/// and with `edges` also the columns before `lead` and past the row's last whole vector.
+#[derive(Clone, Copy)]
+struct Span {
+    from: usize,
+    to: usize,
+    edges: bool,
+}
+
+/// Bytes of packed `Q` a column chunk of [`pqt_chunk_vectors`] holds: 512 columns at
+/// r = 8, so that the chunk stays in a 48 KiB L1 beside the rows of `M` and `E` passing
+/// over it. Each element of `M` and `E` is written once, from its own chain of `r`
+/// multiply-adds, so the chunks add no traffic and change no bit: only `Q` is read
+/// again, from L1 once a chunk instead of from L2 once a block of rows.
+const PQT_CHUNK_BYTES: usize = 16 * 1024;
+
+/// Bytes of packed `Q` above which the `P Qᵀ` passes go in column chunks
+/// ([`pqt_chunk_vectors`]): half of a 48 KiB L1. At 24 KiB (r = 3 at 2048 columns, r = 6
+/// at 1024) the chunks read the same as whole rows.
+const PQT_CHUNK_MIN_BYTES: usize = 24 * 1024;
+
+/// Whole vectors a column chunk of the `P Qᵀ` passes holds, a multiple of 8 (of every
+/// tile's `U`), or all `nvec` of a row (no chunks). On AMD Zen 5 and later (`zen5`,
+/// [`zen5_or_later`]) a call at rank 3 or more whose packed `Q` is larger than
+/// [`PQT_CHUNK_MIN_BYTES`] goes in chunks of [`PQT_CHUNK_BYTES`] where the matrices it
+/// writes fit the last-level cache (`fits_llc`; calls that do not `sweep` are in
+/// cache): over whole rows each row block read all of `Q` from L2 (at r = 8 and 1024
+/// columns as much as the block's `M`, the multiply-adds waiting on it). AMD EPYC (Zen
+/// 5, KVM), one thread, a probe alternating both walks on the same buffers (median GB/s
+/// of `M`, `pqt_error`):
+/// - in L2, AVX-512: r = 8 at 64 x 1024 / 32 x 2048 / 16 x 4096 34 / 20 / 19 -> 47 / 39
+///   / 32, r = 4 at 2048-8192 columns 31-35 -> 39-55 (1024 columns, 16 KiB, stays
+///   whole), r = 6 1.51-1.74 at 2048-4096, r = 3 1.37 at 4096; AVX2 r = 4 1.38-1.43,
+///   r = 8 1.17-1.22. Rank 2 read the same (0.98-1.05 up to 8192 columns) and rank 1
+///   lost its one-vector walk ([`pqt_one_vector_walk`]), so both stay whole;
+/// - from the LLC (512 x 4096, read once before): AVX-512 r = 8 1.17, r = 4 1.37; AVX2
+///   r = 4 1.13 but r = 8 (four rows of two vectors) 0.93, so AVX2 calls that `sweep`
+///   stay whole above r = 4;
+/// - from memory (4096 x 4096) the probe read 1.15-1.40 (AVX-512, r = 4 and 8) but
+///   `bench lowrank --roofline`'s `cold` 0.93-0.95 (three alternated pairs: there each
+///   call follows the reference's writes of `M` and `E`), and two threads read the same
+///   (0.94-1.01): calls larger than the LLC stay whole.
+fn pqt_chunk_vectors(
+    r: usize,
+    lanes: usize,
+    nvec: usize,
+    sweep: bool,
+    fits_llc: bool,
+    zen5: bool,
+) -> usize {
+    let vector_bytes = r * lanes * 4;
+    let chunked = zen5
+        && r >= 3
+        && nvec * vector_bytes > PQT_CHUNK_MIN_BYTES
+        && (!sweep || (fits_llc && (lanes >= 16 || r <= 4)));
+    if chunked {
+        (PQT_CHUNK_BYTES / vector_bytes / 8 * 8).max(8)
+    } else {
+        nvec.max(1)
+    }
+}
+
+/// The rows `i0..i0 + RB` of [`pqt_rows_with`] over the columns of `span`: `RB` rows of
+/// `U` vectors a step, each element from `r` fused multiply-adds in `k` order (`RC`
+/// the rank where it is constant, else 0 and `a.r`); `qpack` is `Q` packed from `lead`
+/// ([`pack_q_from`]); with `sweep` the rows ahead are prefetched into L2.
 // Register tiles read best with explicit indices.
 #[allow(clippy::needless_range_loop)]
 #[inline(always)]
@@ -74,20 +142,21 @@ unsafe fn pqt_block<
     qpack: *const f32,
     lead: usize,
     sweep: bool,
+    span: Span,
 ) {
     let lanes = S::LANES;
-    let cols = a.cols;
     let r = if RC == 0 { a.r } else { RC };
     let pf = PQT_PREFETCH;
     // The L1 prefetch of what the pass writes ([`PQT_PREFETCH`], [`pqt_prefetches_l1`]).
     let pfon = pqt_prefetches_l1(FUSE, sweep, zen5_or_later());
     // The plain pass writes `M` whole: around the caches with `NT` (the fused one `E`).
     let m_nt = NT && !FUSE;
-    // SAFETY: the caller guarantees rows i0..i0+RB < n. Prefetch addresses are formed
-    // with `wrapping_add` (they may lie past the buffers) and a prefetch never faults.
+    // SAFETY: the caller guarantees rows i0..i0+RB < n and `span`'s whole vectors inside
+    // the rows, from `lead` (packed in `qpack`). Prefetch addresses are formed with
+    // `wrapping_add` (they may lie past the buffers) and a prefetch never faults.
     unsafe {
-        let row = |ii: usize| a.m.add((i0 + ii) * cols);
-        let erow = |ii: usize| a.e.add((i0 + ii) * cols);
+        let row = |ii: usize| a.m.add((i0 + ii) * a.cols);
+        let erow = |ii: usize| a.e.add((i0 + ii) * a.cols);
         let pval = |k: usize, ii: usize| *a.p.add(k * a.n + i0 + ii);
         // Q's vectors packed (`pack_q`): at power-of-two widths Q's r columns, the RB rows
         // of M and of E all map to the same L1 sets, more lines than it has ways.
@@ -106,13 +175,16 @@ unsafe fn pqt_block<
         }
         // U vectors a row at once: RB x U independent chains of r fused multiply-adds
         // (with one vector a row, the RB chains each waited 4 cycles an FMA).
-        let mut j = lead;
-        while j + U * lanes <= cols {
+        let mut j = span.from;
+        while j + U * lanes <= span.to {
             let mut acc = [[S::zero(); U]; RB];
+            // This step's first vector of packed `Q` (`j - lead` is a multiple of
+            // `lanes`): vector `u` of column `k` lies `(u * r + k) * lanes` on.
+            let qstep = qvec(0, j);
             for k in 0..r {
                 let mut qv = [S::zero(); U];
                 for (u, q) in qv.iter_mut().enumerate() {
-                    *q = S::load(qvec(k, j + u * lanes));
+                    *q = S::load(qstep.add((u * r + k) * lanes));
                 }
                 for (ii, acc_i) in acc.iter_mut().enumerate() {
                     let pk = S::splat(if RC != 0 { local[ii][k] } else { pval(k, ii) });
@@ -156,7 +228,7 @@ unsafe fn pqt_block<
             }
             j += U * lanes;
         }
-        while j + lanes <= cols {
+        while j + lanes <= span.to {
             let mut acc = [S::zero(); RB];
             for k in 0..r {
                 let qv = S::load(qvec(k, j));
@@ -183,7 +255,9 @@ unsafe fn pqt_block<
             }
             j += lanes;
         }
-        pqt_edges::<S, RB, RC, FUSE>(a, i0, lead, j, &local);
+        if span.edges {
+            pqt_edges::<S, RB, RC, FUSE>(a, i0, lead, j, &local);
+        }
     }
 }
 
@@ -353,15 +427,17 @@ unsafe fn pqt_rows_rc<S: Simd, const RC: usize, const FUSE: bool>(a: &Mat, rows:
     // caches only where every vector of it the walk stores lies on a vector boundary.
     unsafe {
         if nt {
-            pqt_rows_with::<S, RC, FUSE, true>(a, rows)
+            pqt_rows_with::<S, RC, FUSE, true>(a, rows, None)
         } else {
-            pqt_rows_with::<S, RC, FUSE, false>(a, rows)
+            pqt_rows_with::<S, RC, FUSE, false>(a, rows, None)
         }
     }
 }
 
 /// [`pqt_rows_rc`] with the stream written whole (`E` in the fused pass, `M` in the
-/// plain one) around the caches or not (`NT`, [`writes_around_caches`]).
+/// plain one) around the caches or not (`NT`, [`writes_around_caches`]), in column
+/// chunks of `chunk` whole vectors (`None`: [`pqt_chunk_vectors`]; any count gives the
+/// same bits).
 ///
 /// # Safety
 /// As [`pqt_rows_rc`]; with `NT`, every vector of that stream from column
@@ -370,6 +446,7 @@ unsafe fn pqt_rows_rc<S: Simd, const RC: usize, const FUSE: bool>(a: &Mat, rows:
 unsafe fn pqt_rows_with<S: Simd, const RC: usize, const FUSE: bool, const NT: bool>(
     a: &Mat,
     rows: Range<usize>,
+    chunk: Option<usize>,
 ) {
     // Two rows with four vectors each (eight independent chains) at r = 8 (and any rank
     // above 4), where one row would load each vector of Q for 8 FMAs of one row only;
@@ -404,41 +481,114 @@ unsafe fn pqt_rows_with<S: Simd, const RC: usize, const FUSE: bool, const NT: bo
     let nvec = (a.cols - lead) / lanes;
     let mut pack = QPack::take(a.r * nvec * lanes + 16);
     let qpack = pack.aligned();
-    let mut i = rows.start;
     let sweep = rows.len() * a.cols * 4 >= sweep_min_bytes(a.r, S::LANES, PQT_OWN_PREFETCH_RANK);
     let _fence = NT.then(|| FenceNt::<S>(std::marker::PhantomData));
     // SAFETY: the pack holds r * nvec vectors from its aligned start; blocks stay inside
     // `rows`, inside 0..n.
     unsafe {
         pack_q_from::<S>(a, lead, nvec, qpack);
-        let wide_sweep = sweep && l1_is_wide();
+        let zen5 = zen5_or_later();
+        // Column chunks of `Q` ([`pqt_chunk_vectors`], or `chunk` vectors), each over
+        // all the rows; the last one also writes the rows' edges.
+        // `M`, and `E` when fused, of the whole matrix (the threads share the LLC).
+        let written = a.n * a.cols * 4 * if FUSE { 2 } else { 1 };
+        let fits_llc = written <= llc_bytes();
+        let chunk = chunk
+            .unwrap_or_else(|| pqt_chunk_vectors(a.r, lanes, nvec, sweep, fits_llc, zen5))
+            .clamp(1, nvec.max(1));
+        let chunks = nvec.div_ceil(chunk).max(1);
+        let whole_end = lead + nvec * lanes;
+        let tiles = Tiles {
+            lead,
+            sweep,
+            wide_sweep: sweep && l1_is_wide(),
+            zen5,
+        };
+        if chunks == 1 {
+            let span = Span {
+                from: lead,
+                to: whole_end,
+                edges: true,
+            };
+            pqt_tiles::<S, RC, FUSE, NT>(a, rows, qpack, tiles, span, true);
+        } else {
+            for c in 0..chunks {
+                let span = Span {
+                    from: lead + c * chunk * lanes,
+                    to: (lead + (c + 1) * chunk * lanes).min(whole_end),
+                    edges: c + 1 == chunks,
+                };
+                pqt_tiles::<S, RC, FUSE, NT>(a, rows.clone(), qpack, tiles, span, false);
+            }
+        }
+    }
+}
+
+/// What [`pqt_tiles`] needs of its call besides the rows and the columns.
+#[derive(Clone, Copy)]
+struct Tiles {
+    /// Floats before the rows' first line boundary ([`vector_start`]).
+    lead: usize,
+    /// The call streams from memory or the LLC ([`sweep_min_bytes`]).
+    sweep: bool,
+    /// `sweep` on an L1 of 12 ways or more ([`l1_is_wide`]).
+    wide_sweep: bool,
+    /// An AMD Zen 5 or later core ([`zen5_or_later`]).
+    zen5: bool,
+}
+
+/// The rows `rows` of [`pqt_rows_with`] over the columns of `span`, in the row tiles
+/// its comment describes; `whole` (the span is the whole row) lets rank 1 take the
+/// one-vector walk ([`pqt_one_vector_walk`]).
+///
+/// # Safety
+/// As [`pqt_rows_with`]; `qpack` holds `Q` packed from `tiles.lead`, and `span` lies
+/// inside the rows' whole vectors from there.
+#[inline(always)]
+unsafe fn pqt_tiles<S: Simd, const RC: usize, const FUSE: bool, const NT: bool>(
+    a: &Mat,
+    rows: Range<usize>,
+    qpack: *const f32,
+    tiles: Tiles,
+    span: Span,
+    whole: bool,
+) {
+    let Tiles {
+        lead,
+        sweep,
+        wide_sweep,
+        zen5,
+    } = tiles;
+    let mut i = rows.start;
+    // SAFETY: forwarded caller guarantees; every block lies inside `rows`.
+    unsafe {
         if a.r > 4 && wide_sweep {
             while i + 4 <= rows.end {
-                pqt_block::<S, 4, 2, RC, FUSE, NT>(a, i, qpack, lead, sweep);
+                pqt_block::<S, 4, 2, RC, FUSE, NT>(a, i, qpack, lead, sweep, span);
                 i += 4;
             }
         }
         if (2..=4).contains(&a.r) && wide_sweep {
             while i + 2 <= rows.end {
-                pqt_block::<S, 2, 4, RC, FUSE, NT>(a, i, qpack, lead, sweep);
+                pqt_block::<S, 2, 4, RC, FUSE, NT>(a, i, qpack, lead, sweep, span);
                 i += 2;
             }
         }
         // Two rows of four at r = 4 in cache too on Zen 5: [`PQT_ZEN5_TWO_ROWS_RANK`].
-        if a.r > 4 || (a.r == PQT_ZEN5_TWO_ROWS_RANK && zen5_or_later()) {
+        if a.r > 4 || (a.r == PQT_ZEN5_TWO_ROWS_RANK && zen5) {
             while i + 2 <= rows.end {
-                pqt_block::<S, 2, 4, RC, FUSE, NT>(a, i, qpack, lead, sweep);
+                pqt_block::<S, 2, 4, RC, FUSE, NT>(a, i, qpack, lead, sweep, span);
                 i += 2;
             }
         }
-        if RC == 1 && pqt_one_vector_walk(FUSE, S::LANES, a.r, sweep, zen5_or_later()) {
+        if RC == 1 && whole && pqt_one_vector_walk(FUSE, S::LANES, a.r, sweep, zen5) {
             while i < rows.end {
                 pqt_row::<S, 1, FUSE, NT>(a, i, qpack, lead);
                 i += 1;
             }
         }
         while i < rows.end {
-            pqt_block::<S, 1, 8, RC, FUSE, NT>(a, i, qpack, lead, sweep);
+            pqt_block::<S, 1, 8, RC, FUSE, NT>(a, i, qpack, lead, sweep, span);
             i += 1;
         }
     }
@@ -536,7 +686,12 @@ mod tests {
                 if one {
                     pqt_row::<S, 1, true, false>(a, i, qpack, lead);
                 } else {
-                    pqt_block::<S, 1, 8, 1, true, false>(a, i, qpack, lead, false);
+                    let span = Span {
+                        from: lead,
+                        to: lead + nvec * S::LANES,
+                        edges: true,
+                    };
+                    pqt_block::<S, 1, 8, 1, true, false>(a, i, qpack, lead, false, span);
                 }
             }
         }
@@ -567,14 +722,14 @@ mod tests {
     /// [`pqt_rows_with`] at ranks 1, 2, 4, 8 and 5 (its tiles: one row of eight vectors,
     /// two of four, four of two where it sweeps on a wide L1, the one-vector walk), the
     /// fused pass (`fuse`) or the plain one.
-    unsafe fn passes<S: Simd>(a: &Mat, fuse: bool, nt: bool) {
+    unsafe fn passes<S: Simd>(a: &Mat, fuse: bool, nt: bool, chunk: Option<usize>) {
         macro_rules! walk {
             ($rc:literal) => {
                 match (fuse, nt) {
-                    (true, false) => pqt_rows_with::<S, $rc, true, false>(a, 0..a.n),
-                    (true, true) => pqt_rows_with::<S, $rc, true, true>(a, 0..a.n),
-                    (false, false) => pqt_rows_with::<S, $rc, false, false>(a, 0..a.n),
-                    (false, true) => pqt_rows_with::<S, $rc, false, true>(a, 0..a.n),
+                    (true, false) => pqt_rows_with::<S, $rc, true, false>(a, 0..a.n, chunk),
+                    (true, true) => pqt_rows_with::<S, $rc, true, true>(a, 0..a.n, chunk),
+                    (false, false) => pqt_rows_with::<S, $rc, false, false>(a, 0..a.n, chunk),
+                    (false, true) => pqt_rows_with::<S, $rc, false, true>(a, 0..a.n, chunk),
                 }
             };
         }
@@ -591,25 +746,74 @@ mod tests {
     }
 
     /// [`passes`] on an instruction set.
-    type Passes = unsafe fn(&Mat, bool, bool);
+    type Passes = unsafe fn(&Mat, bool, bool, Option<usize>);
 
-    unsafe fn passes_portable(a: &Mat, fuse: bool, nt: bool) {
+    unsafe fn passes_portable(a: &Mat, fuse: bool, nt: bool, chunk: Option<usize>) {
         // SAFETY: forwarded.
-        unsafe { passes::<Portable>(a, fuse, nt) }
+        unsafe { passes::<Portable>(a, fuse, nt, chunk) }
     }
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn passes_avx2(a: &Mat, fuse: bool, nt: bool) {
+    unsafe fn passes_avx2(a: &Mat, fuse: bool, nt: bool, chunk: Option<usize>) {
         // SAFETY: forwarded; the caller checked the instruction set.
-        unsafe { passes::<crate::cpu::simd::Avx2>(a, fuse, nt) }
+        unsafe { passes::<crate::cpu::simd::Avx2>(a, fuse, nt, chunk) }
     }
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx2,fma")]
-    unsafe fn passes_avx512(a: &Mat, fuse: bool, nt: bool) {
+    unsafe fn passes_avx512(a: &Mat, fuse: bool, nt: bool, chunk: Option<usize>) {
         // SAFETY: forwarded; the caller checked the instruction set.
-        unsafe { passes::<crate::cpu::simd::Avx512>(a, fuse, nt) }
+        unsafe { passes::<crate::cpu::simd::Avx512>(a, fuse, nt, chunk) }
+    }
+
+    /// The bits of `M` and `E` after one pass of `walk` (fused or not, around the caches
+    /// or not, in chunks of `chunk` vectors) over an `n x cols` matrix at rank `r` whose
+    /// `M` and `E` start `off` floats past a line (`E` then NaN everywhere the pass does
+    /// not write).
+    #[allow(clippy::too_many_arguments)]
+    fn pass_bits(
+        walk: Passes,
+        n: usize,
+        cols: usize,
+        r: usize,
+        off: usize,
+        fuse: bool,
+        nt: bool,
+        chunk: Option<usize>,
+    ) -> (Vec<u32>, Vec<u32>) {
+        let val = crate::cpu::kernels::test_value;
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        let mut mbuf = vec![0.0f32; n * cols + 32];
+        let mut ebuf = vec![f32::NAN; n * cols + 32];
+        let line = |b: &Vec<f32>| b.as_ptr().align_offset(64);
+        let (mo, eo) = (line(&mbuf) + off, line(&ebuf) + off);
+        for (i, x) in mbuf[mo..mo + n * cols].iter_mut().enumerate() {
+            *x = val(i, 1);
+        }
+        let mut p: Vec<f32> = (0..n * r).map(|i| val(i, 5)).collect();
+        let mut q: Vec<f32> = (0..cols * r).map(|i| val(i, 7)).collect();
+        let a = Mat {
+            m: mbuf[mo..].as_mut_ptr(),
+            e: if fuse {
+                ebuf[eo..].as_mut_ptr()
+            } else {
+                std::ptr::null_mut()
+            },
+            p: p.as_mut_ptr(),
+            q: q.as_mut_ptr(),
+            n,
+            cols,
+            r,
+        };
+        // SAFETY: `a` points at buffers of its shape, alive and not shared; `E` lies as
+        // `M` does modulo a line, so the vectors of either from the walk's start lie on
+        // vector boundaries; `walk` is supported here (`supported_isas!`).
+        unsafe { walk(&a, fuse, nt, chunk) };
+        (
+            bits(&mbuf[mo..mo + n * cols]),
+            bits(&ebuf[eo..eo + n * cols]),
+        )
     }
 
     /// The stream written whole around the caches ([`writes_around_caches`]: `E` in the
@@ -623,8 +827,6 @@ mod tests {
     #[test]
     fn stores_around_the_caches_give_the_bits_of_stores_through_them() {
         let walks = supported_isas!(Passes; passes_portable, passes_avx2, passes_avx512);
-        let val = crate::cpu::kernels::test_value;
-        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
         for (n, cols, r) in [
             (9, 1024, 1),
             (7, 1040, 2),
@@ -633,43 +835,11 @@ mod tests {
             (6, 528, 5),
         ] {
             for off in [0, 4] {
-                let run = |walk: Passes, fuse: bool, nt: bool| {
-                    // Both buffers start on a line (the pack's alignment), `off` floats on.
-                    let mut mbuf = vec![0.0f32; n * cols + 32];
-                    let mut ebuf = vec![f32::NAN; n * cols + 32];
-                    let line = |b: &Vec<f32>| b.as_ptr().align_offset(64);
-                    let (mo, eo) = (line(&mbuf) + off, line(&ebuf) + off);
-                    for (i, x) in mbuf[mo..mo + n * cols].iter_mut().enumerate() {
-                        *x = val(i, 1);
-                    }
-                    let mut p: Vec<f32> = (0..n * r).map(|i| val(i, 5)).collect();
-                    let mut q: Vec<f32> = (0..cols * r).map(|i| val(i, 7)).collect();
-                    let a = Mat {
-                        m: mbuf[mo..].as_mut_ptr(),
-                        e: if fuse {
-                            ebuf[eo..].as_mut_ptr()
-                        } else {
-                            std::ptr::null_mut()
-                        },
-                        p: p.as_mut_ptr(),
-                        q: q.as_mut_ptr(),
-                        n,
-                        cols,
-                        r,
-                    };
-                    // SAFETY: `a` points at buffers of its shape, alive and not shared;
-                    // `E` lies as `M` does modulo a line, so the vectors of either from
-                    // the walk's start lie on vector boundaries.
-                    unsafe { walk(&a, fuse, nt) };
-                    (
-                        bits(&mbuf[mo..mo + n * cols]),
-                        bits(&ebuf[eo..eo + n * cols]),
-                    )
-                };
                 for &(isa, walk) in &walks {
                     for fuse in [true, false] {
                         assert!(
-                            run(walk, fuse, true) == run(walk, fuse, false),
+                            pass_bits(walk, n, cols, r, off, fuse, true, None)
+                                == pass_bits(walk, n, cols, r, off, fuse, false, None),
                             "{isa} {n} x {cols}, r = {r}, offset {off}, fused {fuse}: the \
                              stores around the caches differ"
                         );
@@ -677,6 +847,100 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Column chunks of any size ([`pqt_chunk_vectors`] takes them on some cores) write
+    /// the bits of whole rows into `M` and `E`, fused or not, around the caches or not,
+    /// on every instruction set the machine has: every tile's rank, rows at every offset
+    /// class from a line (edges in the first and the last chunk), ragged columns, a last
+    /// chunk shorter than the others, rows shorter than a chunk or a vector.
+    #[test]
+    fn column_chunks_give_the_bits_of_whole_rows() {
+        let walks = supported_isas!(Passes; passes_portable, passes_avx2, passes_avx512);
+        for (n, cols, r) in [
+            (9, 1024, 8),
+            (7, 1000, 4),
+            (5, 2061, 3),
+            (6, 528, 5),
+            (4, 777, 1),
+            (3, 640, 2),
+            (5, 40, 8),
+            (3, 7, 4),
+        ] {
+            for off in [0, 3, 4, 12] {
+                for &(isa, walk) in &walks {
+                    for (fuse, nt) in [(true, false), (false, false), (true, true)] {
+                        // Stores around the caches ask for `M` on a vector boundary.
+                        if nt && (off % 16 != 0 || cols % 16 != 0) {
+                            continue;
+                        }
+                        let whole = pass_bits(walk, n, cols, r, off, fuse, nt, Some(usize::MAX));
+                        for chunk in [1, 8, 16, 24] {
+                            assert!(
+                                pass_bits(walk, n, cols, r, off, fuse, nt, Some(chunk)) == whole,
+                                "{isa} {n} x {cols}, r = {r}, offset {off}, fused {fuse}, \
+                                 around the caches {nt}: chunks of {chunk} vectors differ \
+                                 from whole rows"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// [`pqt_chunk_vectors`] chunks only where measured: on Zen 5 and later, from rank 3,
+    /// where packed `Q` is larger than [`PQT_CHUNK_MIN_BYTES`], in cache or from the LLC
+    /// (not AVX2 calls that sweep above rank 4); the chunks hold [`PQT_CHUNK_BYTES`] of
+    /// `Q`.
+    #[test]
+    fn column_chunks_only_where_measured() {
+        // (r, lanes, nvec, sweep, fits_llc, zen5) -> vectors a chunk.
+        let chunk = pqt_chunk_vectors;
+        assert_eq!(
+            chunk(8, 16, 64, false, true, true),
+            32,
+            "r = 8 at 1024 columns"
+        );
+        assert_eq!(
+            chunk(8, 16, 64, false, true, false),
+            64,
+            "only where measured"
+        );
+        assert_eq!(
+            chunk(4, 16, 64, false, true, true),
+            64,
+            "16 KiB of Q fits L1"
+        );
+        assert_eq!(
+            chunk(4, 16, 128, false, true, true),
+            64,
+            "r = 4 at 2048 columns"
+        );
+        assert_eq!(chunk(2, 16, 512, false, true, true), 512, "rank 2 whole");
+        assert_eq!(chunk(1, 16, 1024, false, true, true), 1024, "rank 1 whole");
+        assert_eq!(
+            chunk(8, 16, 256, true, true, true),
+            32,
+            "AVX-512 from the LLC"
+        );
+        assert_eq!(chunk(8, 16, 256, true, false, true), 256, "from memory");
+        assert_eq!(
+            chunk(8, 8, 512, true, true, true),
+            512,
+            "AVX2 r = 8 from the LLC"
+        );
+        assert_eq!(
+            chunk(4, 8, 512, true, true, true),
+            128,
+            "AVX2 r = 4 from the LLC"
+        );
+        assert_eq!(
+            chunk(3, 16, 128, false, true, true),
+            128,
+            "24 KiB stays whole"
+        );
+        assert_eq!(chunk(8, 16, 0, false, true, true), 1, "no whole vector");
     }
 
     /// [`writes_around_caches`] asks for the stream on vector boundaries where the walk
