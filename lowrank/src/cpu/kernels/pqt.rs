@@ -102,6 +102,9 @@ const PQT_CHUNK_MIN_BYTES: usize = 24 * 1024;
 ///   `bench lowrank --roofline`'s `cold` 0.93-0.95 (three alternated pairs: there each
 ///   call follows the reference's writes of `M` and `E`), and two threads read the same
 ///   (0.94-1.01): calls larger than the LLC stay whole.
+///
+/// The plain pass (`pqt`) in L2, the same probe: r = 8 at 32 x 2048 20 -> 37, r = 4 at
+/// 32 x 2048 / 16 x 4096 70 / 38 -> 83 / 70, r = 8 at 1024 columns the same (0.97-0.99).
 fn pqt_chunk_vectors(
     r: usize,
     lanes: usize,
