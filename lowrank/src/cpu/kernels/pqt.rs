@@ -898,52 +898,36 @@ mod tests {
     /// `Q`.
     #[test]
     fn column_chunks_only_where_measured() {
-        // (r, lanes, nvec, sweep, fits_llc, zen5) -> vectors a chunk.
-        let chunk = pqt_chunk_vectors;
-        assert_eq!(
-            chunk(8, 16, 64, false, true, true),
-            32,
-            "r = 8 at 1024 columns"
-        );
-        assert_eq!(
-            chunk(8, 16, 64, false, true, false),
-            64,
-            "only where measured"
-        );
-        assert_eq!(
-            chunk(4, 16, 64, false, true, true),
-            64,
-            "16 KiB of Q fits L1"
-        );
-        assert_eq!(
-            chunk(4, 16, 128, false, true, true),
-            64,
-            "r = 4 at 2048 columns"
-        );
-        assert_eq!(chunk(2, 16, 512, false, true, true), 512, "rank 2 whole");
-        assert_eq!(chunk(1, 16, 1024, false, true, true), 1024, "rank 1 whole");
-        assert_eq!(
-            chunk(8, 16, 256, true, true, true),
-            32,
-            "AVX-512 from the LLC"
-        );
-        assert_eq!(chunk(8, 16, 256, true, false, true), 256, "from memory");
-        assert_eq!(
-            chunk(8, 8, 512, true, true, true),
-            512,
-            "AVX2 r = 8 from the LLC"
-        );
-        assert_eq!(
-            chunk(4, 8, 512, true, true, true),
-            128,
-            "AVX2 r = 4 from the LLC"
-        );
-        assert_eq!(
-            chunk(3, 16, 128, false, true, true),
-            128,
-            "24 KiB stays whole"
-        );
-        assert_eq!(chunk(8, 16, 0, false, true, true), 1, "no whole vector");
+        // (r, lanes, nvec, sweep, fits_llc, zen5), vectors a chunk, why.
+        let cases = [
+            ((8, 16, 64, false, true, true), 32, "r = 8 at 1024 columns"),
+            ((8, 16, 64, false, true, false), 64, "only where measured"),
+            ((4, 16, 64, false, true, true), 64, "16 KiB of Q fits L1"),
+            ((4, 16, 128, false, true, true), 64, "r = 4 at 2048 columns"),
+            ((2, 16, 512, false, true, true), 512, "rank 2 whole"),
+            ((1, 16, 1024, false, true, true), 1024, "rank 1 whole"),
+            ((8, 16, 256, true, true, true), 32, "AVX-512 from the LLC"),
+            ((8, 16, 256, true, false, true), 256, "from memory"),
+            (
+                (8, 8, 512, true, true, true),
+                512,
+                "AVX2 r = 8 from the LLC",
+            ),
+            (
+                (4, 8, 512, true, true, true),
+                128,
+                "AVX2 r = 4 from the LLC",
+            ),
+            ((3, 16, 128, false, true, true), 128, "24 KiB stays whole"),
+            ((8, 16, 0, false, true, true), 1, "no whole vector"),
+        ];
+        for ((r, lanes, nvec, sweep, fits_llc, zen5), want, why) in cases {
+            assert_eq!(
+                pqt_chunk_vectors(r, lanes, nvec, sweep, fits_llc, zen5),
+                want,
+                "{why}"
+            );
+        }
     }
 
     /// [`writes_around_caches`] asks for the stream on vector boundaries where the walk
