@@ -69,6 +69,34 @@ struct Span {
     edges: bool,
 }
 
+impl Span {
+    /// The whole row: its `nvec` whole vectors of `lanes` from `lead`, and its edges.
+    fn whole(lead: usize, nvec: usize, lanes: usize) -> Span {
+        Span {
+            from: lead,
+            to: lead + nvec * lanes,
+            edges: true,
+        }
+    }
+
+    /// Chunk `c` of `chunks`, `chunk` whole vectors each (the last one what is left, and
+    /// the edges), of the row [`Span::whole`] describes.
+    fn chunk(
+        lead: usize,
+        nvec: usize,
+        lanes: usize,
+        chunk: usize,
+        c: usize,
+        chunks: usize,
+    ) -> Span {
+        Span {
+            from: lead + c * chunk * lanes,
+            to: (lead + (c + 1) * chunk * lanes).min(lead + nvec * lanes),
+            edges: c + 1 == chunks,
+        }
+    }
+}
+
 /// Bytes of packed `Q` a column chunk of [`pqt_chunk_vectors`] holds: 512 columns at
 /// r = 8, so that the chunk stays in a 48 KiB L1 beside the rows of `M` and `E` passing
 /// over it. Each element of `M` and `E` is written once, from its own chain of `r`
@@ -491,36 +519,29 @@ unsafe fn pqt_rows_with<S: Simd, const RC: usize, const FUSE: bool, const NT: bo
     unsafe {
         pack_q_from::<S>(a, lead, nvec, qpack);
         let zen5 = zen5_or_later();
-        // Column chunks of `Q` ([`pqt_chunk_vectors`], or `chunk` vectors), each over
-        // all the rows; the last one also writes the rows' edges.
         // `M`, and `E` when fused, of the whole matrix (the threads share the LLC).
         let written = a.n * a.cols * 4 * if FUSE { 2 } else { 1 };
         let fits_llc = written <= llc_bytes();
+        // Column chunks of `Q` ([`pqt_chunk_vectors`], or `chunk` vectors), each over
+        // all the rows; the last one also writes the rows' edges.
         let chunk = chunk
             .unwrap_or_else(|| pqt_chunk_vectors(a.r, lanes, nvec, sweep, fits_llc, zen5))
             .clamp(1, nvec.max(1));
         let chunks = nvec.div_ceil(chunk).max(1);
-        let whole_end = lead + nvec * lanes;
         let tiles = Tiles {
             lead,
             sweep,
             wide_sweep: sweep && l1_is_wide(),
             zen5,
         };
+        // Whole rows keep a copy of the walk of their own: through the chunks' loop
+        // AVX2 `pqt+e` at r = 1 read 0.86-0.89 of it in L2.
         if chunks == 1 {
-            let span = Span {
-                from: lead,
-                to: whole_end,
-                edges: true,
-            };
+            let span = Span::whole(lead, nvec, lanes);
             pqt_tiles::<S, RC, FUSE, NT>(a, rows, qpack, tiles, span, true);
         } else {
             for c in 0..chunks {
-                let span = Span {
-                    from: lead + c * chunk * lanes,
-                    to: (lead + (c + 1) * chunk * lanes).min(whole_end),
-                    edges: c + 1 == chunks,
-                };
+                let span = Span::chunk(lead, nvec, lanes, chunk, c, chunks);
                 pqt_tiles::<S, RC, FUSE, NT>(a, rows.clone(), qpack, tiles, span, false);
             }
         }

@@ -20,11 +20,7 @@ unsafe fn walk<S: Simd>(a: &Mat, one: bool) {
             if one {
                 pqt_row::<S, 1, true, false>(a, i, qpack, lead);
             } else {
-                let span = Span {
-                    from: lead,
-                    to: lead + nvec * S::LANES,
-                    edges: true,
-                };
+                let span = Span::whole(lead, nvec, S::LANES);
                 pqt_block::<S, 1, 8, 1, true, false>(a, i, qpack, lead, false, span);
             }
         }
