@@ -479,6 +479,25 @@ const MTP_ZEN5_TILE_VECTORS: usize = 6;
 fn takes_one_row_stream(lanes: usize, r: usize, bytes: usize, zen5: bool) -> bool {
     zen5 && lanes == 16 && r == 1 && bytes < super::SWEEP_MIN_BYTES
 }
+/// Whether [`mtp_cols`] takes the row stream ([`mtp_stream`]) with 16 lanes: on AMD
+/// Zen 5 and later (`zen5`, [`zen5_or_later`]) at rank 2, for calls in cache (less than
+/// [`SWEEP_MIN_BYTES`](super::SWEEP_MIN_BYTES)) whose rows all lie alike on vectors
+/// (there the stream starts its vectors on a line: no load splits one). The strips'
+/// 8 x 2 tile walks a block's rows side by side, which that core streams worse than a
+/// few rows one line at a time. AMD EPYC (Zen 5, AVX-512, KVM), a probe of one thread
+/// alternating the two on the same buffers (median of 15 rounds), GB/s with `M` in L2 16
+/// bytes past a line: 128 x 1024 108 -> 130, 64 x 2048 112 -> 127, 32 x 4096 101 -> 108,
+/// 200 x 1200 109 -> 118, 64 x 1536 and 256 x 512 115 -> 123; on a line 1.05-1.13.
+/// `--roofline` (six alternated pairs) in L2 median ratio 1.19 (0.43-0.46 -> 0.48-0.72
+/// of the in-core limit), `M` on a line 1.11. Blocks of 2 or 3 rows read the same as 4
+/// (2 and 4: 134 / 128 at 128 x 1024, 103 / 127 at 32 x 4096); rows not alike (1000
+/// columns, no shift) 0.89-0.96, and at r = 4 the stream in one pass of 4 columns (4
+/// rows: 16 broadcasts in registers) 0.79-0.97 of the strips' 6 x 4 tile, 2, 3 or 6
+/// rows less, so neither takes it. (In C, with `M` on a line: 2 rows at r = 2 133-137
+/// GB/s against a read of the same `M` at 240-250; one row at r = 1 168-175.)
+fn takes_wide_stream(a: &Mat, cols: &Range<usize>, lanes: usize, zen5: bool) -> bool {
+    zen5 && lanes == 16 && a.r == 2 && a.cols.is_multiple_of(lanes) && !streams_from_memory(a, cols)
+}
 /// Whether an `mtp` call over the columns `cols` streams `M` from memory: reads
 /// [`SWEEP_MIN_BYTES`](super::SWEEP_MIN_BYTES) or more (whether it sweeps or not).
 fn streams_from_memory(a: &Mat, cols: &Range<usize>) -> bool {
@@ -505,7 +524,9 @@ const fn tile_accumulators(lanes: usize) -> usize {
 /// (`KT x VW` accumulators: 1 x 16, 2 x 8, 4 x 4, 8 x 2 on AVX-512; 1 x 8, 2 x 4, 4 x 2 on
 /// AVX2), each row adding `KT x VW` fused multiply-adds to them. A rank that is not 1, 2, 4
 /// or 8 goes in tiles of 8 (16 lanes only), 4, 2, 1 columns, each tile walking the block
-/// again (from L2). With 8 lanes, ranks up to [`MTP_STREAM_MAX_RANK`] or from
+/// again (from L2). With 16 lanes, on some cores, calls in cache at rank 1 take
+/// [`mtp_stream_one_row`] ([`takes_one_row_stream`]) and at rank 2 [`mtp_stream`]
+/// ([`takes_wide_stream`]). With 8 lanes, ranks up to [`MTP_STREAM_MAX_RANK`] or from
 /// [`MTP_STREAM_FROM_RANK`], and calls that stream less than
 /// [`SWEEP_MIN_BYTES`](super::SWEEP_MIN_BYTES) (where L1 has 12 ways or more, at ranks not
 /// a multiple of [`MTP_STRIPS_WIDE_TILE`]), take the row-streaming [`mtp_stream`] instead
@@ -557,7 +578,7 @@ unsafe fn mtp_cols_in<S: Simd>(a: &Mat, cols: Range<usize>) {
     let lanes = S::LANES;
     let sweep = mtp_sweeps::<S>(a, &cols);
     let wide = l1_is_wide();
-    let stream = lanes == 8
+    let stream = (lanes == 8 || takes_wide_stream(a, &cols, lanes, zen5_or_later()))
         && if zen5_or_later() {
             zen5_takes_stream(sweep, a.r)
         } else {
@@ -790,6 +811,13 @@ mod tests {
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx2,fma")]
+    unsafe fn stream_avx512(a: &Mat, cols: Range<usize>) {
+        // SAFETY: forwarded; the caller checked the instruction set.
+        unsafe { mtp_stream::<crate::cpu::simd::Avx512>(a, cols) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx2,fma")]
     unsafe fn strips_avx512(a: &Mat, cols: Range<usize>) {
         // SAFETY: forwarded; the caller checked the instruction set.
         unsafe { mtp_strips::<crate::cpu::simd::Avx512>(a, cols) }
@@ -930,6 +958,11 @@ mod tests {
         if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
             kernels.push(("avx2", stream_avx2, strips_avx2));
         }
+        // Sixteen lanes take the stream on some cores ([`takes_wide_stream`]).
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("fma") {
+            kernels.push(("avx512", stream_avx512, strips_avx512));
+        }
         for (n, cols, r) in [
             (70, 1024, 1),
             (150, 1024, 2),
@@ -937,8 +970,9 @@ mod tests {
             (9, 4111, 5),
             (20, 1000, 8),
             (80, 4096, 4),
+            (33, 96, 2),
         ] {
-            for off in [0, 3, 4, 12] {
+            for off in [0, 3, 4, 8, 12, 15] {
                 let mut case = Case::new(n, cols, r, off);
                 for &(isa, stream, strips) in &kernels {
                     let (a, b) = (case.run(stream), case.run(strips));

@@ -1,6 +1,7 @@
-//! `mtp`'s row-streaming kernel ([`mtp_stream`]), for 8 lanes: blocks of rows added to
-//! a packed `Q` in panels that stay in L1. [`mtp_cols`] chooses between
-//! it and the strips of the parent module; both give the same bits.
+//! `mtp`'s row-streaming kernels: blocks of rows added to a packed `Q` in panels that
+//! stay in L1 ([`mtp_stream`], for 8 lanes and on some cores 16), and one row at a time
+//! ([`mtp_stream_one_row`]). [`mtp_cols`] chooses between them and the strips of the
+//! parent module; all give the same bits.
 
 use super::*;
 
@@ -158,21 +159,22 @@ unsafe fn mtp_stream_block<S: Simd, const RB: usize>(
     }
 }
 
-/// Floats from the 32-byte boundary before column `c0` of `M`'s first row to it, where
-/// [`mtp_stream`] starts its vectors there (8 lanes, every row alike): their loads then
-/// never straddle two lines, where a vector off its alignment split every other one.
-/// With `M` in L2 (Intel Xeon, Emerald Rapids class, AVX2, r = 1, 128 x 1024) the kernel
-/// read 86-102 GB/s at offsets of whole vectors and 54-63 GB/s at every other offset.
-/// 0 where they already lie on one (or the rows do not all lie alike).
+/// Floats from the vector boundary before column `c0` of `M`'s first row to it, where
+/// [`mtp_stream`] starts its vectors there (every row alike): their loads then never
+/// straddle two lines, where a vector off its alignment split every other one (with 8
+/// lanes; every one with 16). With `M` in L2 (Intel Xeon, Emerald Rapids class, AVX2,
+/// r = 1, 128 x 1024) the kernel read 86-102 GB/s at offsets of whole vectors and
+/// 54-63 GB/s at every other offset. 0 where they already lie on one (or the rows do
+/// not all lie alike).
 fn stream_shift<S: Simd>(a: &Mat, c0: usize) -> usize {
     match vector_lead::<S>(a, c0) {
-        lead if S::LANES == 8 && lead > 0 => S::LANES - lead,
+        lead if lead > 0 => S::LANES - lead,
         _ => 0,
     }
 }
 
 /// `Q[cols] = (Mᵀ P)[cols]` streaming whole rows, for 8 lanes (AVX2 and the portable
-/// fallback): blocks of [`MTP_STREAM_ROWS`] rows, each added to every vector of a packed
+/// fallback; 16 lanes where [`takes_wide_stream`] says): blocks of [`MTP_STREAM_ROWS`] rows, each added to every vector of a packed
 /// `Q` (for each vector of columns the `r` vectors one after the other, zeroed first,
 /// written back at the end) in panels of [`MTP_STREAM_PANEL`] floats.
 ///
