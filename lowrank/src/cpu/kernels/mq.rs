@@ -115,7 +115,61 @@ enum Ahead {
     /// - on AMD Zen 5 and later, in chunked calls ([`MQ_BLOCK_ROWS_ZEN5`]), the same rows'
     ///   span one column chunk on (after a block's last chunk, the next block's first),
     ///   the row stride `M`'s: a block then need not fit in L2 twice over.
-    Sweep(usize, usize),
+    ///
+    /// The third field is `M`'s prefetch instruction ([`Hint`]).
+    Sweep(usize, usize, Hint),
+}
+
+/// The prefetch instruction of a sweep of `M` ([`Ahead::Sweep`]; `E`'s is always
+/// [`Hint::L2`]), which [`mq_hot`] takes as a constant.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Hint {
+    /// `prefetcht1` ([`Simd::prefetch_l2`]).
+    L2 = 1,
+    /// `prefetchnta` ([`Simd::prefetch_nta`]): on AMD Zen 5 and later for the plain pass
+    /// over an `M` larger than the last-level cache ([`sweep_hint`]).
+    Nta = 2,
+}
+
+/// [`mq_hot`]'s constant for no sweep (the others are [`Hint`]'s values).
+const NO_SWEEP: u8 = 0;
+
+impl Ahead {
+    /// The sweep as [`mq_step`] takes it ([`NO_SWEEP`] or a [`Hint`]'s value), the
+    /// image's base and its row stride.
+    fn parts(self) -> (u8, usize, usize) {
+        match self {
+            Ahead::No => (NO_SWEEP, 0, 0),
+            Ahead::Sweep(base, len, hint) => (hint as u8, base, len),
+        }
+    }
+}
+
+/// The prefetch instruction of the sweeps of `M` for a call over `a`: `prefetchnta`
+/// on AMD Zen 5 and later ([`zen5_or_later`]) for the plain pass (`fuse` false) over an
+/// `M` larger than the last-level cache ([`llc_bytes`]), else `prefetcht1`.
+///
+/// AMD EPYC (Zen 5, KVM), `--roofline`, `cold` (4096 x 4096 after a 512 MiB write),
+/// median ratio of alternated pairs, every `mq` sweep of `M` into L2 against
+/// `prefetchnta`: AVX-512 (ten pairs) r = 8 1.15 (0.56-0.74 -> 0.68-0.75 of the read
+/// bandwidth; r = 1-4 do not sweep there); AVX2 (eight pairs) r = 2 / 4 / 8 1.17 /
+/// 1.06 / 1.29 (r = 8 0.44-0.66 -> 0.59-0.94). From the last-level cache (8 MiB) the
+/// same change read 0.96-0.99, and the fused pass (its `M` so, its `E` into L2)
+/// 0.96-1.06 from memory, so both keep `prefetcht1`. A probe of the kernel (r = 8, one
+/// thread, 4096 x 4096, cold after a 512 MiB write, 16 bytes past a line, one process
+/// each, three each) read 15.2-16.6 GB/s with `prefetcht1` and 19.2-21.9 with
+/// `prefetchnta`. With this rule and [`chunk_count`]'s against the kernel before both
+/// (`--roofline`, ten pairs AVX-512, eight AVX2): `cold` AVX-512 r = 8 1.17, AVX2 r = 2
+/// / 4 / 8 1.10 / 1.24 / 1.29, `llc` 0.94-1.05; `bench lowrank --quick` (six pairs)
+/// `mq` r = 8 one thread 1.23 (0.55-0.64 -> 0.64-0.75), two threads 1.00. (C loops
+/// of the same walk had read alike at every hint in another session on this core;
+/// the kernel did not.)
+fn sweep_hint(a: &Mat, fuse: bool) -> Hint {
+    if !fuse && zen5_or_later() && a.n * a.cols * 4 > llc_bytes() {
+        Hint::Nta
+    } else {
+        Hint::L2
+    }
 }
 
 /// Walks the column tiles of a group of `$rb` rows on `$lanes` lanes through rank `$r`
@@ -203,9 +257,9 @@ impl TileRows {
 
 /// One vector of every row of a tile, at column `jj`, into accumulator `u` (see
 /// [`mq_span`], whose guarantees it takes). `t` says where the rows are, `qv` points at
-/// the packed `Q` vector of column `k0` for this vector of columns; with `sweep` the
-/// rows' image is prefetched. With `EDGE`, only lanes `valid` of the rows are read,
-/// written and accumulated.
+/// the packed `Q` vector of column `k0` for this vector of columns; with `sweep` (a
+/// [`Hint`]'s value, not [`NO_SWEEP`]) the rows' image is prefetched by that hint. With
+/// `EDGE`, only lanes `valid` of the rows are read, written and accumulated.
 #[allow(clippy::needless_range_loop)]
 #[inline(always)]
 unsafe fn mq_step<
@@ -216,7 +270,7 @@ unsafe fn mq_step<
     const FUSE: bool,
     const EDGE: bool,
 >(
-    sweep: bool,
+    sweep: u8,
     t: &TileRows,
     regs: &mut [[[S::V; U]; KT]; RB],
     jj: usize,
@@ -232,9 +286,13 @@ unsafe fn mq_step<
     unsafe {
         let mut x = [S::zero(); RB];
         for ii in 0..RB {
-            if sweep && (jj % SWEEP_STRIDE) < lanes {
+            if sweep != NO_SWEEP && (jj % SWEEP_STRIDE) < lanes {
                 let at = t.pf.wrapping_add(ii * t.pf_stride + jj);
-                S::prefetch_l2(at);
+                if sweep == Hint::Nta as u8 {
+                    S::prefetch_nta(at);
+                } else {
+                    S::prefetch_l2(at);
+                }
                 if FUSE {
                     S::prefetch_l2(at.wrapping_offset(t.pf_e));
                 }
@@ -352,10 +410,7 @@ unsafe fn mq_span<S: Simd, const RB: usize, const KT: usize, const U: usize, con
     edges: Edges,
 ) {
     let lanes = S::LANES;
-    let (sweep, base, span_len) = match ahead {
-        Ahead::No => (false, 0, 0),
-        Ahead::Sweep(base, len) => (true, base, len),
-    };
+    let (sweep, base, span_len) = ahead.parts();
     // SAFETY: the caller guarantees rows i0..i0+RB < n, columns k0..k0+KT <= r, `span`
     // whole vectors inside the rows (with `edges`, of the shifted rows: only the edge
     // vectors' lanes inside the row are touched, through `Edges::at`) starting at a
@@ -392,11 +447,7 @@ unsafe fn mq_span<S: Simd, const RB: usize, const KT: usize, const U: usize, con
         };
         let hot = j..j + (hot_end.saturating_sub(j)) / group * group;
         if !hot.is_empty() {
-            if sweep {
-                mq_hot::<S, RB, KT, U, FUSE, true>(&t, &mut regs, k0, a.r, hot.clone(), q);
-            } else {
-                mq_hot::<S, RB, KT, U, FUSE, false>(&t, &mut regs, k0, a.r, hot.clone(), q);
-            }
+            mq_hot_by::<S, RB, KT, U, FUSE>(sweep, &t, &mut regs, k0, a.r, hot.clone(), q);
             j = hot.end;
         }
         mq_each::<S, RB, KT, U, FUSE>(sweep, &t, &mut regs, j..span.end, q, a.r, k0, edges);
@@ -410,8 +461,34 @@ unsafe fn mq_span<S: Simd, const RB: usize, const KT: usize, const U: usize, con
     }
 }
 
+/// [`mq_hot`] with the sweep `sweep` ([`NO_SWEEP`] or a [`Hint`]'s value) as its
+/// constant. (The sweep a constant of the loop: as a flag LLVM kept it, and a row
+/// pointer, on the stack and tested it every step of the fused pass.)
+#[inline(always)]
+unsafe fn mq_hot_by<S: Simd, const RB: usize, const KT: usize, const U: usize, const FUSE: bool>(
+    sweep: u8,
+    t: &TileRows,
+    regs: &mut [[[S::V; U]; KT]; RB],
+    k0: usize,
+    r: usize,
+    range: Range<usize>,
+    q: *const f32,
+) {
+    const L2: u8 = Hint::L2 as u8;
+    const NTA: u8 = Hint::Nta as u8;
+    // SAFETY: forwarded caller guarantees.
+    unsafe {
+        match sweep {
+            NO_SWEEP => mq_hot::<S, RB, KT, U, FUSE, NO_SWEEP>(t, regs, k0, r, range, q),
+            // Only the plain pass sweeps with `prefetchnta` ([`sweep_hint`]).
+            NTA if !FUSE => mq_hot::<S, RB, KT, U, FUSE, NTA>(t, regs, k0, r, range, q),
+            _ => mq_hot::<S, RB, KT, U, FUSE, L2>(t, regs, k0, r, range, q),
+        }
+    }
+}
+
 /// The hot loop of [`mq_span`]: whole groups of `U` vectors `range` (none an edge) on
-/// the accumulators `regs`.
+/// the accumulators `regs`, sweeping by `SWEEP` ([`mq_step`]).
 #[allow(clippy::needless_range_loop)]
 #[inline(always)]
 unsafe fn mq_hot<
@@ -420,7 +497,7 @@ unsafe fn mq_hot<
     const KT: usize,
     const U: usize,
     const FUSE: bool,
-    const SWEEP: bool,
+    const SWEEP: u8,
 >(
     t: &TileRows,
     regs: &mut [[[S::V; U]; KT]; RB],
@@ -462,7 +539,7 @@ unsafe fn mq_hot<
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn mq_each<S: Simd, const RB: usize, const KT: usize, const U: usize, const FUSE: bool>(
-    sweep: bool,
+    sweep: u8,
     t: &TileRows,
     regs: &mut [[[S::V; U]; KT]; RB],
     range: Range<usize>,
@@ -716,6 +793,7 @@ unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(
     // boundary keeps vector v in accumulator v mod U.
     let step = 8 * lanes;
     let sweep = rows.len() * a.cols * 4 >= sweep_min_bytes(a.r, S::LANES, MQ_OWN_PREFETCH_RANK);
+    let hint = sweep_hint(a, FUSE);
     // Tall blocks swept chunk by chunk where the sweep runs ([`Walk::tall`]).
     let by_chunk = sweep && walk.tall && a.r >= MQ_TALL_MIN_RANK && (lanes >= 16 || !FUSE);
     let chunk_bytes = if by_chunk {
@@ -729,7 +807,7 @@ unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(
         (chunk_bytes / 4 / a.r / step * step).max(step)
     };
     let chunked = chunk < vec_end_p;
-    let chunks = vec_end_p.div_ceil(chunk);
+    let chunks = chunk_count(vec_end_p, chunk, step);
     let per_group = group_vectors(lanes, a.r, RB);
     let per_row = group_vectors(lanes, a.r, 1);
     let block = match (chunked, by_chunk) {
@@ -823,7 +901,7 @@ unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(
                     let i = i0 + g * rb;
                     let image = (i0 + blocks * block_rows) * a.cols + g * rb * vec_end_p;
                     let ahead = if sweep {
-                        Ahead::Sweep(image, vec_end_p)
+                        Ahead::Sweep(image, vec_end_p, hint)
                     } else {
                         Ahead::No
                     };
@@ -847,21 +925,26 @@ unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(
             // The chunk after this one, counted from the block's first.
             let mut next = 1;
             while j0 < vec_end_p {
-                let span = j0..(j0 + chunk).min(vec_end_p);
+                let span = j0..if next == chunks {
+                    vec_end_p
+                } else {
+                    j0 + chunk
+                };
                 for g in 0..groups {
                     let (i, slot) = (i0 + g * rb, base.add(g * per));
                     let span_len = span.end - span.start;
                     let ahead = if by_chunk {
                         // The same rows one chunk on (the next block's after the last).
                         let rows_on = next / chunks * block_rows;
-                        Ahead::Sweep((i + rows_on) * a.cols + next % chunks * chunk, a.cols)
+                        let image = (i + rows_on) * a.cols + next % chunks * chunk;
+                        Ahead::Sweep(image, a.cols, hint)
                     } else if sweep {
                         // This tile's image in the block MQ_AHEAD_BLOCKS ahead: the
                         // block's spans before this one, then its groups before this one.
                         let image = (i0 + blocks * block_rows) * a.cols
                             + span.start * block_rows
                             + g * rb * span_len;
-                        Ahead::Sweep(image, span_len)
+                        Ahead::Sweep(image, span_len, hint)
                     } else {
                         Ahead::No
                     };
@@ -887,6 +970,28 @@ unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(
     }
 }
 
+/// Column chunks of `chunk` floats over rows of `len` floats (both whole vectors, `chunk`
+/// a multiple of `step`): one a `chunk`, the last one taking what is left, and what is
+/// left past the whole chunks only a chunk of its own when it is `step` floats or more.
+/// Shorter, it is an edge vector (rows 16 bytes past a line, where the system allocator
+/// puts large buffers, are one vector longer shifted back to a boundary, [`Edges`]): a
+/// chunk of its own would be a walk over the block's rows for one vector, and its sweep
+/// ahead (as long as the chunk) would leave the next block's first chunk unswept.
+/// AMD EPYC (Zen 5, KVM), AVX-512, `mq` r = 8 (48-row blocks, 16 KiB chunks, 4096
+/// columns: 8 chunks and the edge), one thread, cold after a 512 MiB write, a probe
+/// alternating the two in one process (median of nine calls): 17.3 -> 18.4-18.7 and
+/// 20.8-21.3 -> 22.5-24.0 GB/s (two processes each on each vCPU); after a 64 MiB write
+/// 23.0-24.8 -> 26.4-26.5, where `M` on a line read 25.1-27.2. `--roofline` `cold`
+/// (ten pairs AVX-512, eight AVX2): `mq` r = 8 1.07 / 1.08, `mq+e` r = 8 1.07 / 0.99.
+fn chunk_count(len: usize, chunk: usize, step: usize) -> usize {
+    let (whole, left) = (len / chunk, len % chunk);
+    if whole > 0 && left < step {
+        whole
+    } else {
+        whole + usize::from(left > 0)
+    }
+}
+
 /// `P = M Q` (or with `FUSE`, `M += E; P = M Q`) for the given rows of one matrix.
 ///
 /// Tiles (rows x columns of `P` x accumulators a column, [`tile`]): AVX-512 2 x 8 x 1,
@@ -905,7 +1010,8 @@ unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(
 ///
 /// From memory, a call that streams [`SWEEP_MIN_BYTES`] or more
 /// sweeps the rows [`MQ_AHEAD_BLOCKS`] blocks ahead into L2 ([`Ahead::Sweep`]; on AMD
-/// Zen 5 from r = 5 in tall blocks a chunk ahead, [`MQ_BLOCK_ROWS_ZEN5`]). Cold, n = m
+/// Zen 5 from r = 5 in tall blocks a chunk ahead, [`MQ_BLOCK_ROWS_ZEN5`], and with
+/// `prefetchnta` where `M` is larger than the last-level cache, [`sweep_hint`]). Cold, n = m
 /// = 4096, one thread, AMD Zen 4 (AVX-512), alternated runs against prefetches of the next
 /// group's span into L1 (and none for whole rows): r = 1 0.69-0.98 → 0.86-0.92 of the read
 /// bandwidth, r = 2 0.49-0.58 → 0.77-0.88, r = 4 0.50-0.56 → 0.63-0.84, r = 8 (where the

@@ -219,12 +219,13 @@ blocking!(
 /// ([`Walk::tall`], what AMD Zen 5 takes from r = 5) give the bits of short blocks swept a block
 /// ahead, in `P` and (fused) in `M`, on every instruction set the machine has: ranks
 /// of one column tile and of several, row counts that leave a short block and single
-/// rows, rows with edges, ragged columns, and a thread's share of the rows.
+/// rows, rows with edges (at 4096 columns, where the edge vector joins the last chunk,
+/// [`chunk_count`]), ragged columns, and a thread's share of the rows.
 #[test]
 fn tall_blocks_give_the_bits_of_short_ones() {
     type Blocking = unsafe fn(&Mat, Range<usize>, bool, bool);
     let isas = supported_isas!(Blocking; blocking_portable, blocking_avx2, blocking_avx512);
-    for (n, cols, r) in [(101, 2760, 8), (70, 4100, 5), (80, 3500, 6)] {
+    for (n, cols, r) in [(101, 2760, 8), (70, 4100, 5), (80, 3500, 6), (72, 4096, 8)] {
         for (off, rows) in [(0, 0..n), (3, 2..n - 1)] {
             assert!(
                 rows.len() * cols * 4 >= SWEEP_MIN_BYTES,
@@ -246,5 +247,27 @@ fn tall_blocks_give_the_bits_of_short_ones() {
                 }
             }
         }
+    }
+}
+
+/// A row's column chunks: whole chunks, and what is left a chunk of its own only from
+/// `step` floats (less is an edge vector, which joins the last chunk).
+#[test]
+fn an_edge_vector_joins_the_last_chunk() {
+    for (len, chunk, step, chunks) in [
+        (4112, 512, 128, 8),
+        (4104, 512, 64, 8),
+        (4096, 512, 128, 8),
+        (4112, 384, 128, 11),
+        (640, 512, 128, 2),
+        (520, 512, 128, 1),
+        (512, 512, 128, 1),
+        (100, 512, 128, 1),
+    ] {
+        assert_eq!(
+            chunk_count(len, chunk, step),
+            chunks,
+            "{len} floats in chunks of {chunk}, steps of {step}"
+        );
     }
 }

@@ -38,10 +38,7 @@ unsafe fn mq_whole<S: Simd, const RB: usize, const KT: usize, const U: usize, co
         isa: _,
     } = w;
     let lanes = S::LANES;
-    let (sweep, base) = match ahead {
-        Ahead::No => (false, 0),
-        Ahead::Sweep(base, _) => (true, base),
-    };
+    let (sweep, base, _) = ahead.parts();
     // SAFETY: as in `mq_span` for the span 0..vec_end_p of the shifted rows (the caller's
     // guarantees for the group: its rows `i0 + ii * gap`, ii < RB, inside 0..n), then as
     // in `mq_finish_regs` for the same rows.
@@ -69,11 +66,7 @@ unsafe fn mq_whole<S: Simd, const RB: usize, const KT: usize, const U: usize, co
         // of the AVX2 3 x 2 x 2 tile's accumulators, all 16 registers busy, and r = 2
         // read 0.54 of the in-core limit in L2 against 0.73.)
         if !hot.is_empty() {
-            if sweep {
-                mq_hot::<S, RB, KT, U, FUSE, true>(&t, &mut regs, k0, ap.r, hot.clone(), q);
-            } else {
-                mq_hot::<S, RB, KT, U, FUSE, false>(&t, &mut regs, k0, ap.r, hot.clone(), q);
-            }
+            mq_hot_by::<S, RB, KT, U, FUSE>(sweep, &t, &mut regs, k0, ap.r, hot.clone(), q);
             j = hot.end;
         }
         mq_each::<S, RB, KT, U, FUSE>(sweep, &t, &mut regs, j..vec_end_p, q, ap.r, k0, edges);
