@@ -394,6 +394,9 @@ unsafe fn mq_span<S: Simd, const RB: usize, const KT: usize, const U: usize, con
 /// [`mq_hot`] with the sweep `sweep` ([`NO_SWEEP`] or a [`Hint`]'s value) as its
 /// constant. (The sweep a constant of the loop: as a flag LLVM kept it, and a row
 /// pointer, on the stack and tested it every step of the fused pass.)
+///
+/// # Safety
+/// As [`mq_hot`].
 #[inline(always)]
 unsafe fn mq_hot_by<S: Simd, const RB: usize, const KT: usize, const U: usize, const FUSE: bool>(
     sweep: u8,
