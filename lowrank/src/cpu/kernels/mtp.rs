@@ -8,8 +8,8 @@
 
 use super::pack::QPack;
 use super::{
-    l1_is_wide, line_lead, strips_prefetch_next_row, sweep_min_bytes, vector_lead, zen5_or_later,
-    Mat, MTP_OWN_PREFETCH_RANK, SWEEP_STRIDE,
+    l1_is_wide, line_lead, llc_bytes, strips_prefetch_next_row, sweep_min_bytes, vector_lead,
+    zen5_or_later, Mat, MTP_OWN_PREFETCH_RANK, SWEEP_STRIDE,
 };
 use crate::cpu::simd::Simd;
 use std::ops::Range;
@@ -55,8 +55,10 @@ const MTP_PANEL_COLS: usize = MTP_BLOCK_FLOATS / MTP_BLOCK_ROWS_MIN;
 
 mod scratch;
 mod stream;
+mod sweep;
 use scratch::QScratch;
 use stream::{mtp_stream, mtp_stream_one_row};
+use sweep::Sweep;
 
 /// `Q[k0..k0+KT][strip] (+)= Σ_{i in rows} P[i, k] M[i, strip]`, where the strip is `VW`
 /// whole vectors from column `j0`, and the same for the `N` part vectors `parts` (each
@@ -64,7 +66,7 @@ use stream::{mtp_stream, mtp_stream_one_row};
 /// written to `Q`; [`mtp_strip_part`]) in the same walk down the rows. The accumulators
 /// start at zero for the first row block and from `Q` otherwise.
 ///
-/// `ahead` (elements, nonzero when the call sweeps) prefetches that far ahead into L2.
+/// `sweep` ([`Sweep`], on when the call sweeps) prefetches each row's run ahead.
 /// Without a sweep and with `next_row` ([`strips_prefetch_next_row`]: AMD), a tile of
 /// one column of `Q` prefetches the strip of the next row into L1: it takes one vector a
 /// fused multiply-add, the hardware prefetchers do not see the strip's next run (a row
@@ -75,12 +77,12 @@ use stream::{mtp_stream, mtp_stream_one_row};
 // Register tiles read best with explicit indices.
 #[allow(clippy::needless_range_loop)]
 #[inline(always)]
-unsafe fn mtp_strip<S: Simd, const VW: usize, const KT: usize, const N: usize>(
+unsafe fn mtp_strip<S: Simd, const VW: usize, const KT: usize, const N: usize, const LIN: bool>(
     a: &Mat,
     rows: Range<usize>,
     j0: usize,
     k0: usize,
-    ahead: usize,
+    sweep: Sweep,
     next_row: bool,
     parts: [(usize, Range<usize>); N],
 ) {
@@ -92,7 +94,10 @@ unsafe fn mtp_strip<S: Simd, const VW: usize, const KT: usize, const N: usize>(
     // formed with `wrapping_add`, and a prefetch never faults.
     unsafe {
         let qv = |k: usize, v: usize| a.q.add((k0 + k) * cols + j0 + v * lanes);
-        let into_l1 = ahead != 0 && zen5_or_later();
+        // The order a constant: by rows the loop keeps only the row offset
+        // ([`Sweep::by_rows`]).
+        let sweep = if LIN { sweep } else { sweep.by_rows() };
+        let into_l1 = sweep.is_on() && zen5_or_later();
         let mut acc = [[S::zero(); VW]; KT];
         let mut part = [[S::zero(); KT]; N];
         if rows.start > 0 {
@@ -113,10 +118,11 @@ unsafe fn mtp_strip<S: Simd, const VW: usize, const KT: usize, const N: usize>(
             // row's vectors and the parts' accumulators outgrew the registers (16 x 1
             // with two parts spilled three accumulators).
             for v in 0..VW {
-                if ahead != 0 && (v * lanes).is_multiple_of(SWEEP_STRIDE) {
-                    sweep_prefetch::<S>(row.wrapping_add(ahead + v * lanes), into_l1);
+                if sweep.is_on() && (v * lanes).is_multiple_of(SWEEP_STRIDE) {
+                    sweep_prefetch::<S>(sweep.at(a, i, j0, VW * lanes, v * lanes), into_l1);
                 }
-                if next_row && ahead == 0 && KT == 1 && (v * lanes).is_multiple_of(SWEEP_STRIDE) {
+                if next_row && !sweep.is_on() && KT == 1 && (v * lanes).is_multiple_of(SWEEP_STRIDE)
+                {
                     S::prefetch(row.wrapping_add(cols + v * lanes));
                 }
                 let x = S::load(row.add(v * lanes));
@@ -124,7 +130,7 @@ unsafe fn mtp_strip<S: Simd, const VW: usize, const KT: usize, const N: usize>(
                     acc[k][v] = S::fma(pk[k], x, acc[k][v]);
                 }
             }
-            let y = part_row::<S, N>(a, i, &parts, ahead, into_l1);
+            let y = part_row::<S, N>(a, i, &parts, sweep, into_l1);
             for t in 0..N {
                 for k in 0..KT {
                     part[t][k] = S::fma(pk[k], y[t], part[t][k]);
@@ -198,8 +204,10 @@ unsafe fn sweep_prefetch<S: Simd>(at: *const f32, into_l1: bool) {
     }
 }
 
-/// Row `i`'s vectors of the parts `parts`, each prefetched `ahead` (both lines it
-/// touches: the strips' prefetches start at the line boundary; [`sweep_prefetch`]).
+/// Row `i`'s vectors of the parts `parts`, each prefetched ahead by `sweep`: by rows
+/// both lines it touches (the strips' prefetches start at the line boundary;
+/// [`sweep_prefetch`]), in memory order the place of its kept columns (fewer than a
+/// line a row, so one prefetch a row touches every line of the part's run).
 ///
 /// # Safety
 /// As [`part_load`], with row `i` inside 0..n.
@@ -208,20 +216,21 @@ unsafe fn part_row<S: Simd, const N: usize>(
     a: &Mat,
     i: usize,
     parts: &[(usize, Range<usize>); N],
-    ahead: usize,
+    sweep: Sweep,
     into_l1: bool,
 ) -> [S::V; N] {
     // SAFETY: each vector lies in row i (the caller); prefetch addresses are formed with
     // `wrapping_add` and a prefetch never faults.
     unsafe {
         let mut y = [S::zero(); N];
-        for (t, (j0, _)) in parts.iter().enumerate() {
-            let at = a.m.wrapping_add(i * a.cols + j0);
-            if ahead != 0 {
-                sweep_prefetch::<S>(at.wrapping_add(ahead), into_l1);
-                sweep_prefetch::<S>(at.wrapping_add(ahead + S::LANES - 1), into_l1);
+        for (t, (j0, keep)) in parts.iter().enumerate() {
+            if sweep.is_linear() {
+                sweep_prefetch::<S>(sweep.at(a, i, keep.start, keep.len(), 0), into_l1);
+            } else if sweep.is_on() {
+                sweep_prefetch::<S>(sweep.at(a, i, *j0, S::LANES, 0), into_l1);
+                sweep_prefetch::<S>(sweep.at(a, i, *j0, S::LANES, S::LANES - 1), into_l1);
             }
-            y[t] = S::load(at);
+            y[t] = S::load(a.m.add(i * a.cols + j0));
         }
         y
     }
@@ -259,30 +268,30 @@ unsafe fn part_store<S: Simd, const KT: usize, const N: usize>(
 /// others belong to other strips): the vector is loaded from `Q` and stored to a scratch
 /// tile, so each kept column gets the same operations as in a whole strip.
 #[inline(always)]
-unsafe fn mtp_strip_part<S: Simd, const KT: usize, const N: usize>(
+unsafe fn mtp_strip_part<S: Simd, const KT: usize, const N: usize, const LIN: bool>(
     a: &Mat,
     rows: Range<usize>,
     parts: [(usize, Range<usize>); N],
     k0: usize,
-    ahead: usize,
+    sweep: Sweep,
 ) {
     // SAFETY: forwarded caller guarantees (a strip of no whole vectors reads only the
     // parts).
-    unsafe { mtp_strip::<S, 0, KT, N>(a, rows, parts[0].0, k0, ahead, false, parts) }
+    unsafe { mtp_strip::<S, 0, KT, N, LIN>(a, rows, parts[0].0, k0, sweep, false, parts) }
 }
 
 /// One row block of one panel for the columns `k0..k0+KT` of `Q`: with a row start off
 /// a line boundary, edge vectors for the columns before it; strips of `VW`
 /// vectors from there, the vectors left over in strips of 8, 4, 2 and 1, an edge vector
 /// for what those leave of the whole vectors, then the ragged columns (one at a time).
-/// `ahead` and `next_row` as in [`mtp_strip`].
+/// `sweep` and `next_row` as in [`mtp_strip`].
 #[inline(always)]
-unsafe fn mtp_block<S: Simd, const VW: usize, const KT: usize>(
+unsafe fn mtp_block<S: Simd, const VW: usize, const KT: usize, const LIN: bool>(
     a: &Mat,
     rows: Range<usize>,
     panel: &Range<usize>,
     k0: usize,
-    ahead: usize,
+    sweep: Sweep,
     next_row: bool,
 ) {
     let lanes = S::LANES;
@@ -316,7 +325,7 @@ unsafe fn mtp_block<S: Simd, const VW: usize, const KT: usize>(
                 if c + lanes >= panel.start + lead {
                     lead_part = Some((c, keep));
                 } else {
-                    mtp_strip_part::<S, KT, 1>(a, rows.clone(), [(c, keep)], k0, ahead);
+                    mtp_strip_part::<S, KT, 1, LIN>(a, rows.clone(), [(c, keep)], k0, sweep);
                 }
                 c += lanes;
             }
@@ -346,46 +355,48 @@ unsafe fn mtp_block<S: Simd, const VW: usize, const KT: usize>(
         if KT <= 2 && j + VW * lanes <= vec_end {
             match parts {
                 (Some(l), Some(t)) => {
-                    mtp_strip::<S, VW, KT, 2>(a, rows.clone(), j, k0, ahead, next_row, [l, t])
+                    mtp_strip::<S, VW, KT, 2, LIN>(a, rows.clone(), j, k0, sweep, next_row, [l, t])
                 }
                 (Some(p), None) | (None, Some(p)) => {
-                    mtp_strip::<S, VW, KT, 1>(a, rows.clone(), j, k0, ahead, next_row, [p])
+                    mtp_strip::<S, VW, KT, 1, LIN>(a, rows.clone(), j, k0, sweep, next_row, [p])
                 }
                 (None, None) => {
-                    mtp_strip::<S, VW, KT, 0>(a, rows.clone(), j, k0, ahead, next_row, [])
+                    mtp_strip::<S, VW, KT, 0, LIN>(a, rows.clone(), j, k0, sweep, next_row, [])
                 }
             }
             j += VW * lanes;
             parts = (None, None);
         }
         while j + VW * lanes <= vec_end {
-            mtp_strip::<S, VW, KT, 0>(a, rows.clone(), j, k0, ahead, next_row, []);
+            mtp_strip::<S, VW, KT, 0, LIN>(a, rows.clone(), j, k0, sweep, next_row, []);
             j += VW * lanes;
         }
         // The vectors left over, fewer than VW: strips of 8, 4, 2 and 1 (a binary
         // decomposition), so that they keep several accumulators in flight: one vector
         // at a time is one dependent chain of multiply-adds down the rows.
         if VW > 8 && j + 8 * lanes <= vec_end {
-            mtp_strip::<S, 8, KT, 0>(a, rows.clone(), j, k0, ahead, next_row, []);
+            mtp_strip::<S, 8, KT, 0, LIN>(a, rows.clone(), j, k0, sweep, next_row, []);
             j += 8 * lanes;
         }
         if VW > 4 && j + 4 * lanes <= vec_end {
-            mtp_strip::<S, 4, KT, 0>(a, rows.clone(), j, k0, ahead, next_row, []);
+            mtp_strip::<S, 4, KT, 0, LIN>(a, rows.clone(), j, k0, sweep, next_row, []);
             j += 4 * lanes;
         }
         if VW > 2 && j + 2 * lanes <= vec_end {
-            mtp_strip::<S, 2, KT, 0>(a, rows.clone(), j, k0, ahead, next_row, []);
+            mtp_strip::<S, 2, KT, 0, LIN>(a, rows.clone(), j, k0, sweep, next_row, []);
             j += 2 * lanes;
         }
         if VW > 1 && j < vec_end {
-            mtp_strip::<S, 1, KT, 0>(a, rows.clone(), j, k0, ahead, next_row, []);
+            mtp_strip::<S, 1, KT, 0, LIN>(a, rows.clone(), j, k0, sweep, next_row, []);
             j += lanes;
         }
         debug_assert_eq!(j, vec_end);
         match parts {
-            (Some(l), Some(t)) => mtp_strip_part::<S, KT, 2>(a, rows.clone(), [l, t], k0, ahead),
+            (Some(l), Some(t)) => {
+                mtp_strip_part::<S, KT, 2, LIN>(a, rows.clone(), [l, t], k0, sweep)
+            }
             (Some(p), None) | (None, Some(p)) => {
-                mtp_strip_part::<S, KT, 1>(a, rows.clone(), [p], k0, ahead)
+                mtp_strip_part::<S, KT, 1, LIN>(a, rows.clone(), [p], k0, sweep)
             }
             (None, None) => {}
         }
@@ -605,6 +616,22 @@ unsafe fn mtp_cols_in<S: Simd>(a: &Mat, cols: Range<usize>) {
 /// The strips of [`mtp_cols`] (see there) over the columns `cols`, `a.n` > 0.
 #[inline(always)]
 unsafe fn mtp_strips<S: Simd>(a: &Mat, cols: Range<usize>) {
+    // SAFETY: forwarded caller guarantees.
+    unsafe { mtp_strips_as::<S>(a, cols, sweeps_in_memory_order(a)) }
+}
+
+/// Whether the strips sweep (where they sweep) in memory order ([`Sweep`]): on AMD Zen 5
+/// and later where `M` is larger than the last-level cache. From the LLC (AVX-512,
+/// r = 8, 512 x 4096, read once before) memory order read 0.92-1.04 of the rows' order,
+/// so calls there keep that.
+fn sweeps_in_memory_order(a: &Mat) -> bool {
+    zen5_or_later() && a.n * a.cols * 4 > llc_bytes()
+}
+
+/// [`mtp_strips`] with the sweep (where the call sweeps) in memory order or not
+/// (`linear`, [`Sweep`]): the same bits either way.
+#[inline(always)]
+unsafe fn mtp_strips_as<S: Simd>(a: &Mat, cols: Range<usize>, linear: bool) {
     let lanes = S::LANES;
     let sweep = mtp_sweeps::<S>(a, &cols);
     let accs = tile_accumulators(lanes);
@@ -640,7 +667,11 @@ unsafe fn mtp_strips<S: Simd>(a: &Mat, cols: Range<usize>) {
                 let rem = a.r - k0;
                 // Only the first tile of columns prefetches; the others walk the block
                 // again from L2.
-                let ahead = if k0 == 0 { ahead_rows * a.cols } else { 0 };
+                let sw = if k0 == 0 {
+                    Sweep::new(ahead_rows, linear, &rows, &panel)
+                } else {
+                    Sweep::NONE
+                };
                 // Eight lanes never reach 8 columns (the stream takes those ranks).
                 let kt = if rem >= 8 && lanes == 16 {
                     8
@@ -654,34 +685,49 @@ unsafe fn mtp_strips<S: Simd>(a: &Mat, cols: Range<usize>) {
                 // SAFETY: rows inside 0..n, the panel inside `cols` (inside 0..cols, the
                 // caller), tile columns inside 0..r.
                 unsafe {
+                    // Each tile with its sweep by rows (or none), the tiles that sweep from
+                    // memory on Zen 5 in memory order too ([`Sweep::takes_linear`]), the
+                    // order a constant (`LIN`): see [`Sweep::by_rows`].
+                    macro_rules! block {
+                        ($vw:expr, $kt:literal) => {
+                            if sw.is_linear() && const { Sweep::takes_linear(S::LANES, $kt) } {
+                                mtp_block::<S, $vw, $kt, true>(
+                                    a,
+                                    rows.clone(),
+                                    &panel,
+                                    k0,
+                                    sw,
+                                    next_row,
+                                )
+                            } else {
+                                mtp_block::<S, $vw, $kt, false>(
+                                    a,
+                                    rows.clone(),
+                                    &panel,
+                                    k0,
+                                    sw.by_rows(),
+                                    next_row,
+                                )
+                            }
+                        };
+                    }
                     match (kt, accs) {
-                        (8, 16) => {
-                            mtp_block::<S, 2, 8>(a, rows.clone(), &panel, k0, ahead, next_row)
-                        }
-                        (4, 16) if six_wide => mtp_block::<S, MTP_ZEN5_TILE_VECTORS, 4>(
+                        (8, 16) => block!(2, 8),
+                        // Only in calls that do not sweep (`six_wide`).
+                        (4, 16) if six_wide => mtp_block::<S, MTP_ZEN5_TILE_VECTORS, 4, false>(
                             a,
                             rows.clone(),
                             &panel,
                             k0,
-                            ahead,
+                            Sweep::NONE,
                             next_row,
                         ),
-                        (4, 16) => {
-                            mtp_block::<S, 4, 4>(a, rows.clone(), &panel, k0, ahead, next_row)
-                        }
-                        (2, 16) => {
-                            mtp_block::<S, 8, 2>(a, rows.clone(), &panel, k0, ahead, next_row)
-                        }
-                        (1, 16) => {
-                            mtp_block::<S, 16, 1>(a, rows.clone(), &panel, k0, ahead, next_row)
-                        }
-                        (4, _) => {
-                            mtp_block::<S, 2, 4>(a, rows.clone(), &panel, k0, ahead, next_row)
-                        }
-                        (2, _) => {
-                            mtp_block::<S, 4, 2>(a, rows.clone(), &panel, k0, ahead, next_row)
-                        }
-                        _ => mtp_block::<S, 8, 1>(a, rows.clone(), &panel, k0, ahead, next_row),
+                        (4, 16) => block!(4, 4),
+                        (2, 16) => block!(8, 2),
+                        (1, 16) => block!(16, 1),
+                        (4, _) => block!(2, 4),
+                        (2, _) => block!(4, 2),
+                        _ => block!(8, 1),
                     }
                 }
                 k0 += kt;

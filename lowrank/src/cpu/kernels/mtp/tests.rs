@@ -81,7 +81,7 @@ unsafe fn stream_portable(a: &Mat, cols: Range<usize>) {
 
 unsafe fn strips_portable(a: &Mat, cols: Range<usize>) {
     // SAFETY: forwarded.
-    unsafe { mtp_strips::<Portable>(a, cols) }
+    unsafe { strips_as_portable(a, cols, sweeps_in_memory_order(a)) }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -95,7 +95,7 @@ unsafe fn stream_avx2(a: &Mat, cols: Range<usize>) {
 #[target_feature(enable = "avx2,fma")]
 unsafe fn strips_avx2(a: &Mat, cols: Range<usize>) {
     // SAFETY: forwarded; the caller checked the instruction set.
-    unsafe { mtp_strips::<crate::cpu::simd::Avx2>(a, cols) }
+    unsafe { strips_as_avx2(a, cols, sweeps_in_memory_order(a)) }
 }
 
 unsafe fn one_row_portable(a: &Mat, cols: Range<usize>) {
@@ -128,7 +128,115 @@ unsafe fn stream_avx512(a: &Mat, cols: Range<usize>) {
 #[target_feature(enable = "avx512f,avx2,fma")]
 unsafe fn strips_avx512(a: &Mat, cols: Range<usize>) {
     // SAFETY: forwarded; the caller checked the instruction set.
-    unsafe { mtp_strips::<crate::cpu::simd::Avx512>(a, cols) }
+    unsafe { strips_as_avx512(a, cols, sweeps_in_memory_order(a)) }
+}
+
+/// The strips ([`mtp_strips_as`]) with the sweep in memory order or by rows: one copy a
+/// instruction set (each is the whole walk), which the kernels below share.
+#[inline(never)]
+unsafe fn strips_as_portable(a: &Mat, cols: Range<usize>, linear: bool) {
+    // SAFETY: forwarded.
+    unsafe { mtp_strips_as::<Portable>(a, cols, linear) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn strips_as_avx2(a: &Mat, cols: Range<usize>, linear: bool) {
+    // SAFETY: forwarded; the caller checked the instruction set.
+    unsafe { mtp_strips_as::<crate::cpu::simd::Avx2>(a, cols, linear) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn strips_as_avx512(a: &Mat, cols: Range<usize>, linear: bool) {
+    // SAFETY: forwarded; the caller checked the instruction set.
+    unsafe { mtp_strips_as::<crate::cpu::simd::Avx512>(a, cols, linear) }
+}
+
+unsafe fn strips_rows_portable(a: &Mat, cols: Range<usize>) {
+    // SAFETY: forwarded.
+    unsafe { strips_as_portable(a, cols, false) }
+}
+
+unsafe fn strips_linear_portable(a: &Mat, cols: Range<usize>) {
+    // SAFETY: forwarded.
+    unsafe { strips_as_portable(a, cols, true) }
+}
+
+#[cfg(target_arch = "x86_64")]
+unsafe fn strips_rows_avx2(a: &Mat, cols: Range<usize>) {
+    // SAFETY: forwarded; the caller checked the instruction set.
+    unsafe { strips_as_avx2(a, cols, false) }
+}
+
+#[cfg(target_arch = "x86_64")]
+unsafe fn strips_linear_avx2(a: &Mat, cols: Range<usize>) {
+    // SAFETY: forwarded; the caller checked the instruction set.
+    unsafe { strips_as_avx2(a, cols, true) }
+}
+
+#[cfg(target_arch = "x86_64")]
+unsafe fn strips_rows_avx512(a: &Mat, cols: Range<usize>) {
+    // SAFETY: forwarded; the caller checked the instruction set.
+    unsafe { strips_as_avx512(a, cols, false) }
+}
+
+#[cfg(target_arch = "x86_64")]
+unsafe fn strips_linear_avx512(a: &Mat, cols: Range<usize>) {
+    // SAFETY: forwarded; the caller checked the instruction set.
+    unsafe { strips_as_avx512(a, cols, true) }
+}
+
+/// The sweep in memory order and by rows ([`Sweep`]) give the bits of the row stream, on
+/// every instruction set the machine has, in calls that sweep (1 MiB or more of `M`;
+/// the stream, which sweeps its own way, the reference): ranks of one tile and of
+/// several (where only the first sweeps), part vectors at every offset class, ragged
+/// columns, and a thread's share of the columns (a panel narrower than the rows, which
+/// memory order walks row by row). In debug builds the memory-order addresses' arithmetic
+/// is checked for overflow on every prefetch.
+#[test]
+fn the_sweep_in_memory_order_gives_the_bits_of_the_stream() {
+    let mut kernels: Vec<(&str, Kernel, Kernel, Kernel)> = vec![(
+        "portable",
+        stream_portable,
+        strips_rows_portable,
+        strips_linear_portable,
+    )];
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+        kernels.push(("avx2", stream_avx2, strips_rows_avx2, strips_linear_avx2));
+    }
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("fma") {
+        kernels.push((
+            "avx512",
+            stream_avx512,
+            strips_rows_avx512,
+            strips_linear_avx512,
+        ));
+    }
+    for (n, cols, r, share) in [
+        (72, 4111, 8, 0..4111),
+        (48, 8200, 6, 1000..7013),
+        (300, 1000, 1, 0..1000),
+    ] {
+        for off in [0, 4, 13] {
+            let mut case = Case::new(n, cols, r, off);
+            for &(isa, stream, rows, linear) in &kernels {
+                let want = case.run_on(stream, share.clone());
+                for (walk, kernel) in [("by rows", rows), ("in memory order", linear)] {
+                    let got = case.run_on(kernel, share.clone());
+                    assert!(
+                        want.iter()
+                            .zip(&got)
+                            .all(|(x, y)| x.to_bits() == y.to_bits()),
+                        "{isa} {n} x {cols}, r = {r}, columns {share:?}, offset {off}: the \
+                         sweep {walk} differs from the stream"
+                    );
+                }
+            }
+        }
+    }
 }
 
 /// The one-row stream at rank 1 ([`mtp_stream_one_row`], which
