@@ -853,10 +853,100 @@ unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(
             }
             let per = if rb == RB { per_group } else { per_row };
             acc[..groups * per].fill(zero);
-            let base = acc.as_mut_ptr();
-            let mut j0 = 0;
-            // The chunk after this one, counted from the block's first.
-            let mut next = 1;
+            let block = ChunkedBlock {
+                a,
+                ap: &ap,
+                i0,
+                groups,
+                block_rows,
+                blocks,
+                vec_end_p,
+                vec_end,
+                chunk,
+                chunks,
+                by_chunk,
+                sweep,
+                hint,
+                acc: acc.as_mut_ptr(),
+                per,
+                q,
+                edges,
+                isa: PhantomData::<S>,
+            };
+            if rb == RB {
+                S::outlined(Chunked::<_, RB, FUSE>(block))
+            } else {
+                S::outlined(Chunked::<_, 1, FUSE>(block))
+            }
+            i0 += groups * rb;
+        }
+    }
+}
+
+/// One block of [`mq_rows_rb`]'s chunked walk: `groups` groups of rows from `i0`, each
+/// column chunk over all of them (their accumulators in `acc`, `per` vectors a group),
+/// then each group's finish. The fields are the walk's values for the block.
+struct ChunkedBlock<'a, S: Simd> {
+    a: &'a Mat,
+    ap: &'a Mat,
+    i0: usize,
+    groups: usize,
+    block_rows: usize,
+    blocks: usize,
+    vec_end_p: usize,
+    vec_end: usize,
+    chunk: usize,
+    chunks: usize,
+    by_chunk: bool,
+    sweep: bool,
+    hint: Hint,
+    acc: *mut S::V,
+    per: usize,
+    q: *const f32,
+    edges: Edges,
+    isa: PhantomData<S>,
+}
+
+/// A [`ChunkedBlock`] of groups of `RB` rows in a function of its own
+/// ([`Simd::outlined`]), one for each group size: inlined, every [`mq_rows_rb`] compiled
+/// its own copy of the one-row groups (its last rows), and the crate's build took
+/// longer. One call a block of rows.
+struct Chunked<'a, S: Simd, const RB: usize, const FUSE: bool>(ChunkedBlock<'a, S>);
+
+impl<S: Simd, const RB: usize, const FUSE: bool> Outlined for Chunked<'_, S, RB, FUSE> {
+    type Output = ();
+    #[inline(always)]
+    unsafe fn run(self) {
+        let ChunkedBlock {
+            a,
+            ap,
+            i0,
+            groups,
+            block_rows,
+            blocks,
+            vec_end_p,
+            vec_end,
+            chunk,
+            chunks,
+            by_chunk,
+            sweep,
+            hint,
+            acc: base,
+            per,
+            q,
+            edges,
+            ..
+        } = self.0;
+        // Copies of the shapes: through the references LLVM would reload them after
+        // every store (it cannot know that nothing writes to them).
+        let (a, ap) = (&{ *a }, &{ *ap });
+        let mut j0 = 0;
+        // The chunk after this one, counted from the block's first.
+        let mut next = 1;
+        // SAFETY: the guarantees of `mq_rows_rb`'s walk for this block, which the creator
+        // of the work gives: the groups lie inside its rows, the spans inside the rows'
+        // whole vectors, each group's accumulators (`per` vectors) inside `acc`.
+        unsafe {
             while j0 < vec_end_p {
                 let span = j0..if next == chunks {
                     vec_end_p
@@ -864,7 +954,7 @@ unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(
                     j0 + chunk
                 };
                 for g in 0..groups {
-                    let (i, slot) = (i0 + g * rb, base.add(g * per));
+                    let (i, slot) = (i0 + g * RB, base.add(g * per));
                     let span_len = span.end - span.start;
                     let ahead = if by_chunk {
                         // The same rows one chunk on (the next block's after the last).
@@ -876,29 +966,20 @@ unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(
                         // block's spans before this one, then its groups before this one.
                         let image = (i0 + blocks * block_rows) * a.cols
                             + span.start * block_rows
-                            + g * rb * span_len;
+                            + g * RB * span_len;
                         Ahead::Sweep(image, span_len, hint)
                     } else {
                         Ahead::No
                     };
-                    if rb == RB {
-                        mq_group::<S, RB, FUSE>(&ap, i, span.clone(), slot, q, ahead, edges)
-                    } else {
-                        mq_group::<S, 1, FUSE>(&ap, i, span.clone(), slot, q, ahead, edges)
-                    }
+                    mq_group::<S, RB, FUSE>(ap, i, span.clone(), slot, q, ahead, edges)
                 }
                 j0 = span.end;
                 next += 1;
             }
             for g in 0..groups {
-                let (i, slot) = (i0 + g * rb, base.add(g * per));
-                if rb == RB {
-                    mq_group_finish::<S, RB, FUSE>(a, i, vec_end, slot);
-                } else {
-                    mq_group_finish::<S, 1, FUSE>(a, i, vec_end, slot);
-                }
+                let (i, slot) = (i0 + g * RB, base.add(g * per));
+                mq_group_finish::<S, RB, FUSE>(a, i, vec_end, slot);
             }
-            i0 += groups * rb;
         }
     }
 }

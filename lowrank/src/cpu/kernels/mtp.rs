@@ -11,7 +11,8 @@ use super::{
     l1_is_wide, line_lead, llc_bytes, strips_prefetch_next_row, sweep_min_bytes, vector_lead,
     zen5_or_later, Mat, MTP_OWN_PREFETCH_RANK, SWEEP_STRIDE,
 };
-use crate::cpu::simd::Simd;
+use crate::cpu::simd::{Outlined, Simd};
+use std::marker::PhantomData;
 use std::ops::Range;
 
 /// Floats of `M` per row block and column panel: 128 KiB, so that the block and the
@@ -415,6 +416,59 @@ unsafe fn mtp_block<S: Simd, const VW: usize, const KT: usize, const LIN: bool>(
     }
 }
 
+/// [`mtp_block`] in a function of its own ([`Simd::outlined`]), one for each tile and
+/// order: inlined, each of the walks that reach it ([`mtp_cols`] with `Q` in place and
+/// in its scratch) compiled a copy of every strip, and the crate's build took twice as
+/// long. One call a block of rows, panel and tile of columns. Its fields are
+/// [`mtp_block`]'s arguments.
+struct Block<'a, S, const VW: usize, const KT: usize, const LIN: bool> {
+    a: &'a Mat,
+    rows: Range<usize>,
+    panel: &'a Range<usize>,
+    k0: usize,
+    sweep: Sweep,
+    next_row: bool,
+    isa: PhantomData<S>,
+}
+
+impl<S: Simd, const VW: usize, const KT: usize, const LIN: bool> Outlined
+    for Block<'_, S, VW, KT, LIN>
+{
+    type Output = ();
+    #[inline(always)]
+    unsafe fn run(self) {
+        // Copies of the shape and the panel: through the fields' references LLVM would
+        // reload them after every store (it cannot know that nothing writes to them).
+        let (a, panel) = (*self.a, self.panel.clone());
+        // SAFETY: the guarantees of `mtp_block`, which the creator of the work gives.
+        unsafe {
+            mtp_block::<S, VW, KT, LIN>(&a, self.rows, &panel, self.k0, self.sweep, self.next_row)
+        }
+    }
+}
+
+/// [`mtp_stream_one_row`] in a function of its own ([`Simd::outlined`]): inlined into
+/// [`mtp_cols`] beside the outlined [`Block`]s, its row loop kept a pointer on the stack
+/// (AVX-512, r = 1, `M` in L2 16 bytes past a line: 0.87 of its own function, twelve
+/// alternated pairs of `--roofline`).
+struct OneRow<'a, S> {
+    a: &'a Mat,
+    cols: Range<usize>,
+    isa: PhantomData<S>,
+}
+
+impl<S: Simd> Outlined for OneRow<'_, S> {
+    type Output = ();
+    #[inline(always)]
+    unsafe fn run(self) {
+        // A copy of the shape, as in [`Block`].
+        let a = *self.a;
+        // SAFETY: the guarantees of `mtp_stream_one_row`, which the creator of the work
+        // gives.
+        unsafe { mtp_stream_one_row::<S>(&a, self.cols) }
+    }
+}
+
 /// The largest rank at which [`mtp_cols`] takes [`mtp_stream`] for a call that streams
 /// `M` from memory (see there).
 const MTP_STREAM_MAX_RANK: usize = 3;
@@ -604,7 +658,11 @@ unsafe fn mtp_cols_in<S: Simd>(a: &Mat, cols: Range<usize>) {
     // SAFETY: forwarded caller guarantees.
     unsafe {
         if takes_one_row_stream(lanes, a.r, a.n * cols.len() * 4, zen5_or_later()) {
-            mtp_stream_one_row::<S>(a, cols)
+            S::outlined(OneRow::<S> {
+                a,
+                cols,
+                isa: PhantomData,
+            })
         } else if stream {
             mtp_stream::<S>(a, cols)
         } else {
@@ -691,37 +749,42 @@ unsafe fn mtp_strips_as<S: Simd>(a: &Mat, cols: Range<usize>, linear: bool) {
                     macro_rules! block {
                         ($vw:expr, $kt:literal) => {
                             if sw.is_linear() && const { Sweep::takes_linear(S::LANES, $kt) } {
-                                mtp_block::<S, $vw, $kt, true>(
+                                S::outlined(Block::<S, $vw, $kt, true> {
                                     a,
-                                    rows.clone(),
-                                    &panel,
+                                    rows: rows.clone(),
+                                    panel: &panel,
                                     k0,
-                                    sw,
+                                    sweep: sw,
                                     next_row,
-                                )
+                                    isa: PhantomData,
+                                })
                             } else {
-                                mtp_block::<S, $vw, $kt, false>(
+                                S::outlined(Block::<S, $vw, $kt, false> {
                                     a,
-                                    rows.clone(),
-                                    &panel,
+                                    rows: rows.clone(),
+                                    panel: &panel,
                                     k0,
-                                    sw.by_rows(),
+                                    sweep: sw.by_rows(),
                                     next_row,
-                                )
+                                    isa: PhantomData,
+                                })
                             }
                         };
                     }
                     match (kt, accs) {
                         (8, 16) => block!(2, 8),
                         // Only in calls that do not sweep (`six_wide`).
-                        (4, 16) if six_wide => mtp_block::<S, MTP_ZEN5_TILE_VECTORS, 4, false>(
-                            a,
-                            rows.clone(),
-                            &panel,
-                            k0,
-                            Sweep::NONE,
-                            next_row,
-                        ),
+                        (4, 16) if six_wide => {
+                            S::outlined(Block::<S, MTP_ZEN5_TILE_VECTORS, 4, false> {
+                                a,
+                                rows: rows.clone(),
+                                panel: &panel,
+                                k0,
+                                sweep: Sweep::NONE,
+                                next_row,
+                                isa: PhantomData,
+                            })
+                        }
                         (4, 16) => block!(4, 4),
                         (2, 16) => block!(8, 2),
                         (1, 16) => block!(16, 1),

@@ -5,7 +5,8 @@ use super::{
     l1_is_wide, line_lead, llc_bytes, sweep_min_bytes, zen5_or_later, Mat, PQT_OWN_PREFETCH_RANK,
     SWEEP_STRIDE,
 };
-use crate::cpu::simd::Simd;
+use crate::cpu::simd::{Outlined, Simd};
+use std::marker::PhantomData;
 use std::ops::Range;
 
 /// How far ahead (floats) the fused pass sweeps `M` and `E` into L2 when a call streams
@@ -534,8 +535,9 @@ unsafe fn pqt_rows_with<S: Simd, const RC: usize, const FUSE: bool, const NT: bo
             wide_sweep: sweep && l1_is_wide(),
             zen5,
         };
-        // Whole rows keep a copy of the walk of their own: through the chunks' loop
-        // AVX2 `pqt+e` at r = 1 read 0.86-0.89 of it in L2.
+        // Whole rows call the tiles' walks ([`Blocks`]) outside the chunks' loop: when the
+        // walks were inlined, the chunks' loop around them cost AVX2 `pqt+e` at r = 1
+        // 0.11-0.14 in L2.
         if chunks == 1 {
             let span = Span::whole(lead, nvec, lanes);
             pqt_tiles::<S, RC, FUSE, NT>(a, rows, qpack, tiles, span, true);
@@ -583,38 +585,127 @@ unsafe fn pqt_tiles<S: Simd, const RC: usize, const FUSE: bool, const NT: bool>(
         wide_sweep,
         zen5,
     } = tiles;
+    // The rank, a constant with `RC` (`pqt_rows` dispatches on `a.r`): the tiles that
+    // rank never takes are not compiled.
+    let r = if RC == 0 { a.r } else { RC };
     let mut i = rows.start;
+    let end = rows.end;
     // SAFETY: forwarded caller guarantees; every block lies inside `rows`.
     unsafe {
-        if a.r > 4 && wide_sweep {
-            while i + 4 <= rows.end {
-                pqt_block::<S, 4, 2, RC, FUSE, NT>(a, i, qpack, lead, sweep, span);
-                i += 4;
-            }
+        macro_rules! blocks {
+            ($rb:literal, $u:literal) => {
+                i = S::outlined(Blocks::<S, $rb, $u, RC, FUSE, NT> {
+                    a,
+                    i,
+                    end,
+                    qpack,
+                    lead,
+                    sweep,
+                    span,
+                    isa: PhantomData,
+                })
+            };
         }
-        if (2..=4).contains(&a.r) && wide_sweep {
-            while i + 2 <= rows.end {
-                pqt_block::<S, 2, 4, RC, FUSE, NT>(a, i, qpack, lead, sweep, span);
-                i += 2;
-            }
+        if r > 4 && wide_sweep {
+            blocks!(4, 2);
+        }
+        if (2..=4).contains(&r) && wide_sweep {
+            blocks!(2, 4);
         }
         // Two rows of four at r = 4 in cache too on Zen 5: [`PQT_ZEN5_TWO_ROWS_RANK`].
-        if a.r > 4 || (a.r == PQT_ZEN5_TWO_ROWS_RANK && zen5) {
-            while i + 2 <= rows.end {
-                pqt_block::<S, 2, 4, RC, FUSE, NT>(a, i, qpack, lead, sweep, span);
-                i += 2;
-            }
+        if r > 4 || (r == PQT_ZEN5_TWO_ROWS_RANK && zen5) {
+            blocks!(2, 4);
         }
-        if RC == 1 && whole && pqt_one_vector_walk(FUSE, S::LANES, a.r, sweep, zen5) {
-            while i < rows.end {
-                pqt_row::<S, 1, FUSE, NT>(a, i, qpack, lead);
-                i += 1;
-            }
+        if RC == 1 && whole && pqt_one_vector_walk(FUSE, S::LANES, r, sweep, zen5) {
+            i = S::outlined(Rows::<S, FUSE, NT> {
+                a,
+                i,
+                end,
+                qpack,
+                lead,
+                isa: PhantomData,
+            });
         }
-        while i < rows.end {
-            pqt_block::<S, 1, 8, RC, FUSE, NT>(a, i, qpack, lead, sweep, span);
-            i += 1;
+        blocks!(1, 8);
+        debug_assert_eq!(i, end);
+    }
+}
+
+/// [`pqt_block`]s of `RB` rows from row `i` while they fit before `end`, in a function of
+/// its own ([`Simd::outlined`]); it returns the row after the last block. One function
+/// for each tile, where each of [`pqt_tiles`]' walks inlined (whole rows, chunks, and
+/// the tiles each rank can take) compiled a copy of it: the crate's build took twice
+/// as long. Its arguments are [`pqt_block`]'s.
+struct Blocks<
+    'a,
+    S,
+    const RB: usize,
+    const U: usize,
+    const RC: usize,
+    const FUSE: bool,
+    const NT: bool,
+> {
+    a: &'a Mat,
+    i: usize,
+    end: usize,
+    qpack: *const f32,
+    lead: usize,
+    sweep: bool,
+    span: Span,
+    isa: PhantomData<S>,
+}
+
+impl<
+        S: Simd,
+        const RB: usize,
+        const U: usize,
+        const RC: usize,
+        const FUSE: bool,
+        const NT: bool,
+    > Outlined for Blocks<'_, S, RB, U, RC, FUSE, NT>
+{
+    type Output = usize;
+    #[inline(always)]
+    unsafe fn run(self) -> usize {
+        // A copy of the shape: through the field's reference LLVM would reload it after
+        // every store (it cannot know that nothing writes to it).
+        let a = &{ *self.a };
+        let mut i = self.i;
+        while i + RB <= self.end {
+            // SAFETY: the guarantees of `pqt_block` for rows `i..i + RB`, inside the rows
+            // `self.i..self.end` that the creator of the work gives them for.
+            unsafe {
+                pqt_block::<S, RB, U, RC, FUSE, NT>(
+                    a, i, self.qpack, self.lead, self.sweep, self.span,
+                )
+            };
+            i += RB;
         }
+        i
+    }
+}
+
+/// [`pqt_row`] at rank 1 for every row from `i` to `end`, in a function of its own
+/// ([`Blocks`]); it returns `end`.
+struct Rows<'a, S, const FUSE: bool, const NT: bool> {
+    a: &'a Mat,
+    i: usize,
+    end: usize,
+    qpack: *const f32,
+    lead: usize,
+    isa: PhantomData<S>,
+}
+
+impl<S: Simd, const FUSE: bool, const NT: bool> Outlined for Rows<'_, S, FUSE, NT> {
+    type Output = usize;
+    #[inline(always)]
+    unsafe fn run(self) -> usize {
+        for i in self.i..self.end {
+            // SAFETY: the guarantees of `pqt_row` for row `i`, inside the rows
+            // `self.i..self.end` that the creator of the work gives them for.
+            unsafe { pqt_row::<S, 1, FUSE, NT>(self.a, i, self.qpack, self.lead) };
+        }
+        self.end.max(self.i)
     }
 }
 
