@@ -6,7 +6,7 @@
 
 use super::*;
 
-/// One tile over whole rows (a call whose rows are not chunked): [`mq_span`] over every
+/// One tile over whole rows (a call whose rows are not chunked): [`mq_span`](super::chunked::mq_span) over every
 /// vector of the rows of `ap` (`M` shifted back with `edges`, as in [`mq_rows_rb`]) and
 /// [`mq_finish_regs`] (on `a`, the rows as they are) in one, with the accumulators in
 /// registers from the first vector to the reduction. The same operations on each
@@ -103,7 +103,7 @@ impl<S: Simd, const RB: usize, const KT: usize, const U: usize, const FUSE: bool
     }
 }
 
-/// [`mq_group`] and [`mq_group_finish`] in one for whole rows: [`mq_whole`] for every
+/// [`mq_group`](super::chunked::mq_group) and [`mq_group_finish`](super::chunked::mq_group_finish) in one for whole rows: [`mq_whole`] for every
 /// column tile of the group, each in a function of its own ([`Simd::outlined`]: inlined
 /// into the driver, the loop's row pointers were spilled and reloaded from the stack).
 #[allow(clippy::too_many_arguments)]

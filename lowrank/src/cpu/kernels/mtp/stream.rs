@@ -178,7 +178,7 @@ fn stream_shift<S: Simd>(a: &Mat, c0: usize) -> usize {
 /// `Q` (for each vector of columns the `r` vectors one after the other, zeroed first,
 /// written back at the end) in panels of [`MTP_STREAM_PANEL`] floats.
 ///
-/// The strips of [`mtp_block`] read 8 vectors (256 bytes) of each row down a block; at
+/// The strips of [`mtp_block`](super::strips::mtp_block) read 8 vectors (256 bytes) of each row down a block; at
 /// power-of-two widths the block's rows are multiples of 4 KiB apart and the strip's
 /// lines fall in 4 of L1's 64 sets: with `M` in L2 (AMD Zen 4, AVX2), 0.28-0.45 of the
 /// in-core limit at 1024 columns against 0.67-0.85 at 1008. Here 4 rows side by side
@@ -207,7 +207,7 @@ fn stream_shift<S: Simd>(a: &Mat, c0: usize) -> usize {
 /// on 8-way L1s, at ranks not a multiple of [`MTP_STRIPS_WIDE_TILE`] on wider ones, but not
 /// on those wider ones where every row lies alike on lines ([`MTP_STRIPS_ROW_FLOATS`]).
 ///
-/// Each element gets the same operations in the same order as in [`mtp_block`] (from
+/// Each element gets the same operations in the same order as in [`mtp_block`](super::strips::mtp_block) (from
 /// zero, one fused multiply-add a row in row order, [`Simd::fma1`] for the columns taken
 /// one at a time), so the two give the same bits. Its vectors do not start at a line
 /// boundary as the strips' do: the columns before one, taken one at a time with each

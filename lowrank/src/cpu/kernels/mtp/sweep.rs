@@ -5,7 +5,7 @@
 use super::super::Mat;
 use std::ops::Range;
 
-/// The prefetches of one row block's strips ([`mtp_strip`](super::mtp_strip)): none
+/// The prefetches of one row block's strips ([`mtp_strip`](super::strips::mtp_strip)): none
 /// ([`Sweep::NONE`]), or for every row `i` of a strip the block `ahead_rows` rows
 /// further down, in one of two orders:
 /// - by rows (`linear` false): row `i + ahead_rows` at the strip's own columns, so a
