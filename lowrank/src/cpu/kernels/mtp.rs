@@ -43,7 +43,9 @@ const MTP_BLOCK_FLOATS_CACHED: usize = 65536;
 /// 24.8, 3072 22.7 -> 25.0, 8192 23.0 -> 25.3; 1024 and 1000 columns (64 rows a block
 /// already, [`MTP_BLOCK_ROWS_MAX`]) 1.00-1.02; two threads 35.5 -> 37.5-39.4; from the
 /// LLC (512 x 4096) 74.7 -> 83.7. 1 MiB blocks read the same as 512 KiB. At r = 1-3
-/// (other tiles) 512 KiB read 0.97-0.98, so they keep 256 KiB.
+/// (other tiles) 512 KiB read 0.97-0.98, so they keep 256 KiB. Where `M` is larger
+/// than the LLC, r = 4 now sweeps instead ([`MTP_ZEN5_SWEEP_RANK`]), and these blocks
+/// serve calls that stream 1 MiB or more of an `M` the LLC holds.
 const MTP_BLOCK_FLOATS_ZEN5_FROM_MEMORY: usize = 131072;
 /// Rows per block: at least this many (the accumulators are loaded and stored once a
 /// block; fewer rows would make that traffic count), at most [`MTP_BLOCK_ROWS_MAX`].
@@ -141,10 +143,11 @@ fn zen5_takes_stream(sweep: bool, r: usize) -> bool {
 /// AVX-512, KVM), r = 4, 16 bytes past a line: `--roofline` in L2 median ratio of four
 /// alternated pairs 1.16 (0.62-0.64 -> 0.72 of the in-core limit); a probe, three pairs
 /// each, 128 x 1024 / 64 x 2048 / 32 x 4096 / 100 x 1000 1.17 / 1.16-1.17 / 1.05-1.07 /
-/// 1.05. From memory r = 4 does not sweep on Zen 5 ([`MTP_OWN_PREFETCH_RANK`]), so it
-/// takes 6 there too: 0.96-0.98 in the probe (8192 x 4096), 1.07 in `--roofline`'s
+/// 1.05. From memory r = 4 did not sweep on Zen 5 ([`MTP_OWN_PREFETCH_RANK`]), so it
+/// took 6 there too: 0.96-0.98 in the probe (8192 x 4096), 1.07 in `--roofline`'s
 /// `cold` (4096 x 4096) and 1.17 from the LLC (four pairs). Calls that sweep (a tile of
-/// 4 at r >= 5) keep 4.
+/// 4 at r >= 5, and r = 4 where `M` is larger than the LLC, [`MTP_ZEN5_SWEEP_RANK`])
+/// keep 4.
 const MTP_ZEN5_TILE_VECTORS: usize = 6;
 /// Whether [`mtp_cols`] takes the one-row stream ([`mtp_stream_one_row`]) for a call of
 /// rank `r` on `lanes` lanes over `bytes` of `M`: at rank 1 with AVX-512 on AMD Zen 5
@@ -185,10 +188,27 @@ fn streams_from_memory(a: &Mat, cols: &Range<usize>) -> bool {
     a.n * cols.len() * 4 >= super::SWEEP_MIN_BYTES
 }
 /// Whether an `mtp` call over the columns `cols` sweeps `M` ahead into L2 (the strips
-/// and the stream alike): [`sweep_min_bytes`] at the call's rank.
+/// and the stream alike): [`sweep_min_bytes`] at the call's rank, and on AMD Zen 5 with
+/// 16 lanes at r = [`MTP_ZEN5_SWEEP_RANK`] where the strips sweep in memory order.
 fn mtp_sweeps<S: Simd>(a: &Mat, cols: &Range<usize>) -> bool {
     a.n * cols.len() * 4 >= sweep_min_bytes(a.r, S::LANES, MTP_OWN_PREFETCH_RANK)
+        || S::LANES == 16
+            && a.r == MTP_ZEN5_SWEEP_RANK
+            && streams_from_memory(a, cols)
+            && sweeps_in_memory_order(a)
 }
+/// The rank at which `mtp` with 16 lanes sweeps on AMD Zen 5 and later where its strips
+/// sweep in memory order ([`sweeps_in_memory_order`]: `M` larger than the last-level
+/// cache), though at ranks up to [`MTP_OWN_PREFETCH_RANK`] it leaves the rows to the
+/// hardware prefetchers: the 4 x 4 tile (128 KiB blocks) swept in memory order against
+/// the 6 x 4 tile in 512 KiB blocks unswept ([`MTP_ZEN5_TILE_VECTORS`]). AMD EPYC (Zen
+/// 5, KVM), AVX-512, a probe alternating both on the same buffers, each call after a
+/// 512 MiB write (median GB/s of 11-21 calls): one thread 4096 x 4096 18.2 / 14.2 ->
+/// 20.2 / 17.9, 8192 x 4096 15.4 / 14.0 -> 19.6 / 19.0 (1.11-1.36); two threads
+/// 4096 x 4096 22.2 / 21.0 / 17.6 / 17.2 -> 19.1 / 21.6 / 20.8 / 20.0, 8192 x 4096 24.5 /
+/// 17.4 / 19.4 -> 27.1 / 21.8 / 21.1 (0.86-1.25, median 1.11). Ranks 1-3 have no tile
+/// that sweeps in memory order (their rows' order read less), so they keep none.
+const MTP_ZEN5_SWEEP_RANK: usize = 4;
 /// Accumulators a tile holds: 16 vectors with AVX-512's 32 registers, 8 with 16 (AVX2
 /// and the portable fallback), leaving room for the row's vectors and a broadcast.
 const fn tile_accumulators(lanes: usize) -> usize {

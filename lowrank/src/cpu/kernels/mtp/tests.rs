@@ -218,6 +218,7 @@ fn the_sweep_in_memory_order_gives_the_bits_of_the_stream() {
     for (n, cols, r, share) in [
         (72, 4111, 8, 0..4111),
         (48, 8200, 6, 1000..7013),
+        (64, 4111, 4, 0..4111),
         (300, 1000, 1, 0..1000),
     ] {
         for off in [0, 4, 13] {
@@ -399,4 +400,39 @@ fn the_stream_and_the_strips_give_the_same_bits() {
             }
         }
     }
+}
+
+/// With 16 lanes at r = 4, a call from memory sweeps on AMD Zen 5 only where `M` is
+/// larger than the last-level cache ([`MTP_ZEN5_SWEEP_RANK`], where the strips sweep in
+/// memory order); there a call from an `M` the LLC holds leaves the rows to the hardware
+/// prefetchers, and other cores sweep both.
+#[test]
+#[cfg(target_arch = "x86_64")]
+fn rank_four_sweeps_on_zen5_only_past_the_llc() {
+    use crate::cpu::simd::Avx512;
+    let llc = llc_bytes();
+    if llc > 1 << 40 {
+        println!("skipped: cpuid names no last-level cache");
+        return;
+    }
+    let cols = 4096;
+    let shape = |n: usize| Mat {
+        m: std::ptr::null_mut(),
+        e: std::ptr::null_mut(),
+        p: std::ptr::null_mut(),
+        q: std::ptr::null_mut(),
+        n,
+        cols,
+        r: MTP_ZEN5_SWEEP_RANK,
+    };
+    // 1 MiB or more, within the LLC; and past it.
+    let held = shape((super::super::SWEEP_MIN_BYTES / (cols * 4)).max(llc / (cols * 4) / 2));
+    let past = shape(llc / (cols * 4) + 64);
+    assert!(held.n * cols * 4 <= llc && held.n * cols * 4 >= super::super::SWEEP_MIN_BYTES);
+    let zen5 = zen5_or_later();
+    assert_eq!(mtp_sweeps::<Avx512>(&held, &(0..cols)), !zen5);
+    assert!(mtp_sweeps::<Avx512>(&past, &(0..cols)));
+    // Ranks 1-3 have no tile that sweeps in memory order: on Zen 5 they do not sweep.
+    let low = Mat { r: 3, ..past };
+    assert_eq!(mtp_sweeps::<Avx512>(&low, &(0..cols)), !zen5);
 }
