@@ -202,29 +202,10 @@ impl<S: Simd, const RB: usize, const FUSE: bool> Outlined for Chunked<'_, S, RB,
     type Output = ();
     #[inline(always)]
     unsafe fn run(self) {
-        let ChunkedBlock {
-            a,
-            ap,
-            i0,
-            groups,
-            block_rows,
-            blocks,
-            vec_end_p,
-            vec_end,
-            chunk,
-            chunks,
-            by_chunk,
-            sweep,
-            hint,
-            acc: base,
-            per,
-            q,
-            edges,
-            ..
-        } = self.0;
+        let b = self.0;
         // Copies of the shapes: through the references LLVM would reload them after
         // every store (it cannot know that nothing writes to them).
-        let (a, ap) = (&{ *a }, &{ *ap });
+        let (a, ap) = (&{ *b.a }, &{ *b.ap });
         let mut j0 = 0;
         // The chunk after this one, counted from the block's first.
         let mut next = 1;
@@ -232,38 +213,38 @@ impl<S: Simd, const RB: usize, const FUSE: bool> Outlined for Chunked<'_, S, RB,
         // of the work gives: the groups lie inside its rows, the spans inside the rows'
         // whole vectors, each group's accumulators (`per` vectors) inside `acc`.
         unsafe {
-            while j0 < vec_end_p {
-                let span = j0..if next == chunks {
-                    vec_end_p
+            while j0 < b.vec_end_p {
+                let span = j0..if next == b.chunks {
+                    b.vec_end_p
                 } else {
-                    j0 + chunk
+                    j0 + b.chunk
                 };
-                for g in 0..groups {
-                    let (i, slot) = (i0 + g * RB, base.add(g * per));
+                for g in 0..b.groups {
+                    let (i, slot) = (b.i0 + g * RB, b.acc.add(g * b.per));
                     let span_len = span.end - span.start;
-                    let ahead = if by_chunk {
+                    let ahead = if b.by_chunk {
                         // The same rows one chunk on (the next block's after the last).
-                        let rows_on = next / chunks * block_rows;
-                        let image = (i + rows_on) * a.cols + next % chunks * chunk;
-                        Ahead::Sweep(image, a.cols, hint)
-                    } else if sweep {
+                        let rows_on = next / b.chunks * b.block_rows;
+                        let image = (i + rows_on) * a.cols + next % b.chunks * b.chunk;
+                        Ahead::Sweep(image, a.cols, b.hint)
+                    } else if b.sweep {
                         // This tile's image in the block MQ_AHEAD_BLOCKS ahead: the
                         // block's spans before this one, then its groups before this one.
-                        let image = (i0 + blocks * block_rows) * a.cols
-                            + span.start * block_rows
+                        let image = (b.i0 + b.blocks * b.block_rows) * a.cols
+                            + span.start * b.block_rows
                             + g * RB * span_len;
-                        Ahead::Sweep(image, span_len, hint)
+                        Ahead::Sweep(image, span_len, b.hint)
                     } else {
                         Ahead::No
                     };
-                    mq_group::<S, RB, FUSE>(ap, i, span.clone(), slot, q, ahead, edges)
+                    mq_group::<S, RB, FUSE>(ap, i, span.clone(), slot, b.q, ahead, b.edges)
                 }
                 j0 = span.end;
                 next += 1;
             }
-            for g in 0..groups {
-                let (i, slot) = (i0 + g * RB, base.add(g * per));
-                mq_group_finish::<S, RB, FUSE>(a, i, vec_end, slot);
+            for g in 0..b.groups {
+                let (i, slot) = (b.i0 + g * RB, b.acc.add(g * b.per));
+                mq_group_finish::<S, RB, FUSE>(a, i, b.vec_end, slot);
             }
         }
     }
