@@ -48,6 +48,14 @@
 //! - `serial`: the fraction the row would reach if its in-core work (the L2 rate) did not
 //!   overlap the memory transfer at all, `1 / (1 + ref / L2)`; a measured fraction
 //!   between `serial` and 1 says how much of it overlaps.
+//! - `plain` and `+pf` (the products, AVX-512 and AVX2 only): the fraction of `ref` that a plain loop
+//!   reaches from memory doing the row's multiply-adds a line (`fma/line`, into
+//!   independent accumulators) as it reads `M` once in memory order, without and with a
+//!   software prefetch 4 KiB ahead ([`fma_stream`]), timed in the same rounds as `cold`:
+//!   how much overlap of compute and memory the core gives a walk in memory order with
+//!   the row's work. `plain` near `serial` and `+pf` near 1 say the hardware prefetchers
+//!   alone leave such a stream serial and a prefetch in the order of the loads is what
+//!   overlaps it; a kernel well under `+pf` loses to its walk, not to the machine.
 //! - `llc ref` and `llc`: the reference's GB/s and the kernel's fraction of it with 8 MiB
 //!   of `M` (and `E`) in the last-level cache (read once, then 8 MiB of other data so
 //!   that none of it is left in L2): a stand-in for a core whose memory is faster
@@ -286,6 +294,128 @@ fn split_stream(m: &mut [f32], e: &mut [f32], widest: Isa) {
         *y = *x;
         *x = -*x;
     }
+}
+
+/// Bytes ahead of its loads at which [`fma_stream`] prefetches (`prefetcht0`, a line at
+/// a time): about a DRAM latency's worth of one core's read at 30-40 GB/s.
+const PLAIN_PREFETCH_BYTES: usize = 4096;
+
+/// A read of `x` in memory order with `k` fused multiply-adds a vector (the kernels'
+/// width at `widest`, [`stream_isa`]) into independent accumulators, `k` in 1, 2, 4, 8:
+/// the in-core work of a rank-`k` product a line, with none of a kernel's walk. With
+/// `prefetch`, each line [`PLAIN_PREFETCH_BYTES`] ahead is prefetched as the loop
+/// reaches its own.
+fn fma_stream(x: &[f32], widest: Isa, k: usize, prefetch: bool) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        macro_rules! go {
+            ($f:ident) => {
+                // SAFETY: `stream_isa` returns only instruction sets this CPU has.
+                return unsafe {
+                    match (k, prefetch) {
+                        (1, false) => $f::<1, false>(x),
+                        (1, true) => $f::<1, true>(x),
+                        (2, false) => $f::<2, false>(x),
+                        (2, true) => $f::<2, true>(x),
+                        (4, false) => $f::<4, false>(x),
+                        (4, true) => $f::<4, true>(x),
+                        (_, false) => $f::<8, false>(x),
+                        (_, true) => $f::<8, true>(x),
+                    }
+                }
+            };
+        }
+        match stream_isa(widest) {
+            Isa::Avx512 => go!(fma_stream_avx512),
+            Isa::Avx2 => go!(fma_stream_avx2),
+            _ => {}
+        }
+    }
+    // No SIMD instruction set (the roofline does not ask for one then): a multiply and
+    // an add a lane, which LLVM vectorises, and no prefetch.
+    let mut acc = [0.0f32; 16];
+    for c in x.chunks_exact(16) {
+        for _ in 0..k {
+            for (a, v) in acc.iter_mut().zip(c) {
+                *a += v * 0.5;
+            }
+        }
+    }
+    acc.iter().sum()
+}
+
+/// [`fma_stream`] in AVX-512: 16 accumulators, `16 / K` vectors a step, each vector's
+/// `K` multiply-adds into accumulators of their own.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn fma_stream_avx512<const K: usize, const PF: bool>(x: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let nv = 16 / K;
+    let mut acc = [_mm512_setzero_ps(); 16];
+    let p = _mm512_set1_ps(0.5);
+    for c in x.chunks_exact(16 * nv) {
+        let base = c.as_ptr();
+        if PF {
+            for v in 0..nv {
+                // A prefetch never faults: the address may lie past `x`.
+                _mm_prefetch::<_MM_HINT_T0>(
+                    base.wrapping_add(16 * v + PLAIN_PREFETCH_BYTES / 4)
+                        .cast::<i8>(),
+                );
+            }
+        }
+        for v in 0..nv {
+            // SAFETY: `c` holds `16 * nv` floats, so 16 at offset 16 * v are in bounds.
+            let xv = unsafe { _mm512_loadu_ps(base.add(16 * v)) };
+            for j in 0..K {
+                acc[v * K + j] = _mm512_fmadd_ps(p, xv, acc[v * K + j]);
+            }
+        }
+    }
+    let mut s = acc[0];
+    for a in &acc[1..] {
+        s = _mm512_add_ps(s, *a);
+    }
+    _mm512_reduce_add_ps(s)
+}
+
+/// [`fma_stream`] in AVX2: 8 accumulators (of AVX2's 16 registers), `8 / K` vectors a
+/// step; two vectors a line, so `2 K` multiply-adds a line as in the AVX2 kernels.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn fma_stream_avx2<const K: usize, const PF: bool>(x: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let nv = 8 / K;
+    let mut acc = [_mm256_setzero_ps(); 8];
+    let p = _mm256_set1_ps(0.5);
+    for (i, c) in x.chunks_exact(8 * nv).enumerate() {
+        let base = c.as_ptr();
+        if PF {
+            // One prefetch a line (two vectors): at the even vectors.
+            for v in (0..nv).filter(|v| (i * nv + v).is_multiple_of(2)) {
+                // A prefetch never faults: the address may lie past `x`.
+                _mm_prefetch::<_MM_HINT_T0>(
+                    base.wrapping_add(8 * v + PLAIN_PREFETCH_BYTES / 4)
+                        .cast::<i8>(),
+                );
+            }
+        }
+        for v in 0..nv {
+            // SAFETY: `c` holds `8 * nv` floats, so 8 at offset 8 * v are in bounds.
+            let xv = unsafe { _mm256_loadu_ps(base.add(8 * v)) };
+            for j in 0..K {
+                acc[v * K + j] = _mm256_fmadd_ps(p, xv, acc[v * K + j]);
+            }
+        }
+    }
+    let mut s = acc[0];
+    for a in &acc[1..] {
+        s = _mm256_add_ps(s, *a);
+    }
+    let mut lanes = [0.0f32; 8];
+    // SAFETY: `lanes` holds 8 floats.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), s) };
+    lanes.iter().sum()
 }
 
 /// The stream `add_mq` makes, with nothing computed: `m += e` (two reads and a write an
@@ -665,7 +795,7 @@ fn roofline(a: &Args, cpu: &CpuBackend) {
             fma.map_or("-".into(), |f| format!("{f:.2}"))
         );
         println!(
-            "{:<6} {:>2} {:>8} {:>9} {:>9} {:>7} {:>7} {:>8} {:>7} {:>7} {:>6} {:>9} {:>7} {:>7} {:>5}",
+            "{:<6} {:>2} {:>8} {:>9} {:>9} {:>7} {:>7} {:>8} {:>7} {:>7} {:>6} {:>9} {:>7} {:>5} {:>5} {:>7} {:>5}",
             "op",
             "r",
             "fma/line",
@@ -679,6 +809,8 @@ fn roofline(a: &Args, cpu: &CpuBackend) {
             "ref",
             "fraction",
             "serial",
+            "plain",
+            "+pf",
             "llc ref",
             "llc"
         );
@@ -786,18 +918,40 @@ fn roofline_row(
     // From memory (n = m = 4096), as the table measures: the products against the read
     // sum over the same M, the fused passes against the stream loop of the same traffic
     // (the L2 column's, now from memory).
-    let cold = pair_from(be, kernel, r, 4096, a.reps, &mut |_, _| flush(flush_buf));
+    // With the products, the plain loop of the row's work in the kernels' vectors (not
+    // for the portable lanes: their multiply-add is a library call, and they have no
+    // prefetch instruction).
+    let plain = (matches!(kernel, Kernel::Mq | Kernel::Mtp)
+        && matches!(be.isa(), Isa::Avx512 | Isa::Avx2))
+    .then_some((r, be.isa()));
+    let cold = pair_from(
+        be,
+        kernel,
+        r,
+        4096,
+        a.reps,
+        &mut |_, _| flush(flush_buf),
+        plain,
+    );
     // The same from the last-level cache: 8 MiB of `M` (and `E`) read once, then 8 MiB
     // of other data so that none of it is left in L2.
     let llc_rows = (LLC_SET_BYTES / 4096 / bpe).max(1);
-    let llc = pair_from(be, kernel, r, llc_rows, a.reps, &mut |m, e| {
-        black_box(sum_slice(m) + sum_slice(e));
-        flush(&mut flush_buf[..LLC_SET_BYTES / 8]);
-    });
+    let llc = pair_from(
+        be,
+        kernel,
+        r,
+        llc_rows,
+        a.reps,
+        &mut |m, e| {
+            black_box(sum_slice(m) + sum_slice(e));
+            flush(&mut flush_buf[..LLC_SET_BYTES / 8]);
+        },
+        None,
+    );
     if a.json {
         let num = |v: Option<f64>| v.map_or("null".to_string(), |v| format!("{v:.3}"));
         println!(
-            "{{\"bench\":\"lowrank/roofline\",\"isa\":\"{}\",\"op\":\"{}\",\"r\":{r},\"fma_per_line\":{fma_per_line},\"fma_gb_per_s\":{},\"l2_stream_gb_per_s\":{l2_stream:.3},\"limit_gb_per_s\":{limit:.3},\"l2_gb_per_s\":{l2_k:.3},\"fraction_of_limit\":{:.4},\"fraction_of_limit_aligned\":{of_limit_aln:.4},\"co_limited\":{co_limited},\"cold_gb_per_s\":{:.3},\"reference_gb_per_s\":{:.3},\"fraction_of_bandwidth\":{:.3},\"llc_gb_per_s\":{:.3},\"llc_reference_gb_per_s\":{:.3},\"fraction_of_llc\":{:.4}}}",
+            "{{\"bench\":\"lowrank/roofline\",\"isa\":\"{}\",\"op\":\"{}\",\"r\":{r},\"fma_per_line\":{fma_per_line},\"fma_gb_per_s\":{},\"l2_stream_gb_per_s\":{l2_stream:.3},\"limit_gb_per_s\":{limit:.3},\"l2_gb_per_s\":{l2_k:.3},\"fraction_of_limit\":{:.4},\"fraction_of_limit_aligned\":{of_limit_aln:.4},\"co_limited\":{co_limited},\"cold_gb_per_s\":{:.3},\"reference_gb_per_s\":{:.3},\"fraction_of_bandwidth\":{:.3},\"llc_gb_per_s\":{:.3},\"llc_reference_gb_per_s\":{:.3},\"fraction_of_llc\":{:.4},\"plain_fraction\":{},\"plain_prefetch_fraction\":{}}}",
             be.isa().name(),
             kernel.name(),
             num(fma_gbs),
@@ -808,16 +962,21 @@ fn roofline_row(
             llc.0,
             llc.1,
             llc.0 / llc.1,
+            num(cold.2.map(|p| p.0 / cold.1)),
+            num(cold.2.map(|p| p.1 / cold.1)),
         );
     } else {
-        let (c, rf) = cold;
+        let (c, rf, plain) = cold;
         let (fr, se) = (c / rf, 1.0 / (1.0 + rf / l2_k));
+        let frac = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{:.2}", v / rf));
         println!(
-            "{:<6} {r:>2} {fma_per_line:>8.1} {:>9} {l2_stream:>9.1} {:>7} {l2_k:>7.1} {:>8.2} {of_limit_aln:>7.2} {c:>7.2} {rf:>6.2} {fr:>9.2} {se:>7.2} {:>7.1} {:>5.2}",
+            "{:<6} {r:>2} {fma_per_line:>8.1} {:>9} {l2_stream:>9.1} {:>7} {l2_k:>7.1} {:>8.2} {of_limit_aln:>7.2} {c:>7.2} {rf:>6.2} {fr:>9.2} {se:>7.2} {:>5} {:>5} {:>7.1} {:>5.2}",
             kernel.name(),
             fma_gbs.map_or("-".into(), |g| format!("{g:.1}")),
             format!("{limit:.1}{}", if co_limited { "*" } else { "" }),
             of_limit,
+            frac(plain.map(|p| p.0)),
+            frac(plain.map(|p| p.1)),
             llc.1,
             llc.0 / llc.1,
         );
@@ -840,7 +999,8 @@ fn pair_from(
     rows: usize,
     reps: usize,
     prepare: &mut dyn FnMut(&[f32], &[f32]),
-) -> (f64, f64) {
+    plain: Option<(usize, Isa)>,
+) -> (f64, f64, Option<(f64, f64)>) {
     let cols = 4096;
     let bpe = kernel.bytes_per_element();
     let d = Dims::new(1, rows, cols, r).expect("valid shape");
@@ -857,8 +1017,18 @@ fn pair_from(
         vec![0.25f32; d.q_len()],
         vec![0.0f32; d.p_len()],
     );
-    let (mut tk, mut tr) = (Vec::new(), Vec::new());
+    let (mut tk, mut tr, mut tp, mut tpf) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for _ in 0..reps {
+        // The plain loop of the row's work ([`fma_stream`]), without and with the
+        // prefetch, in the same rounds.
+        if let Some((k, isa)) = plain {
+            for (pf, times) in [(false, &mut tp), (true, &mut tpf)] {
+                prepare(&m, &e);
+                let t = Instant::now();
+                black_box(fma_stream(&m, isa, k, pf));
+                times.push(t.elapsed());
+            }
+        }
         prepare(&m, &e);
         let t = Instant::now();
         match kernel {
@@ -882,9 +1052,16 @@ fn pair_from(
         black_box((&q, &p_out));
     }
     let bytes = (rows * cols * bpe) as f64;
+    let m_bytes = (rows * cols * 4) as f64;
     (
         bytes / median(tk).as_secs_f64() / 1e9,
         bytes / median(tr).as_secs_f64() / 1e9,
+        plain.map(|_| {
+            (
+                m_bytes / median(tp).as_secs_f64() / 1e9,
+                m_bytes / median(tpf).as_secs_f64() / 1e9,
+            )
+        }),
     )
 }
 
