@@ -113,8 +113,14 @@ struct OwnRank {
 /// do not sweep also take the in-cache choices (row blocks, walks); every choice gives
 /// the same bits.
 fn sweep_min_bytes(r: usize, lanes: usize, own: OwnRank) -> usize {
+    sweep_min_bytes_on(r, lanes, own, zen5_or_later())
+}
+
+/// [`sweep_min_bytes`] on a core whose prefetchers keep up alone at low rank (`keeps_up`:
+/// [`zen5_or_later`]) or not.
+fn sweep_min_bytes_on(r: usize, lanes: usize, own: OwnRank, keeps_up: bool) -> usize {
     let own_rank = if lanes >= 16 { own.wide } else { own.narrow };
-    if r <= own_rank && zen5_or_later() {
+    if r <= own_rank && keeps_up {
         usize::MAX
     } else {
         SWEEP_MIN_BYTES

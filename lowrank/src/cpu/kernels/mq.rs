@@ -10,7 +10,7 @@
 
 use super::pack::{pack_q, pack_q_edges, QPack};
 use super::{
-    l1_is_wide, llc_bytes, spaces_rows, sweep_min_bytes, vector_lead, zen5_or_later, Mat,
+    l1_is_wide, llc_bytes, spaces_rows, sweep_min_bytes_on, vector_lead, zen5_or_later, Mat,
     MQ_OWN_PREFETCH_RANK, SWEEP_MIN_BYTES, SWEEP_STRIDE,
 };
 use crate::cpu::simd::{Outlined, Simd};
@@ -100,6 +100,14 @@ const MQ_CHUNK_BYTES_ZEN5: usize = 16 * 1024;
 /// eight alternated pairs).
 const MQ_TALL_MIN_RANK: usize = 5;
 
+/// The lowest rank at which the plain pass (`mq`, not fused) prefetches each row near
+/// ([`Walk::near`]); the fused pass does at every rank. At r = 1 one row's two
+/// accumulators a column leave the loads room, and the hardware prefetchers alone read
+/// as much as the reference: AMD EPYC (Zen 5, KVM), AVX-512, `bench lowrank --quick`
+/// with the near prefetch against without (eight alternated pairs), r = 1 one / two
+/// threads 0.94 / 0.90 (0.95-1.23 of the read bandwidth without it), r = 2 1.26 / 1.03.
+const MQ_NEAR_MIN_RANK: usize = 2;
+
 /// Walks the column tiles of a group of `$rb` rows on `$lanes` lanes through rank `$r`
 /// (`$fuse`: the call's `FUSE`): for each, with `$k0` (the caller's, from 0; declared
 /// before its local macro, which reads it) its first column, runs the caller's
@@ -145,7 +153,7 @@ mod sweep;
 mod whole;
 use chunked::{Chunked, ChunkedBlock};
 use shape::{group_occurs, group_rows, group_vectors, tile, tile_occurs, tile_width, GroupOf};
-use sweep::{sweep_hint, Ahead, Hint, NO_SWEEP};
+use sweep::{sweep_hint, Ahead, Hint, MQ_NEAR_FLOATS, NEAR, NO_SWEEP};
 use whole::{mq_group_whole, mq_run_whole};
 
 /// Where a tile's rows are: row `ii` of `M` at `m + ii * stride` (of `E` at `e + ii *
@@ -190,7 +198,8 @@ impl TileRows {
 /// One vector of every row of a tile, at column `jj`, into accumulator `u` (see
 /// [`mq_span`](chunked::mq_span), whose guarantees it takes). `t` says where the rows are, `qv` points at
 /// the packed `Q` vector of column `k0` for this vector of columns; with `sweep` (a
-/// [`Hint`]'s value, not [`NO_SWEEP`]) the rows' image is prefetched by that hint. With
+/// [`Hint`]'s value, not [`NO_SWEEP`]) the rows' image is prefetched by that hint, and
+/// with [`NEAR`] each row's own line [`MQ_NEAR_FLOATS`] on ([`Ahead::Near`]). With
 /// `EDGE`, only lanes `valid` of the rows are read, written and accumulated.
 #[allow(clippy::needless_range_loop)]
 #[inline(always)]
@@ -218,7 +227,14 @@ unsafe fn mq_step<
     unsafe {
         let mut x = [S::zero(); RB];
         for ii in 0..RB {
-            if sweep != NO_SWEEP && (jj % SWEEP_STRIDE) < lanes {
+            if sweep == NEAR && (jj % SWEEP_STRIDE) < lanes {
+                // The row's own line [`MQ_NEAR_FLOATS`] on (and `E`'s), into L1.
+                let at = ii * t.stride + jj + MQ_NEAR_FLOATS;
+                S::prefetch(t.m.wrapping_add(at).cast_const());
+                if FUSE {
+                    S::prefetch(t.e.wrapping_add(at));
+                }
+            } else if sweep != NO_SWEEP && (jj % SWEEP_STRIDE) < lanes {
                 let at = t.pf.wrapping_add(ii * t.pf_stride + jj);
                 if sweep == Hint::Nta as u8 {
                     S::prefetch_nta(at);
@@ -322,8 +338,8 @@ impl Edges {
     }
 }
 
-/// [`mq_hot`] with the sweep `sweep` ([`NO_SWEEP`] or a [`Hint`]'s value) as its
-/// constant. (The sweep a constant of the loop: as a flag LLVM kept it, and a row
+/// [`mq_hot`] with the sweep `sweep` ([`NO_SWEEP`], a [`Hint`]'s value or [`NEAR`]) as
+/// its constant. (The sweep a constant of the loop: as a flag LLVM kept it, and a row
 /// pointer, on the stack and tested it every step of the fused pass.)
 ///
 /// # Safety
@@ -344,6 +360,7 @@ unsafe fn mq_hot_by<S: Simd, const RB: usize, const KT: usize, const U: usize, c
     unsafe {
         match sweep {
             NO_SWEEP => mq_hot::<S, RB, KT, U, FUSE, NO_SWEEP>(t, regs, k0, r, range, q),
+            NEAR => mq_hot::<S, RB, KT, U, FUSE, NEAR>(t, regs, k0, r, range, q),
             // Only the plain pass sweeps with `prefetchnta` ([`sweep_hint`]).
             NTA if !FUSE => mq_hot::<S, RB, KT, U, FUSE, NTA>(t, regs, k0, r, range, q),
             _ => mq_hot::<S, RB, KT, U, FUSE, L2>(t, regs, k0, r, range, q),
@@ -532,14 +549,27 @@ struct Walk {
     /// [`MQ_BLOCK_ROWS_ZEN5`] rows and sweep chunk by chunk ([`Ahead::Sweep`]) with
     /// chunks of [`MQ_CHUNK_BYTES_ZEN5`].
     tall: bool,
+    /// Calls at low rank leave the rows to the hardware prefetchers (no sweep:
+    /// [`sweep_min_bytes`](super::sweep_min_bytes) on AMD Zen 5 and later), and whole rows from memory (a call
+    /// that streams [`SWEEP_MIN_BYTES`] or more) then prefetch each row's own stream a
+    /// little ahead of its loads into L1 ([`Ahead::Near`]). The hardware prefetchers alone leave a
+    /// stream with the multiply-adds of `mq`'s tiles about serial (compute, then wait
+    /// for memory; `bench lowrank --roofline`'s `plain` and `+pf` columns show the same
+    /// of a plain loop). AMD EPYC (Zen 5, KVM), AVX-512, 4096 x 4096 from memory, the
+    /// probe of [`MQ_NEAR_FLOATS`]: one thread r = 1 / 2 / 4 24.1 / 20.8 / 14.2 ->
+    /// 34.0 / 29.8 / 26.0 GB/s (the read sum 25-26), two threads 31.1 / 28.5 / 24.0 ->
+    /// 32.8 / 34.1 / 30.9.
+    near: bool,
 }
 
 impl Walk {
-    /// This core's walks: both on AMD Zen 5 and later ([`zen5_or_later`]).
+    /// This core's walks: all three on AMD Zen 5 and later ([`zen5_or_later`]).
     fn of_core() -> Walk {
+        let zen5 = zen5_or_later();
         Walk {
             spaces: spaces_rows(),
-            tall: zen5_or_later(),
+            tall: zen5,
+            near: zen5,
         }
     }
 }
@@ -579,8 +609,23 @@ unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(
     // Whole vectors per chunk: a multiple of 8 vectors (of every U), so that every chunk
     // boundary keeps vector v in accumulator v mod U.
     let step = 8 * lanes;
-    let sweep = rows.len() * a.cols * 4 >= sweep_min_bytes(a.r, S::LANES, MQ_OWN_PREFETCH_RANK);
+    let bytes = rows.len() * a.cols * 4;
+    // Low ranks leave the rows to the hardware prefetchers where the core's keep up
+    // ([`Walk::near`], as [`sweep_min_bytes`](super::sweep_min_bytes) says for this core).
+    let sweep = bytes >= sweep_min_bytes_on(a.r, S::LANES, MQ_OWN_PREFETCH_RANK, walk.near);
     let hint = sweep_hint(a, FUSE);
+    // Whole rows from memory that do not sweep ([`Walk::near`]), the plain pass from
+    // [`MQ_NEAR_MIN_RANK`]; nothing otherwise.
+    let idle = if walk.near
+        && bytes >= SWEEP_MIN_BYTES
+        && !sweep
+        && whole
+        && (FUSE || a.r >= MQ_NEAR_MIN_RANK)
+    {
+        Ahead::Near
+    } else {
+        Ahead::No
+    };
     // Tall blocks swept chunk by chunk where the sweep runs ([`Walk::tall`]).
     let by_chunk = sweep && walk.tall && a.r >= MQ_TALL_MIN_RANK && (lanes >= 16 || !FUSE);
     let chunk_bytes = if by_chunk {
@@ -654,9 +699,9 @@ unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(
             let all = left / RB;
             let spaced = walk.spaces && RB > 1 && !chunked && !sweep && rb == RB;
             if !FUSE && !chunked && !sweep && rb == RB && a.r <= 2 {
-                // Whole rows in cache at ranks 1 and 2 (one column tile): every whole
-                // group in one function ([`whole::WholeRun`]).
-                mq_run_whole::<S, RB>(a, &ap, i0, all, spaced, vec_end_p, vec_end, q, edges);
+                // Whole rows that do not sweep at ranks 1 and 2 (one column tile): every
+                // whole group in one function ([`whole::WholeRun`]).
+                mq_run_whole::<S, RB>(a, &ap, i0, all, spaced, vec_end_p, vec_end, q, idle, edges);
                 i0 += all * RB;
                 continue;
             }
@@ -668,15 +713,7 @@ unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(
                 for h in 0..all {
                     let i = i0 + h;
                     mq_group_whole::<S, RB, FUSE>(
-                        a,
-                        &ap,
-                        i,
-                        all,
-                        vec_end_p,
-                        vec_end,
-                        q,
-                        Ahead::No,
-                        edges,
+                        a, &ap, i, all, vec_end_p, vec_end, q, idle, edges,
                     )
                 }
                 i0 += all * RB;
@@ -690,7 +727,7 @@ unsafe fn mq_rows_rb<S: Simd, const RB: usize, const FUSE: bool>(
                     let ahead = if sweep {
                         Ahead::Sweep(image, vec_end_p, hint)
                     } else {
-                        Ahead::No
+                        idle
                     };
                     if rb == RB {
                         mq_group_whole::<S, RB, FUSE>(

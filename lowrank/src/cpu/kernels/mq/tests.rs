@@ -18,7 +18,11 @@ macro_rules! spacing {
         unsafe fn $name(a: &Mat, rows: Range<usize>, spaces: bool, fuse: bool) {
             // SAFETY: forwarded; the caller checked the instruction set.
             unsafe {
-                let walk = Walk { spaces, tall: false };
+                let walk = Walk {
+                    spaces,
+                    tall: false,
+                    near: false,
+                };
                 match (fuse, a.r <= 2, spaces) {
                     (true, true, true) => {
                         mq_rows_rb::<$simd, 2, true>(a, rows, takes_whole_rows(a, 2, <$simd>::LANES), walk)
@@ -128,6 +132,7 @@ macro_rules! chunking {
                 let plain = Walk {
                     spaces: false,
                     tall: false,
+                    near: false,
                 };
                 match walk {
                     0 => mq_rows_rb::<$simd, 1, false>(a, rows, whole, plain),
@@ -192,6 +197,7 @@ macro_rules! blocking {
             let walk = Walk {
                 spaces: false,
                 tall,
+                near: false,
             };
             // SAFETY: forwarded; the caller checked the instruction set.
             unsafe {
@@ -243,6 +249,77 @@ fn tall_blocks_give_the_bits_of_short_ones() {
                     assert!(
                         same_bits(&run(false), &run(true)),
                         "{isa} {n} x {cols} r = {r}, offset {off}, rows {rows:?}, fused {fuse}: tall blocks differ"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// `$name` on instruction set `$simd` (compiled for `$feat`): [`mq_rows_as`], fused or
+/// not, on a core whose prefetchers keep up alone at low rank (`near`, [`Walk::near`]:
+/// no sweep there, each row's own stream prefetched near) or not (the sweep).
+macro_rules! nearing {
+    ($name:ident, $simd:ty $(, $feat:literal)?) => {
+        $(#[target_feature(enable = $feat)])?
+        unsafe fn $name(a: &Mat, rows: Range<usize>, near: bool, fuse: bool) {
+            let walk = Walk {
+                spaces: near,
+                tall: true,
+                near,
+            };
+            // SAFETY: forwarded; the caller checked the instruction set.
+            unsafe {
+                if fuse {
+                    mq_rows_as::<$simd, true>(a, rows, walk)
+                } else {
+                    mq_rows_as::<$simd, false>(a, rows, walk)
+                }
+            }
+        }
+    };
+}
+nearing!(nearing_portable, Portable);
+#[cfg(target_arch = "x86_64")]
+nearing!(nearing_avx2, crate::cpu::simd::Avx2, "avx2,fma");
+#[cfg(target_arch = "x86_64")]
+nearing!(nearing_avx512, crate::cpu::simd::Avx512, "avx512f,avx2,fma");
+
+/// Whole rows from memory that leave the rows to the hardware prefetchers and prefetch
+/// each row's own stream near ([`Ahead::Near`], what AMD Zen 5 takes at low rank) give
+/// the bits of the sweep, in `P` and (fused) in `M`, on every instruction set the
+/// machine has: ranks 1-4 (with 8 lanes only r = 1 goes without the sweep, and the
+/// plain pass prefetches near from [`MQ_NEAR_MIN_RANK`]), rows with edges, ragged
+/// columns, row counts that leave single rows, and a thread's share.
+/// Every shape reads its rows whole on every core (`Q` within 16 KiB).
+#[test]
+fn near_prefetches_give_the_bits_of_the_sweep() {
+    type Nearing = unsafe fn(&Mat, Range<usize>, bool, bool);
+    let isas = supported_isas!(Nearing; nearing_portable, nearing_avx2, nearing_avx512);
+    for (n, cols, r) in [
+        (72, 4096, 1),
+        (100, 3000, 1),
+        (150, 2048, 2),
+        (301, 1024, 3),
+        (300, 1024, 4),
+    ] {
+        for (off, rows) in [(0, 0..n), (5, 3..n - 1)] {
+            assert!(
+                rows.len() * cols * 4 >= SWEEP_MIN_BYTES,
+                "{rows:?} would not stream"
+            );
+            for fuse in [false, true] {
+                for &(isa, kernel) in &isas {
+                    let run = |near: bool| {
+                        // SAFETY: `outputs` gives a `Mat` of buffers of its shape, alive
+                        // and not shared; the instruction set was checked.
+                        outputs(n, cols, r, off, fuse, |a| unsafe {
+                            kernel(a, rows.clone(), near, fuse)
+                        })
+                    };
+                    assert!(
+                        same_bits(&run(false), &run(true)),
+                        "{isa} {n} x {cols} r = {r}, offset {off}, rows {rows:?}, fused {fuse}: near prefetches differ"
                     );
                 }
             }

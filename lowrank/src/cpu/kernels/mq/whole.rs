@@ -144,7 +144,8 @@ pub(super) unsafe fn mq_group_whole<S: Simd, const RB: usize, const FUSE: bool>(
 }
 
 /// [`mq_whole`] for `groups` groups of `RB` rows from `i0` in one function of its own:
-/// the product (`mq`, not fused) at r = 1 and 2, in cache (no sweep). One call for all
+/// the product (`mq`, not fused) at r = 1 and 2, in cache or from memory without a
+/// sweep. One call for all
 /// of them, where [`mq_group_whole`] pays a call and a finish's setup a group, against
 /// a loop of a few hundred cycles at 1024 columns. With `M` in L2 (Intel Xeon, Emerald
 /// Rapids class, 128 x 1024, 16 bytes past a line, alternated pairs) r = 1 and 2 read
@@ -203,7 +204,8 @@ impl<S: Simd, const RB: usize, const KT: usize, const U: usize> Outlined
 }
 
 /// [`WholeRun`] over `groups` groups of `RB` rows at `i0` for a rank of one column tile
-/// ([`tile_width`]`(lanes, r) == r`), from the column tile's width.
+/// ([`tile_width`]`(lanes, r) == r`), from the column tile's width, prefetching by
+/// `ahead` ([`Ahead::No`] or [`Ahead::Near`]: the run does not sweep).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 pub(super) unsafe fn mq_run_whole<S: Simd, const RB: usize>(
@@ -215,6 +217,7 @@ pub(super) unsafe fn mq_run_whole<S: Simd, const RB: usize>(
     vec_end_p: usize,
     vec_end: usize,
     q: *const f32,
+    ahead: Ahead,
     edges: Edges,
 ) {
     debug_assert_eq!(tile_width(S::LANES, a.r), a.r);
@@ -232,7 +235,7 @@ pub(super) unsafe fn mq_run_whole<S: Simd, const RB: usize>(
                         vec_end_p,
                         vec_end,
                         q,
-                        ahead: Ahead::No,
+                        ahead,
                         edges,
                         isa: PhantomData,
                     },
