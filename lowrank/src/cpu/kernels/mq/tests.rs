@@ -1,6 +1,6 @@
 //! Bit-for-bit checks of `mq`'s walks against each other: groups of rows far apart
 //! against adjacent ones, whole rows against column chunks, tall blocks swept chunk by
-//! chunk against short ones.
+//! chunk against short ones, rows prefetched near against the sweep.
 
 use super::*;
 use crate::cpu::kernels::test_value;
@@ -189,16 +189,11 @@ fn whole_rows_give_the_bits_of_chunks() {
 }
 
 /// `$name` on instruction set `$simd` (compiled for `$feat`): [`mq_rows_as`], fused or
-/// not, in tall blocks swept chunk by chunk (`tall`) or not.
-macro_rules! blocking {
+/// not, by the walks `walk`.
+macro_rules! walking {
     ($name:ident, $simd:ty $(, $feat:literal)?) => {
         $(#[target_feature(enable = $feat)])?
-        unsafe fn $name(a: &Mat, rows: Range<usize>, tall: bool, fuse: bool) {
-            let walk = Walk {
-                spaces: false,
-                tall,
-                near: false,
-            };
+        unsafe fn $name(a: &Mat, rows: Range<usize>, walk: Walk, fuse: bool) {
             // SAFETY: forwarded; the caller checked the instruction set.
             unsafe {
                 if fuse {
@@ -210,121 +205,89 @@ macro_rules! blocking {
         }
     };
 }
-blocking!(blocking_portable, Portable);
+walking!(walking_portable, Portable);
 #[cfg(target_arch = "x86_64")]
-blocking!(blocking_avx2, crate::cpu::simd::Avx2, "avx2,fma");
+walking!(walking_avx2, crate::cpu::simd::Avx2, "avx2,fma");
 #[cfg(target_arch = "x86_64")]
-blocking!(
-    blocking_avx512,
-    crate::cpu::simd::Avx512,
-    "avx512f,avx2,fma"
-);
+walking!(walking_avx512, crate::cpu::simd::Avx512, "avx512f,avx2,fma");
 
-/// Calls that sweep (at least [`SWEEP_MIN_BYTES`] of `M`, past the rank at which a
-/// core leaves the rows to its own prefetchers) in tall blocks swept chunk by chunk
-/// ([`Walk::tall`], what AMD Zen 5 takes from r = 5) give the bits of short blocks swept a block
-/// ahead, in `P` and (fused) in `M`, on every instruction set the machine has: ranks
-/// of one column tile and of several, row counts that leave a short block and single
-/// rows, rows with edges (at 4096 columns, where the edge vector joins the last chunk,
-/// [`chunk_count`]), ragged columns, and a thread's share of the rows.
-#[test]
-fn tall_blocks_give_the_bits_of_short_ones() {
-    type Blocking = unsafe fn(&Mat, Range<usize>, bool, bool);
-    let isas = supported_isas!(Blocking; blocking_portable, blocking_avx2, blocking_avx512);
-    for (n, cols, r) in [(101, 2760, 8), (70, 4100, 5), (80, 3500, 6), (72, 4096, 8)] {
+/// Asserts that calls from memory (at least [`SWEEP_MIN_BYTES`] of `M`) over each of
+/// `shapes` (`n x cols` at rank `r`) give the same bits in `P` and (fused) in `M` by the
+/// walks `walks.0` and `walks.1` (`what` names the difference), on every instruction set
+/// the machine has: the whole matrix on a line, and a thread's share of the rows with
+/// edges.
+fn walks_give_the_same_bits(shapes: &[(usize, usize, usize)], walks: (Walk, Walk), what: &str) {
+    type Walking = unsafe fn(&Mat, Range<usize>, Walk, bool);
+    let isas = supported_isas!(Walking; walking_portable, walking_avx2, walking_avx512);
+    for &(n, cols, r) in shapes {
         for (off, rows) in [(0, 0..n), (3, 2..n - 1)] {
-            assert!(
-                rows.len() * cols * 4 >= SWEEP_MIN_BYTES,
-                "{rows:?} would not sweep"
-            );
-            for fuse in [false, true] {
-                for &(isa, kernel) in &isas {
-                    let run = |tall: bool| {
-                        // SAFETY: `outputs` gives a `Mat` of buffers of its shape, alive
-                        // and not shared; the instruction set was checked.
-                        outputs(n, cols, r, off, fuse, |a| unsafe {
-                            kernel(a, rows.clone(), tall, fuse)
-                        })
-                    };
-                    assert!(
-                        same_bits(&run(false), &run(true)),
-                        "{isa} {n} x {cols} r = {r}, offset {off}, rows {rows:?}, fused {fuse}: tall blocks differ"
-                    );
-                }
-            }
-        }
-    }
-}
-
-/// `$name` on instruction set `$simd` (compiled for `$feat`): [`mq_rows_as`], fused or
-/// not, on a core whose prefetchers keep up alone at low rank (`near`, [`Walk::near`]:
-/// no sweep there, each row's own stream prefetched near) or not (the sweep).
-macro_rules! nearing {
-    ($name:ident, $simd:ty $(, $feat:literal)?) => {
-        $(#[target_feature(enable = $feat)])?
-        unsafe fn $name(a: &Mat, rows: Range<usize>, near: bool, fuse: bool) {
-            let walk = Walk {
-                spaces: near,
-                tall: true,
-                near,
-            };
-            // SAFETY: forwarded; the caller checked the instruction set.
-            unsafe {
-                if fuse {
-                    mq_rows_as::<$simd, true>(a, rows, walk)
-                } else {
-                    mq_rows_as::<$simd, false>(a, rows, walk)
-                }
-            }
-        }
-    };
-}
-nearing!(nearing_portable, Portable);
-#[cfg(target_arch = "x86_64")]
-nearing!(nearing_avx2, crate::cpu::simd::Avx2, "avx2,fma");
-#[cfg(target_arch = "x86_64")]
-nearing!(nearing_avx512, crate::cpu::simd::Avx512, "avx512f,avx2,fma");
-
-/// Whole rows from memory that leave the rows to the hardware prefetchers and prefetch
-/// each row's own stream near ([`Ahead::Near`], what AMD Zen 5 takes at low rank) give
-/// the bits of the sweep, in `P` and (fused) in `M`, on every instruction set the
-/// machine has: ranks 1-4 (with 8 lanes only r = 1 goes without the sweep, and the
-/// plain pass prefetches near from [`MQ_NEAR_MIN_RANK`]), rows with edges, ragged
-/// columns, row counts that leave single rows, and a thread's share.
-/// Every shape reads its rows whole on every core (`Q` within 16 KiB).
-#[test]
-fn near_prefetches_give_the_bits_of_the_sweep() {
-    type Nearing = unsafe fn(&Mat, Range<usize>, bool, bool);
-    let isas = supported_isas!(Nearing; nearing_portable, nearing_avx2, nearing_avx512);
-    for (n, cols, r) in [
-        (72, 4096, 1),
-        (100, 3000, 1),
-        (150, 2048, 2),
-        (301, 1024, 3),
-        (300, 1024, 4),
-    ] {
-        for (off, rows) in [(0, 0..n), (5, 3..n - 1)] {
             assert!(
                 rows.len() * cols * 4 >= SWEEP_MIN_BYTES,
                 "{rows:?} would not stream"
             );
             for fuse in [false, true] {
                 for &(isa, kernel) in &isas {
-                    let run = |near: bool| {
+                    let run = |walk: Walk| {
                         // SAFETY: `outputs` gives a `Mat` of buffers of its shape, alive
                         // and not shared; the instruction set was checked.
                         outputs(n, cols, r, off, fuse, |a| unsafe {
-                            kernel(a, rows.clone(), near, fuse)
+                            kernel(a, rows.clone(), walk, fuse)
                         })
                     };
                     assert!(
-                        same_bits(&run(false), &run(true)),
-                        "{isa} {n} x {cols} r = {r}, offset {off}, rows {rows:?}, fused {fuse}: near prefetches differ"
+                        same_bits(&run(walks.0), &run(walks.1)),
+                        "{isa} {n} x {cols} r = {r}, offset {off}, rows {rows:?}, fused {fuse}: {what} differ"
                     );
                 }
             }
         }
     }
+}
+
+/// Calls that sweep (at least [`SWEEP_MIN_BYTES`] of `M`, past the rank at which a
+/// core leaves the rows to its own prefetchers) in tall blocks swept chunk by chunk
+/// ([`Walk::tall`], what AMD Zen 5 takes from r = 5) give the bits of short blocks swept a block
+/// ahead: ranks of one column tile and of several, row counts that leave a short block
+/// and single rows, rows with edges (at 4096 columns, where the edge vector joins the
+/// last chunk, [`chunk_count`]), ragged columns, and a thread's share of the rows.
+#[test]
+fn tall_blocks_give_the_bits_of_short_ones() {
+    let walk = |tall: bool| Walk {
+        spaces: false,
+        tall,
+        near: false,
+    };
+    walks_give_the_same_bits(
+        &[(101, 2760, 8), (70, 4100, 5), (80, 3500, 6), (72, 4096, 8)],
+        (walk(false), walk(true)),
+        "tall blocks",
+    );
+}
+
+/// Whole rows from memory that leave the rows to the hardware prefetchers and prefetch
+/// each row's own stream near ([`Ahead::Near`], what AMD Zen 5 takes at low rank) give
+/// the bits of the sweep: ranks 1-4 (with 8 lanes only r = 1 goes without the sweep,
+/// and the plain pass prefetches near from [`MQ_NEAR_MIN_RANK`]), rows with edges,
+/// ragged columns, row counts that leave single rows, and a thread's share. Every shape
+/// reads its rows whole on every core (`Q` within 16 KiB).
+#[test]
+fn near_prefetches_give_the_bits_of_the_sweep() {
+    let walk = |near: bool| Walk {
+        spaces: near,
+        tall: true,
+        near,
+    };
+    walks_give_the_same_bits(
+        &[
+            (72, 4096, 1),
+            (100, 3000, 1),
+            (150, 2048, 2),
+            (301, 1024, 3),
+            (300, 1024, 4),
+        ],
+        (walk(false), walk(true)),
+        "near prefetches",
+    );
 }
 
 /// A row's column chunks: whole chunks, and what is left a chunk of its own only from
