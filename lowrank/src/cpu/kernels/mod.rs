@@ -72,6 +72,21 @@ const SWEEP_STRIDE: usize = 16;
 /// On cores whose prefetchers keep up alone, calls at low rank never sweep
 /// ([`sweep_min_bytes`]).
 const SWEEP_MIN_BYTES: usize = 1 << 20;
+/// Floats ahead of each row's loads at which a call from memory that leaves the rows to
+/// the hardware prefetchers prefetches them into L1 (`prefetcht0`) on AMD Zen 5 and
+/// later: 2 KiB (`mq`'s near prefetch, `Ahead::Near`).
+/// On that core the hardware prefetchers alone leave a stream with multiply-adds to do
+/// about serial (`bench lowrank --roofline`'s `plain` column: a plain loop of a rank-8
+/// row's multiply-adds read 0.43-0.51 of the read bandwidth, under `serial`), and a
+/// prefetch a little ahead of the loads overlaps it (`+pf`, 4 KiB ahead: 0.98-1.03).
+/// AMD EPYC (Zen 5, KVM), AVX-512, `mq` 4096 x 4096 from memory, a probe alternating the
+/// distances on the same buffers (each call after a 512 MiB write, median GB/s of 11
+/// calls; the probe's switch cost every step a load, so only the distances compare),
+/// one thread, r = 1 / 2 / 4: 256 floats 26.9 / 25.6 / 22.1, 384 31.0 / 27.8 / 24.2,
+/// 512 34.0 / 29.8 / 26.0, 1024 29.2 / 26.4 / 23.4, 2048 (r = 2 / 4) 22.4 / 23.5 (the
+/// read sum 25-29); two threads 256 36.1 / 34.5 / 30.6, 512 32.8 / 34.1 / 30.9, 1024
+/// 32.6 / 33.7 / 30.6.
+const NEAR_FLOATS: usize = 512;
 
 /// Highest rank at which an `mq` call (plain or fused) does not sweep, on a core whose
 /// hardware prefetchers keep up alone ([`zen5_or_later`]), with 16 lanes and with

@@ -11,7 +11,7 @@
 use super::pack::{pack_q, pack_q_edges, QPack};
 use super::{
     l1_is_wide, llc_bytes, spaces_rows, sweep_min_bytes_on, vector_lead, zen5_or_later, Mat,
-    MQ_OWN_PREFETCH_RANK, SWEEP_MIN_BYTES, SWEEP_STRIDE,
+    MQ_OWN_PREFETCH_RANK, NEAR_FLOATS, SWEEP_MIN_BYTES, SWEEP_STRIDE,
 };
 use crate::cpu::simd::{Outlined, Simd};
 use std::marker::PhantomData;
@@ -153,7 +153,7 @@ mod sweep;
 mod whole;
 use chunked::{Chunked, ChunkedBlock};
 use shape::{group_occurs, group_rows, group_vectors, tile, tile_occurs, tile_width, GroupOf};
-use sweep::{sweep_hint, Ahead, Hint, MQ_NEAR_FLOATS, NEAR, NO_SWEEP};
+use sweep::{sweep_hint, Ahead, Hint, NEAR, NO_SWEEP};
 use whole::{mq_group_whole, mq_run_whole};
 
 /// Where a tile's rows are: row `ii` of `M` at `m + ii * stride` (of `E` at `e + ii *
@@ -199,7 +199,7 @@ impl TileRows {
 /// [`mq_span`](chunked::mq_span), whose guarantees it takes). `t` says where the rows are, `qv` points at
 /// the packed `Q` vector of column `k0` for this vector of columns; with `sweep` (a
 /// [`Hint`]'s value, not [`NO_SWEEP`]) the rows' image is prefetched by that hint, and
-/// with [`NEAR`] each row's own line [`MQ_NEAR_FLOATS`] on ([`Ahead::Near`]). With
+/// with [`NEAR`] each row's own line [`NEAR_FLOATS`] on ([`Ahead::Near`]). With
 /// `EDGE`, only lanes `valid` of the rows are read, written and accumulated.
 #[allow(clippy::needless_range_loop)]
 #[inline(always)]
@@ -228,8 +228,8 @@ unsafe fn mq_step<
         let mut x = [S::zero(); RB];
         for ii in 0..RB {
             if sweep == NEAR && (jj % SWEEP_STRIDE) < lanes {
-                // The row's own line [`MQ_NEAR_FLOATS`] on (and `E`'s), into L1.
-                let at = ii * t.stride + jj + MQ_NEAR_FLOATS;
+                // The row's own line [`NEAR_FLOATS`] on (and `E`'s), into L1.
+                let at = ii * t.stride + jj + NEAR_FLOATS;
                 S::prefetch(t.m.wrapping_add(at).cast_const());
                 if FUSE {
                     S::prefetch(t.e.wrapping_add(at));
@@ -552,13 +552,16 @@ struct Walk {
     /// Calls at low rank leave the rows to the hardware prefetchers (no sweep:
     /// [`sweep_min_bytes`](super::sweep_min_bytes) on AMD Zen 5 and later), and whole rows from memory (a call
     /// that streams [`SWEEP_MIN_BYTES`] or more) then prefetch each row's own stream a
-    /// little ahead of its loads into L1 ([`Ahead::Near`]). The hardware prefetchers alone leave a
-    /// stream with the multiply-adds of `mq`'s tiles about serial (compute, then wait
-    /// for memory; `bench lowrank --roofline`'s `plain` and `+pf` columns show the same
-    /// of a plain loop). AMD EPYC (Zen 5, KVM), AVX-512, 4096 x 4096 from memory, the
-    /// probe of [`MQ_NEAR_FLOATS`]: one thread r = 1 / 2 / 4 24.1 / 20.8 / 14.2 ->
-    /// 34.0 / 29.8 / 26.0 GB/s (the read sum 25-26), two threads 31.1 / 28.5 / 24.0 ->
-    /// 32.8 / 34.1 / 30.9.
+    /// little ahead of its loads into L1 ([`Ahead::Near`], [`NEAR_FLOATS`]), the plain
+    /// pass from [`MQ_NEAR_MIN_RANK`]. The hardware prefetchers alone leave a stream with
+    /// the multiply-adds of `mq`'s tiles about serial (compute, then wait for memory;
+    /// `bench lowrank --roofline`'s `plain` and `+pf` columns show the same of a plain
+    /// loop). AMD EPYC (Zen 5, KVM), AVX-512, `bench lowrank` against the build before:
+    /// `--roofline` `cold` (six alternated pairs) `mq` r = 2 / 4 1.20 / 1.39 (0.76 /
+    /// 0.59 -> 0.92 / 0.83 of the read bandwidth), `mq+e` r = 1 / 2 / 4 1.26 / 1.27 /
+    /// 1.22, from the LLC 0.94-1.05; `--quick` (eight pairs) `mq` r = 4 one thread 1.28
+    /// (0.56-0.73 -> 0.74-0.94), two 1.08, r = 2 1.04 / 1.07; with AVX2 `mq+e` r = 1
+    /// 1.07 from memory.
     near: bool,
 }
 

@@ -21,7 +21,7 @@ pub(super) enum Ahead {
     ///
     /// The third field is `M`'s prefetch instruction ([`Hint`]).
     Sweep(usize, usize, Hint),
-    /// Each row's own stream (and `E`'s, fused) [`MQ_NEAR_FLOATS`] ahead of its loads,
+    /// Each row's own stream (and `E`'s, fused) [`NEAR_FLOATS`] ahead of its loads,
     /// into L1 (`prefetcht0`): for calls from memory that do not sweep, on AMD Zen 5
     /// and later ([`Walk::near`](super::Walk::near)).
     Near,
@@ -42,15 +42,6 @@ pub(super) enum Hint {
 pub(super) const NO_SWEEP: u8 = 0;
 /// [`mq_hot`]'s constant for [`Ahead::Near`].
 pub(super) const NEAR: u8 = 3;
-
-/// Floats ahead of each row's loads at which [`Ahead::Near`] prefetches: 2 KiB. AMD EPYC
-/// (Zen 5, KVM), AVX-512, `mq` 4096 x 4096 from memory (each call after a 512 MiB write,
-/// a probe alternating the distances on the same buffers, median GB/s of 11 calls), one
-/// thread, r = 1 / 2 / 4: none 24.1 / 20.8 / 14.2, 256 floats 26.9 / 25.6 / 22.1, 384
-/// 31.0 / 27.8 / 24.2, 512 34.0 / 29.8 / 26.0, 1024 29.2 / 26.4 / 23.4 (the read sum
-/// 25-26); two threads none 31.1 / 28.5 / 24.0, 256 36.1 / 34.5 / 30.6, 512 32.8 / 34.1
-/// / 30.9, 1024 32.6 / 33.7 / 30.6.
-pub(super) const MQ_NEAR_FLOATS: usize = 512;
 
 impl Ahead {
     /// The sweep as [`mq_step`] takes it ([`NO_SWEEP`], a [`Hint`]'s value or
