@@ -9,7 +9,7 @@
 use super::pack::QPack;
 use super::{
     l1_is_wide, line_lead, llc_bytes, strips_prefetch_next_row, sweep_min_bytes, vector_lead,
-    zen5_or_later, Mat, MTP_OWN_PREFETCH_RANK, SWEEP_STRIDE,
+    zen5_or_later, Mat, MTP_OWN_PREFETCH_RANK, NEAR_FLOATS, SWEEP_STRIDE,
 };
 use crate::cpu::simd::{Outlined, Simd};
 use std::marker::PhantomData;
@@ -61,6 +61,8 @@ mod stream;
 mod strips;
 mod sweep;
 use scratch::QScratch;
+#[cfg(test)]
+use stream::mtp_stream_as;
 use stream::{mtp_stream, mtp_stream_one_row};
 use strips::Block;
 use sweep::Sweep;
@@ -164,9 +166,16 @@ fn takes_one_row_stream(lanes: usize, r: usize, bytes: usize, zen5: bool) -> boo
     zen5 && lanes == 16 && r == 1 && bytes < super::SWEEP_MIN_BYTES
 }
 /// Whether [`mtp_cols`] takes the row stream ([`mtp_stream`]) with 16 lanes: on AMD
-/// Zen 5 and later (`zen5`, [`zen5_or_later`]) at rank 2, for calls in cache (less than
-/// [`SWEEP_MIN_BYTES`](super::SWEEP_MIN_BYTES)) whose rows all lie alike on vectors
-/// (there the stream starts its vectors on a line: no load splits one). The strips'
+/// Zen 5 and later (`zen5`, [`zen5_or_later`]) at rank 2, for calls whose rows all lie
+/// alike on vectors (in cache the stream then starts its vectors on a line: no load
+/// splits one). From memory it prefetches each row [`NEAR_FLOATS`] ahead of its loads
+/// (it does not sweep at r = 2 there, [`MTP_OWN_PREFETCH_RANK`]). AMD EPYC (Zen 5,
+/// KVM), AVX-512, against the strips, `bench lowrank` in alternated pairs (three sets
+/// of five to ten): `--roofline` `cold` (4096 x 4096) 1.09 / 1.17 / 1.32 (0.67-0.73 ->
+/// 0.77-0.79 of the read bandwidth), from the LLC 1.14 / 1.15 / 1.15; `--quick` one
+/// thread 1.01 / 1.15 / 1.32, two 1.00 / 0.95 / 0.99; in L2 the same (0.99-1.00). The
+/// stream from memory without the prefetch read 0.79 of it with one thread (`cold`
+/// 0.81). In cache: The strips'
 /// 8 x 2 tile walks a block's rows side by side, which that core streams worse than a
 /// few rows one line at a time. AMD EPYC (Zen 5, AVX-512, KVM), a probe of one thread
 /// alternating the two on the same buffers (median of 15 rounds), GB/s with `M` in L2 16
@@ -179,8 +188,8 @@ fn takes_one_row_stream(lanes: usize, r: usize, bytes: usize, zen5: bool) -> boo
 /// rows: 16 broadcasts in registers) 0.79-0.97 of the strips' 6 x 4 tile, 2, 3 or 6
 /// rows less, so neither takes it. (In C, with `M` on a line: 2 rows at r = 2 133-137
 /// GB/s against a read of the same `M` at 240-250; one row at r = 1 168-175.)
-fn takes_wide_stream(a: &Mat, cols: &Range<usize>, lanes: usize, zen5: bool) -> bool {
-    zen5 && lanes == 16 && a.r == 2 && a.cols.is_multiple_of(lanes) && !streams_from_memory(a, cols)
+fn takes_wide_stream(a: &Mat, lanes: usize, zen5: bool) -> bool {
+    zen5 && lanes == 16 && a.r == 2 && a.cols.is_multiple_of(lanes)
 }
 /// Whether an `mtp` call over the columns `cols` streams `M` from memory: reads
 /// [`SWEEP_MIN_BYTES`](super::SWEEP_MIN_BYTES) or more (whether it sweeps or not).
@@ -279,7 +288,7 @@ unsafe fn mtp_cols_in<S: Simd>(a: &Mat, cols: Range<usize>) {
     let lanes = S::LANES;
     let sweep = mtp_sweeps::<S>(a, &cols);
     let wide = l1_is_wide();
-    let stream = takes_wide_stream(a, &cols, lanes, zen5_or_later())
+    let stream = takes_wide_stream(a, lanes, zen5_or_later())
         || lanes == 8
             && if zen5_or_later() {
                 zen5_takes_stream(sweep, a.r)

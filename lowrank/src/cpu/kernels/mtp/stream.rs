@@ -24,11 +24,19 @@ const MTP_STREAM_AHEAD_BYTES: usize = 128 * 1024;
 /// of the tile's vectors of the packed `Q` at `qp` (`qp[(v * r + k) * lanes]`), the
 /// rows' `P` values in registers and their vectors from L1 (read once a tile). `c0` may
 /// lie before the columns (a shift, [`stream_shift`]); with `EDGE` only the lanes `valid`
-/// of the vectors are read (the others are zero).
+/// of the vectors are read (the others are zero). With `NEAR` the first pass prefetches
+/// each row's own line [`NEAR_FLOATS`] ahead into L1 (a constant: the stream is the
+/// 8-lane kernels' walk in cache, whose loop a flag's test cost up to a quarter).
 // Register tiles read best with explicit indices.
 #[allow(clippy::needless_range_loop, clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn mtp_stream_tile<S: Simd, const RB: usize, const KT: usize, const EDGE: bool>(
+unsafe fn mtp_stream_tile<
+    S: Simd,
+    const RB: usize,
+    const KT: usize,
+    const EDGE: bool,
+    const NEAR: bool,
+>(
     a: &Mat,
     i0: usize,
     c0: isize,
@@ -68,6 +76,11 @@ unsafe fn mtp_stream_tile<S: Simd, const RB: usize, const KT: usize, const EDGE:
                     S::prefetch_l2(row(ii).wrapping_add(ahead_rows * a.cols + v * lanes));
                 }
             }
+            if NEAR && pass == 0 && (v * lanes).is_multiple_of(SWEEP_STRIDE) {
+                for ii in 0..RB {
+                    S::prefetch(row(ii).wrapping_add(v * lanes + NEAR_FLOATS).cast_const());
+                }
+            }
             let mut x = [S::zero(); RB];
             for ii in 0..RB {
                 x[ii] = if EDGE {
@@ -93,9 +106,9 @@ unsafe fn mtp_stream_tile<S: Simd, const RB: usize, const KT: usize, const EDGE:
 
 /// [`mtp_stream_tile`] for every panel of the vectors `0..nvec` and every tile of
 /// columns of `Q`, for the `RB` rows at `i0`; with a `shift`, the first and the last
-/// vector are edges (their lanes from `shift`, and below it).
+/// vector are edges (their lanes from `shift`, and below it); `NEAR` as there.
 #[inline(always)]
-unsafe fn mtp_stream_block<S: Simd, const RB: usize>(
+unsafe fn mtp_stream_block<S: Simd, const RB: usize, const NEAR: bool>(
     a: &Mat,
     i0: usize,
     c0: isize,
@@ -128,11 +141,11 @@ unsafe fn mtp_stream_block<S: Simd, const RB: usize>(
                         let vecs: Range<usize> = $vecs;
                         if !vecs.is_empty() {
                             if kt == MTP_STREAM_COLS {
-                                mtp_stream_tile::<S, RB, MTP_STREAM_COLS, $edge>(
+                                mtp_stream_tile::<S, RB, MTP_STREAM_COLS, $edge, NEAR>(
                                     a, i0, c0, vecs, k0, qp, ahead_rows, $valid,
                                 )
                             } else {
-                                mtp_stream_tile::<S, RB, 1, $edge>(
+                                mtp_stream_tile::<S, RB, 1, $edge, NEAR>(
                                     a, i0, c0, vecs, k0, qp, ahead_rows, $valid,
                                 )
                             }
@@ -227,6 +240,19 @@ fn stream_shift<S: Simd>(a: &Mat, c0: usize) -> usize {
 /// shuffle port, read 1.06 / 1.04 / 0.91 / 0.81.)
 #[inline(always)]
 pub(super) unsafe fn mtp_stream<S: Simd>(a: &Mat, cols: Range<usize>) {
+    let near = zen5_or_later() && streams_from_memory(a, &cols);
+    // SAFETY: forwarded caller guarantees.
+    unsafe { mtp_stream_as::<S>(a, cols, near) }
+}
+
+/// [`mtp_stream`], with `near` prefetching each row's own line [`NEAR_FLOATS`] ahead of
+/// its loads into L1 where it does not sweep, with 16 lanes (the 8-lane stream from
+/// memory sweeps on every core): the same bits either way.
+///
+/// # Safety
+/// As [`mtp_stream`].
+#[inline(always)]
+pub(super) unsafe fn mtp_stream_as<S: Simd>(a: &Mat, cols: Range<usize>, near: bool) {
     let lanes = S::LANES;
     let nvec = cols.len() / lanes;
     let vec_end = cols.start + nvec * lanes;
@@ -265,10 +291,21 @@ pub(super) unsafe fn mtp_stream<S: Simd>(a: &Mat, cols: Range<usize>) {
             } else {
                 1
             };
-            if rb == MTP_STREAM_ROWS {
-                mtp_stream_block::<S, MTP_STREAM_ROWS>(a, i0, c0, nv, qp, ahead_rows, shift);
-            } else {
-                mtp_stream_block::<S, 1>(a, i0, c0, nv, qp, ahead_rows, shift);
+            // Only 16 lanes compile the near prefetch (a constant: see the tile).
+            let near = near && ahead_rows == 0 && lanes == 16;
+            match (rb == MTP_STREAM_ROWS, near) {
+                (true, true) => mtp_stream_block::<S, MTP_STREAM_ROWS, true>(
+                    a, i0, c0, nv, qp, ahead_rows, shift,
+                ),
+                (true, false) => mtp_stream_block::<S, MTP_STREAM_ROWS, false>(
+                    a, i0, c0, nv, qp, ahead_rows, shift,
+                ),
+                (false, true) => {
+                    mtp_stream_block::<S, 1, true>(a, i0, c0, nv, qp, ahead_rows, shift)
+                }
+                (false, false) => {
+                    mtp_stream_block::<S, 1, false>(a, i0, c0, nv, qp, ahead_rows, shift)
+                }
             }
             for jj in vec_end..cols.end {
                 for k in 0..a.r {

@@ -126,6 +126,13 @@ unsafe fn stream_avx512(a: &Mat, cols: Range<usize>) {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn stream_near_avx512(a: &Mat, cols: Range<usize>) {
+    // SAFETY: forwarded; the caller checked the instruction set.
+    unsafe { mtp_stream_as::<crate::cpu::simd::Avx512>(a, cols, true) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
 unsafe fn strips_avx512(a: &Mat, cols: Range<usize>) {
     // SAFETY: forwarded; the caller checked the instruction set.
     unsafe { strips_as_avx512(a, cols, sweeps_in_memory_order(a)) }
@@ -366,7 +373,9 @@ fn the_scratch_lies_away_from_m() {
 /// The row stream and the strips, which [`mtp_cols`] chooses between by L1, rank,
 /// width and whether the call streams from memory, give the same bits: on every
 /// machine, whichever it takes, over row blocks (in cache and sweeping), part
-/// vectors, leftover strips and ragged columns, at every offset of `M` from a line.
+/// vectors, leftover strips and ragged columns, at every offset of `M` from a line;
+/// and so does the 16-lane stream that prefetches each row near ([`mtp_stream_as`],
+/// what AMD Zen 5 takes from memory at r = 2), at any size.
 #[test]
 fn the_stream_and_the_strips_give_the_same_bits() {
     let mut kernels: Vec<(&str, Kernel, Kernel)> =
@@ -379,6 +388,7 @@ fn the_stream_and_the_strips_give_the_same_bits() {
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("fma") {
         kernels.push(("avx512", stream_avx512, strips_avx512));
+        kernels.push(("avx512 near", stream_near_avx512, strips_avx512));
     }
     for (n, cols, r) in [
         (70, 1024, 1),
@@ -388,6 +398,7 @@ fn the_stream_and_the_strips_give_the_same_bits() {
         (20, 1000, 8),
         (80, 4096, 4),
         (33, 96, 2),
+        (300, 1024, 2),
     ] {
         for off in [0, 3, 4, 8, 12, 15] {
             let mut case = Case::new(n, cols, r, off);
