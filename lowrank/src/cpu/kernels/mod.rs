@@ -74,7 +74,8 @@ const SWEEP_STRIDE: usize = 16;
 const SWEEP_MIN_BYTES: usize = 1 << 20;
 /// Floats ahead of each row's loads at which a call from memory that leaves the rows to
 /// the hardware prefetchers prefetches them into L1 (`prefetcht0`) on AMD Zen 5 and
-/// later: 2 KiB (`mq`'s near prefetch, `Ahead::Near`).
+/// later: 2 KiB (`mq`'s near prefetch, `Ahead::Near`, and `mtp`'s 16-lane row stream at
+/// r = 2).
 /// On that core the hardware prefetchers alone leave a stream with multiply-adds to do
 /// about serial (`bench lowrank --roofline`'s `plain` column: a plain loop of a rank-8
 /// row's multiply-adds read 0.43-0.51 of the read bandwidth, under `serial`), and a
